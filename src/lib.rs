@@ -1,0 +1,8 @@
+//! p2p-rdma: serve PCIe device memory to remote hosts over RoCE.
+//!
+//! This facade re-exports the workspace crates so that examples and tests use one name.
+#![forbid(unsafe_code)]
+
+pub use bridge;
+pub use peermem;
+pub use verbs;

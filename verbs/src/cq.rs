@@ -1,0 +1,344 @@
+//! Completion queues driven by tokio.
+//!
+//! One CQ serves one QP (send and receive queues). Every posted work request has an entry in
+//! the CQ's pending table that owns the local buffer until its completion is polled, so a
+//! dropped future never frees memory the NIC may still touch. There is no background task: the
+//! futures that wait drive the CQ. In event mode they sleep on the completion channel (the fd is
+//! registered with tokio); in polling mode they poll and yield.
+#![allow(unsafe_code)]
+
+use std::collections::HashMap;
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionChannel, CompletionQueue as _};
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
+use tokio::sync::oneshot;
+
+use crate::device::{io_of, Context};
+use crate::error::{Call, Error, Result, WcStatus};
+use crate::qp::Local;
+
+/// How completions are waited for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CqMode {
+    /// Sleep on the completion channel: no CPU use while idle (the default).
+    #[default]
+    Events,
+    /// Busy-poll the CQ, yielding to tokio between polls: lowest latency, one core busy.
+    Polling,
+}
+
+/// The result of one work request.
+#[derive(Debug)]
+pub(crate) struct Done {
+    pub(crate) status: WcStatus,
+    pub(crate) vendor_err: u32,
+    pub(crate) byte_len: u32,
+    pub(crate) imm: Option<u32>,
+    pub(crate) local: Option<Local>,
+}
+
+/// Whether a pending entry sits on the send or the receive queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Queue {
+    Send,
+    Recv,
+}
+
+#[derive(Debug)]
+struct Pending {
+    tx: Option<oneshot::Sender<Done>>,
+    local: Option<Local>,
+    queue: Queue,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct CqState {
+    pending: HashMap<u64, Pending>,
+    next_wr_id: u64,
+    pub(crate) send_outstanding: usize,
+    pub(crate) recv_outstanding: usize,
+}
+
+impl CqState {
+    /// Record a work request about to be posted; returns its wr_id and the receiver of its result.
+    pub(crate) fn register(
+        &mut self,
+        local: Option<Local>,
+        queue: Queue,
+    ) -> (u64, oneshot::Receiver<Done>) {
+        let wr_id = self.next_wr_id;
+        self.next_wr_id = self.next_wr_id.wrapping_add(1);
+        let (tx, rx) = oneshot::channel();
+        self.pending.insert(
+            wr_id,
+            Pending {
+                tx: Some(tx),
+                local,
+                queue,
+            },
+        );
+        match queue {
+            Queue::Send => self.send_outstanding += 1,
+            Queue::Recv => self.recv_outstanding += 1,
+        }
+        (wr_id, rx)
+    }
+
+    /// Forget entries whose post failed (nothing was handed to the device), returning the buffers.
+    pub(crate) fn unregister(&mut self, wr_ids: &[u64]) -> Vec<Local> {
+        let mut out = Vec::new();
+        for id in wr_ids {
+            if let Some(p) = self.pending.remove(id) {
+                match p.queue {
+                    Queue::Send => self.send_outstanding -= 1,
+                    Queue::Recv => self.recv_outstanding -= 1,
+                }
+                out.extend(p.local);
+            }
+        }
+        out
+    }
+
+    fn complete(&mut self, wr_id: u64, mut done: Done) {
+        let Some(mut p) = self.pending.remove(&wr_id) else {
+            tracing::warn!(wr_id, "completion for an unknown work request");
+            return;
+        };
+        match p.queue {
+            Queue::Send => self.send_outstanding -= 1,
+            Queue::Recv => self.recv_outstanding -= 1,
+        }
+        done.local = p.local.take();
+        if let Some(tx) = p.tx.take() {
+            // the waiter may be gone (future dropped): then the buffer is dropped here, after the
+            // device is done with it
+            let _ = tx.send(done);
+        }
+    }
+}
+
+/// An fd wrapper that keeps the channel alive as long as tokio has it registered.
+#[derive(Debug)]
+struct ChannelFd(Arc<CompletionChannel>);
+
+impl AsRawFd for ChannelFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.as_raw_fd()
+    }
+}
+
+#[derive(Debug)]
+pub(crate) struct Cq {
+    // drop order: the tokio registration first, then the CQ, then the channel it uses
+    fd: Option<AsyncFd<ChannelFd>>,
+    pub(crate) cq: Arc<BasicCompletionQueue>,
+    channel: Arc<CompletionChannel>,
+    state: Mutex<CqState>,
+    mode: CqMode,
+    device: String,
+}
+
+impl Cq {
+    /// Create a CQ of `depth` entries with its own completion channel. In event mode this must be
+    /// called within a tokio runtime (the channel's fd is registered with it).
+    pub(crate) fn new(ctx: &Context, depth: u32, mode: CqMode) -> Result<Cq> {
+        let device = ctx.name().to_string();
+        let channel = CompletionChannel::new(&ctx.inner)
+            .map_err(|e| Error::verbs(Call::CreateCompChannel, device.clone(), io_of(&e)))?;
+        channel.set_nonblocking(true).map_err(|e| {
+            Error::verbs(Call::CreateCompChannel, format!("{device}: O_NONBLOCK"), e)
+        })?;
+        let mut b = ctx.inner.create_cq_builder();
+        b.setup_cqe(depth).setup_comp_channel(&channel, 0);
+        let cq = b.build().map_err(|e| {
+            Error::verbs(
+                Call::CreateCq,
+                format!("{device}: {depth} entries"),
+                io_of(&e),
+            )
+        })?;
+        let fd = match mode {
+            CqMode::Events => {
+                if tokio::runtime::Handle::try_current().is_err() {
+                    return Err(Error::InvalidArgument(
+                        "an event-driven CQ needs a tokio runtime: create the QP inside one, or use CqMode::Polling".into(),
+                    ));
+                }
+                // SAFETY: the fd belongs to `channel`, which `ChannelFd` keeps alive (an `Arc`)
+                // for as long as the `AsyncFd` exists, and a channel's fd never changes.
+                let reg = unsafe {
+                    AsyncFd::register_with_interest(
+                        ChannelFd(Arc::clone(&channel)),
+                        Interest::READABLE,
+                    )
+                };
+                Some(reg.map_err(|e| {
+                    Error::verbs(
+                        Call::AsyncFd,
+                        format!("{device}: completion channel"),
+                        e.into_parts().1,
+                    )
+                })?)
+            }
+            CqMode::Polling => None,
+        };
+        Ok(Cq {
+            fd,
+            cq,
+            channel,
+            state: Mutex::new(CqState::default()),
+            mode,
+            device,
+        })
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, CqState> {
+        // a panic while holding the lock leaves consistent counters (no partial updates), so a
+        // poisoned lock is still usable
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Poll every available completion and hand each to its waiter. Returns how many.
+    pub(crate) fn drain(&self) -> Result<usize> {
+        let mut state = self.lock();
+        let mut n = 0;
+        let mut batch = Vec::with_capacity(32);
+        loop {
+            batch.clear();
+            // SAFETY: the CQ lives as long as `self`, and the state lock held here serialises
+            // every poller of this CQ.
+            let got = unsafe { crate::ffi::poll_cq(self.cq.cq(), 32, &mut batch) }
+                .map_err(|e| Error::verbs(Call::PollCq, self.device.clone(), e))?;
+            n += got;
+            for wc in batch.drain(..) {
+                state.complete(
+                    wc.wr_id,
+                    Done {
+                        status: WcStatus(wc.status),
+                        vendor_err: wc.vendor_err,
+                        byte_len: wc.byte_len,
+                        imm: wc.imm,
+                        local: None,
+                    },
+                );
+            }
+            if got < 32 {
+                return Ok(n);
+            }
+        }
+    }
+
+    /// Wait for the result of one work request, driving the CQ meanwhile.
+    pub(crate) async fn wait(&self, mut rx: oneshot::Receiver<Done>) -> Result<Done> {
+        loop {
+            self.drain()?;
+            if let Some(done) = try_take(&mut rx)? {
+                return Ok(done);
+            }
+            match (&self.fd, self.mode) {
+                (Some(fd), CqMode::Events) => {
+                    self.arm()?;
+                    // a completion may have landed between the poll and the arm
+                    self.drain()?;
+                    if let Some(done) = try_take(&mut rx)? {
+                        return Ok(done);
+                    }
+                    tokio::select! {
+                        biased;
+                        res = &mut rx => return res.map_err(|_| lost()),
+                        ready = fd.readable() => {
+                            let mut guard = ready.map_err(|e| Error::verbs(Call::GetCqEvent, self.device.clone(), e))?;
+                            if !self.consume_event()? {
+                                guard.clear_ready();
+                            }
+                        }
+                    }
+                }
+                _ => tokio::task::yield_now().await,
+            }
+        }
+    }
+
+    fn arm(&self) -> Result<()> {
+        // SAFETY: the CQ is alive as long as `self`; the pointer is used only during the call.
+        let res = unsafe { crate::ffi::req_notify_cq(self.cq.cq()) };
+        res.map_err(|e| Error::verbs(Call::ReqNotifyCq, self.device.clone(), e))
+    }
+
+    fn consume_event(&self) -> Result<bool> {
+        // SAFETY: channel and CQ are alive as long as `self`; the channel fd was set
+        // non-blocking at creation, and this CQ is the only one attached to the channel.
+        let res =
+            unsafe { crate::ffi::get_and_ack_cq_event(self.channel.comp_channel(), self.cq.cq()) };
+        res.map_err(|e: io::Error| Error::verbs(Call::GetCqEvent, self.device.clone(), e))
+    }
+}
+
+fn lost() -> Error {
+    Error::InvalidArgument("internal: a work request's completion was lost".into())
+}
+
+fn try_take(rx: &mut oneshot::Receiver<Done>) -> Result<Option<Done>> {
+    match rx.try_recv() {
+        Ok(d) => Ok(Some(d)),
+        Err(oneshot::error::TryRecvError::Empty) => Ok(None),
+        Err(oneshot::error::TryRecvError::Closed) => Err(lost()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pending_table_counts_and_returns_buffers() {
+        let mut s = CqState::default();
+        let (a, mut ra) = s.register(None, Queue::Send);
+        let (b, _rb) = s.register(None, Queue::Recv);
+        let (c, rc) = s.register(None, Queue::Send);
+        assert_eq!((s.send_outstanding, s.recv_outstanding), (2, 1));
+        assert_ne!(a, b);
+        s.complete(
+            a,
+            Done {
+                status: WcStatus::SUCCESS,
+                vendor_err: 0,
+                byte_len: 7,
+                imm: None,
+                local: None,
+            },
+        );
+        assert_eq!(ra.try_recv().unwrap().byte_len, 7);
+        // a dropped waiter does not break completion
+        drop(rc);
+        s.complete(
+            c,
+            Done {
+                status: WcStatus::WR_FLUSH_ERR,
+                vendor_err: 0,
+                byte_len: 0,
+                imm: None,
+                local: None,
+            },
+        );
+        assert_eq!(s.send_outstanding, 0);
+        assert!(s.unregister(&[b]).is_empty());
+        assert_eq!(s.recv_outstanding, 0);
+        // unknown ids are ignored
+        s.complete(
+            999,
+            Done {
+                status: WcStatus::SUCCESS,
+                vendor_err: 0,
+                byte_len: 0,
+                imm: None,
+                local: None,
+            },
+        );
+        assert!(s.pending.is_empty());
+    }
+}

@@ -1,0 +1,288 @@
+//! The raw libibverbs calls that `sideway` does not wrap, and the host-memory mapping used by
+//! [`crate::HostBuffer`]. Every `unsafe` block of this crate that is not in `cq.rs`, `mr.rs`
+//! or `qp.rs` lives here; each states the invariant it relies on.
+#![allow(unsafe_code)]
+
+use std::ffi::CStr;
+use std::io;
+use std::mem::MaybeUninit;
+use std::ptr::NonNull;
+
+use sideway::ibverbs::device_context::DeviceContext;
+
+use rdma_mummy_sys::{
+    ibv_ack_cq_events, ibv_advise_mr, ibv_comp_channel, ibv_context, ibv_cq, ibv_device_attr_ex,
+    ibv_get_cq_event, ibv_pd, ibv_query_device_ex, ibv_req_notify_cq, ibv_sge,
+};
+
+/// Check that the real libibverbs can be loaded: the bindings load it lazily, so a missing
+/// library would otherwise show up as an empty device list or EOPNOTSUPP.
+pub(crate) fn libibverbs_loadable() -> Result<(), String> {
+    const NAME: &CStr = c"libibverbs.so.1";
+    // SAFETY: `NAME` is a valid NUL-terminated string; dlopen has no other preconditions.
+    // Loading libibverbs runs its constructors, which the device list call would run anyway.
+    let handle = unsafe { libc::dlopen(NAME.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+    if handle.is_null() {
+        // SAFETY: dlerror returns NULL or a valid C string owned by the loader, which we copy
+        // before any other dl* call can invalidate it.
+        let msg = unsafe {
+            let e = libc::dlerror();
+            if e.is_null() {
+                "dlopen(libibverbs.so.1) failed".to_string()
+            } else {
+                CStr::from_ptr(e).to_string_lossy().into_owned()
+            }
+        };
+        return Err(msg);
+    }
+    // The handle is deliberately kept open: the library stays loaded for the process anyway.
+    Ok(())
+}
+
+/// On-demand paging capabilities (`struct ibv_odp_caps`).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct RawOdpCaps {
+    pub(crate) general_caps: u64,
+    pub(crate) rc_odp_caps: u32,
+}
+
+/// `ibv_query_device_ex` for the fields `sideway` does not expose.
+pub(crate) fn query_odp_caps(ctx: &DeviceContext) -> io::Result<RawOdpCaps> {
+    let mut attr = MaybeUninit::<ibv_device_attr_ex>::zeroed();
+    // SAFETY: the raw context is used only within this call, while `ctx` (which owns it and
+    // closes it on drop) is borrowed, so it is live.
+    let raw: NonNull<ibv_context> = unsafe { ctx.context() };
+    // SAFETY: `raw` is live (above); `attr` is a zeroed, writable `ibv_device_attr_ex`, and a
+    // NULL input is allowed by ibv_query_device_ex(3).
+    let ret = unsafe { ibv_query_device_ex(raw.as_ptr(), std::ptr::null(), attr.as_mut_ptr()) };
+    if ret != 0 {
+        return Err(io::Error::from_raw_os_error(ret));
+    }
+    // SAFETY: the call succeeded, so the struct was filled in (and it was zeroed before).
+    let attr = unsafe { attr.assume_init() };
+    Ok(RawOdpCaps {
+        general_caps: attr.odp_caps.general_caps,
+        rc_odp_caps: attr.odp_caps.per_transport_caps.rc_odp_caps,
+    })
+}
+
+/// `ibv_req_notify_cq(cq, 0)`.
+///
+/// # Safety
+/// `cq` must be a live CQ.
+pub(crate) unsafe fn req_notify_cq(cq: NonNull<ibv_cq>) -> io::Result<()> {
+    // SAFETY: guaranteed by the caller.
+    let ret = unsafe { ibv_req_notify_cq(cq.as_ptr(), 0) };
+    if ret == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::from_raw_os_error(ret))
+    }
+}
+
+/// Non-blocking `ibv_get_cq_event` followed by `ibv_ack_cq_events(cq, 1)`.
+/// Returns `Ok(false)` when there was no event (EAGAIN).
+///
+/// # Safety
+/// `channel` must be a live completion channel whose fd is non-blocking, and `expected` the only
+/// CQ attached to it (live).
+pub(crate) unsafe fn get_and_ack_cq_event(
+    channel: NonNull<ibv_comp_channel>,
+    expected: NonNull<ibv_cq>,
+) -> io::Result<bool> {
+    let mut cq: *mut ibv_cq = std::ptr::null_mut();
+    let mut ctx: *mut libc::c_void = std::ptr::null_mut();
+    // SAFETY: `channel` is live (caller); the out-pointers point to valid locals.
+    let ret = unsafe { ibv_get_cq_event(channel.as_ptr(), &mut cq, &mut ctx) };
+    if ret != 0 {
+        let err = io::Error::last_os_error();
+        return match err.raw_os_error() {
+            Some(libc::EAGAIN) => Ok(false),
+            _ => Err(err),
+        };
+    }
+    debug_assert_eq!(
+        cq,
+        expected.as_ptr(),
+        "completion channel shared between CQs"
+    );
+    // SAFETY: `cq` was just returned by ibv_get_cq_event for this channel, so it is live and
+    // has exactly one unacknowledged event, which we acknowledge (destroy_cq waits for it).
+    unsafe { ibv_ack_cq_events(cq, 1) };
+    Ok(true)
+}
+
+/// `ibv_advise_mr(pd, PREFETCH[_WRITE], FLUSH, sge)`.
+///
+/// # Safety
+/// `pd` must be live and `lkey` the lkey of a live ODP MR of that PD covering `addr..addr+len`.
+pub(crate) unsafe fn advise_mr_prefetch(
+    pd: NonNull<ibv_pd>,
+    write: bool,
+    lkey: u32,
+    addr: u64,
+    len: u32,
+) -> io::Result<()> {
+    const IB_UVERBS_ADVISE_MR_FLAG_FLUSH: u32 = 1;
+    let advice = if write {
+        rdma_mummy_sys::ib_uverbs_advise_mr_advice::IB_UVERBS_ADVISE_MR_ADVICE_PREFETCH_WRITE
+    } else {
+        rdma_mummy_sys::ib_uverbs_advise_mr_advice::IB_UVERBS_ADVISE_MR_ADVICE_PREFETCH
+    };
+    let mut sge = ibv_sge {
+        addr,
+        length: len,
+        lkey,
+    };
+    // SAFETY: guaranteed by the caller; `sge` is a valid one-element list that outlives the call.
+    let ret = unsafe {
+        ibv_advise_mr(
+            pd.as_ptr(),
+            advice,
+            IB_UVERBS_ADVISE_MR_FLAG_FLUSH,
+            &mut sge,
+            1,
+        )
+    };
+    if ret == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::from_raw_os_error(ret))
+    }
+}
+
+/// A private anonymous mapping, page aligned, zero filled; unmapped on drop.
+#[derive(Debug)]
+pub(crate) struct Mapping {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain memory owned exclusively by this value; access to its bytes is
+// synchronised by the owners (`&`/`&mut` borrows of `HostBuffer`).
+unsafe impl Send for Mapping {}
+// SAFETY: as above; shared references only allow reads.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// Map `len` bytes (rounded up to the page size), optionally from huge pages.
+    pub(crate) fn anonymous(len: usize, huge: bool) -> io::Result<Mapping> {
+        if len == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "zero-length buffer",
+            ));
+        }
+        let mut flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
+        if huge {
+            flags |= libc::MAP_HUGETLB;
+        }
+        // SAFETY: a fresh anonymous mapping at an address of the kernel's choosing touches no
+        // existing memory; the result is checked for MAP_FAILED.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                flags,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let ptr =
+            NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned NULL"))?;
+        Ok(Mapping { ptr, len })
+    }
+
+    pub(crate) fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    pub(crate) fn as_slice(&self) -> &[u8] {
+        // SAFETY: the mapping is `len` readable bytes, alive as long as `self`, and zero-filled
+        // at creation, so it is initialised. Writers need `&mut self`.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    pub(crate) fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and `&mut self` guarantees exclusive access from this process's
+        // safe code. (The NIC may write to it only while a work request owns the buffer, which
+        // the posting API enforces by moving the buffer into the pending operation.)
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: `ptr`/`len` describe a mapping created by `anonymous` and not unmapped before.
+        let ret = unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+        if ret != 0 {
+            tracing::error!(error = %io::Error::last_os_error(), len = self.len, "munmap failed");
+        }
+    }
+}
+
+/// One polled work completion.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RawWc {
+    pub(crate) wr_id: u64,
+    pub(crate) status: u32,
+    pub(crate) vendor_err: u32,
+    pub(crate) byte_len: u32,
+    pub(crate) imm: Option<u32>,
+}
+
+/// `ibv_poll_cq` for up to `max` completions, appended to `out`. Returns how many.
+///
+/// # Safety
+/// `cq` must be a live CQ that no other thread polls concurrently.
+pub(crate) unsafe fn poll_cq(
+    cq: NonNull<ibv_cq>,
+    max: usize,
+    out: &mut Vec<RawWc>,
+) -> io::Result<usize> {
+    const IBV_WC_WITH_IMM: u32 = 1 << 1;
+    let mut wcs: Vec<MaybeUninit<rdma_mummy_sys::ibv_wc>> = Vec::with_capacity(max);
+    // SAFETY: `wcs` has room for `max` entries; the CQ is live and not polled concurrently
+    // (caller).
+    let n = unsafe {
+        rdma_mummy_sys::ibv_poll_cq(
+            cq.as_ptr(),
+            max as i32,
+            wcs.as_mut_ptr().cast::<rdma_mummy_sys::ibv_wc>(),
+        )
+    };
+    if n < 0 {
+        return Err(io::Error::from_raw_os_error(-n));
+    }
+    let n = n as usize;
+    // SAFETY: ibv_poll_cq initialised the first `n` entries.
+    unsafe { wcs.set_len(n) };
+    for wc in &wcs {
+        // SAFETY: initialised (above); `ibv_wc` is plain old data.
+        let wc = unsafe { wc.assume_init_ref() };
+        let imm = if wc.wc_flags & IBV_WC_WITH_IMM != 0 {
+            // SAFETY: with IBV_WC_WITH_IMM the union holds the immediate data (network order).
+            Some(u32::from_be(unsafe {
+                wc.imm_data_invalidated_rkey_union.imm_data
+            }))
+        } else {
+            None
+        };
+        out.push(RawWc {
+            wr_id: wc.wr_id,
+            status: wc.status,
+            vendor_err: wc.vendor_err,
+            byte_len: wc.byte_len,
+            imm,
+        });
+    }
+    Ok(n)
+}

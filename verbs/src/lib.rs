@@ -1,0 +1,36 @@
+//! Safe, async RDMA verbs for p2p-rdma, on top of `sideway` (libibverbs loaded at run time).
+//!
+//! - [`devices`] / [`Context`]: devices, ports, GID tables, capabilities (incl. ODP);
+//! - [`ProtectionDomain`], [`HostBuffer`], [`RegisteredBuffer`], [`MemoryRegion`]: pinned, ODP and
+//!   dma-buf registration, with typed errors that explain the errno;
+//! - [`QueuePair`]: RC QPs with their own tokio-driven CQ, the INIT→RTR→RTS state machine and
+//!   posting of WRITE/READ/SEND/RECV (with immediate data, in batches). The safe API owns the
+//!   buffers until completion; [`QueuePair::post_send_raw`] is the unsafe hot-path variant;
+//! - [`bootstrap`]: exchanging endpoints over a TCP side channel.
+//!
+//! Unsafe code is confined to the FFI-facing modules (`ffi`, `mr`, `cq`, `qp`), each block with
+//! a `// SAFETY:` argument.
+#![deny(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod bootstrap;
+mod cq;
+mod device;
+mod error;
+mod ffi;
+mod mr;
+mod qp;
+
+pub use cq::CqMode;
+pub use device::{
+    device_names, devices, gid_ipv4, pick_gid, Context, DeviceCaps, DeviceInfo, GidInfo, GidKind,
+    OdpCaps, PortInfo,
+};
+pub use error::{meaning, Call, Error, Result, WcStatus};
+pub use mr::{
+    Access, HostBuffer, MemoryRegion, ProtectionDomain, RegMode, RegisteredBuffer, RemoteSlice,
+};
+pub use qp::{
+    negotiate_mtu, Endpoint, Local, Pending, PendingRecv, QpOptions, QpState, QueuePair, RawSendWr,
+    RecvInfo, SendOp, SendWr,
+};

@@ -1,0 +1,475 @@
+//! Protection domains, host buffers and memory regions (pinned, ODP, dma-buf).
+//!
+//! Lifetimes are encoded in types: a [`MemoryRegion`] holds its [`ProtectionDomain`] (which holds
+//! the device context), so it cannot outlive them; a [`RegisteredBuffer`] owns both the memory
+//! and the MR that covers it and deregisters before unmapping.
+#![allow(unsafe_code)]
+
+use std::fmt;
+use std::ops::{BitOr, BitOrAssign, Range};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use sideway::ibverbs::protection_domain::ProtectionDomain as SwPd;
+use sideway::ibverbs::AccessFlags;
+
+use crate::device::{io_of, Context};
+use crate::error::{Call, Error, Result};
+use crate::ffi::{self, Mapping};
+
+/// Access rights of a memory region (local read is always allowed).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub struct Access(u32);
+
+impl Access {
+    /// Nothing but local read.
+    pub const NONE: Access = Access(0);
+    /// The NIC may write into the region for local operations (RECV, READ destination).
+    pub const LOCAL_WRITE: Access = Access(1);
+    /// Remote peers may RDMA WRITE into it.
+    pub const REMOTE_WRITE: Access = Access(2);
+    /// Remote peers may RDMA READ from it.
+    pub const REMOTE_READ: Access = Access(4);
+    /// Remote atomics.
+    pub const REMOTE_ATOMIC: Access = Access(8);
+    /// Everything a loopback test or a read-write region needs.
+    pub const ALL: Access = Access(1 | 2 | 4 | 8);
+
+    /// Whether all bits of `other` are set.
+    pub fn contains(self, other: Access) -> bool {
+        self.0 & other.0 == other.0
+    }
+
+    /// Raw bits (`IBV_ACCESS_*` values).
+    pub fn bits(self) -> u32 {
+        self.0
+    }
+
+    fn to_sideway(self) -> AccessFlags {
+        let mut f = AccessFlags::none();
+        if self.contains(Access::LOCAL_WRITE) {
+            f |= AccessFlags::LocalWrite;
+        }
+        if self.contains(Access::REMOTE_WRITE) {
+            f |= AccessFlags::RemoteWrite;
+        }
+        if self.contains(Access::REMOTE_READ) {
+            f |= AccessFlags::RemoteRead;
+        }
+        if self.contains(Access::REMOTE_ATOMIC) {
+            f |= AccessFlags::RemoteAtomic;
+        }
+        f
+    }
+
+    fn validate(self) -> Result<()> {
+        if (self.contains(Access::REMOTE_WRITE) || self.contains(Access::REMOTE_ATOMIC))
+            && !self.contains(Access::LOCAL_WRITE)
+        {
+            return Err(Error::InvalidArgument(
+                "REMOTE_WRITE and REMOTE_ATOMIC access need LOCAL_WRITE too (ibv_reg_mr(3))".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl BitOr for Access {
+    type Output = Access;
+    fn bitor(self, rhs: Access) -> Access {
+        Access(self.0 | rhs.0)
+    }
+}
+
+impl BitOrAssign for Access {
+    fn bitor_assign(&mut self, rhs: Access) {
+        self.0 |= rhs.0;
+    }
+}
+
+impl fmt::Debug for Access {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+impl fmt::Display for Access {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut parts = vec!["local-read"];
+        for (bit, name) in [
+            (Access::LOCAL_WRITE, "local-write"),
+            (Access::REMOTE_READ, "remote-read"),
+            (Access::REMOTE_WRITE, "remote-write"),
+            (Access::REMOTE_ATOMIC, "remote-atomic"),
+        ] {
+            if self.contains(bit) {
+                parts.push(name);
+            }
+        }
+        f.write_str(&parts.join(","))
+    }
+}
+
+/// How a region is registered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RegMode {
+    /// Pages are pinned at registration (`ibv_reg_mr`).
+    Pinned,
+    /// On-demand paging (`IBV_ACCESS_ON_DEMAND`): pages are faulted in by the NIC.
+    OnDemand,
+    /// A dma-buf exported by a device driver (`ibv_reg_dmabuf_mr`).
+    DmaBuf,
+}
+
+impl fmt::Display for RegMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            RegMode::Pinned => "pinned",
+            RegMode::OnDemand => "odp",
+            RegMode::DmaBuf => "dma-buf",
+        })
+    }
+}
+
+/// A protection domain. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct ProtectionDomain {
+    pub(crate) inner: Arc<SwPd>,
+    ctx: Context,
+}
+
+impl ProtectionDomain {
+    /// Allocate a PD on `ctx`.
+    pub fn new(ctx: &Context) -> Result<ProtectionDomain> {
+        let inner = ctx
+            .inner
+            .alloc_pd()
+            .map_err(|e| Error::verbs(Call::AllocPd, ctx.name().to_string(), io_of(&e)))?;
+        Ok(ProtectionDomain {
+            inner,
+            ctx: ctx.clone(),
+        })
+    }
+
+    /// The device context.
+    pub fn context(&self) -> &Context {
+        &self.ctx
+    }
+
+    /// Register an owned host buffer; the result owns both.
+    pub fn register(
+        &self,
+        mem: HostBuffer,
+        access: Access,
+        mode: RegMode,
+    ) -> Result<RegisteredBuffer> {
+        // SAFETY: `mem` is moved into the returned `RegisteredBuffer`, which drops the MR before
+        // the mapping, so the memory is valid for the whole life of the registration.
+        let mr =
+            unsafe { self.register_raw(mem.map.as_ptr() as usize, mem.map.len(), access, mode)? };
+        Ok(RegisteredBuffer { mr, mem })
+    }
+
+    /// Register memory this crate does not own (device mappings, memory of an embedding app).
+    ///
+    /// # Safety
+    /// `addr..addr+len` must stay mapped (and, for pinned MRs, not be remapped) until the
+    /// returned region and every work request that uses it are gone.
+    pub unsafe fn register_raw(
+        &self,
+        addr: usize,
+        len: usize,
+        access: Access,
+        mode: RegMode,
+    ) -> Result<MemoryRegion> {
+        access.validate()?;
+        if len == 0 {
+            return Err(Error::InvalidArgument(
+                "cannot register an empty range".into(),
+            ));
+        }
+        let (flags, call) = match mode {
+            RegMode::Pinned => (access.to_sideway(), Call::RegMr),
+            RegMode::OnDemand => (access.to_sideway() | AccessFlags::OnDemand, Call::RegMrOdp),
+            RegMode::DmaBuf => {
+                return Err(Error::InvalidArgument(
+                    "a dma-buf region is registered with register_dmabuf(fd, ...)".into(),
+                ))
+            }
+        };
+        // SAFETY: the caller guarantees the range stays valid for the life of the MR.
+        let mr = unsafe { self.inner.reg_mr(addr, len, flags) }.map_err(|e| {
+            Error::verbs(
+                call,
+                format!("{}: {len} bytes at {addr:#x}, {access}", self.ctx.name()),
+                io_of(&e),
+            )
+        })?;
+        tracing::debug!(device = self.ctx.name(), addr, len, %mode, %access, lkey = mr.lkey(), "registered MR");
+        Ok(MemoryRegion {
+            inner: mr,
+            pd: self.clone(),
+            addr: addr as u64,
+            len,
+            access,
+            mode,
+            _dmabuf: None,
+        })
+    }
+
+    /// Register `len` bytes at `offset` of a dma-buf; the region's addresses start at `iova`.
+    /// The fd is duplicated and kept open for the life of the region.
+    pub fn register_dmabuf(
+        &self,
+        fd: BorrowedFd<'_>,
+        offset: u64,
+        len: usize,
+        iova: u64,
+        access: Access,
+    ) -> Result<MemoryRegion> {
+        access.validate()?;
+        let owned = fd
+            .try_clone_to_owned()
+            .map_err(|e| Error::verbs(Call::RegDmabufMr, "dup of the dma-buf fd", e))?;
+        // SAFETY: the kernel takes its own reference on the dma-buf for the MR; `owned` keeps
+        // the fd open as long as the region exists; offset/len/iova are checked by the kernel
+        // against the dma-buf size.
+        let mr = unsafe {
+            self.inner
+                .reg_dmabuf_mr(offset, len, iova, owned.as_raw_fd(), access.to_sideway())
+        }
+        .map_err(|e| {
+            Error::verbs(
+                Call::RegDmabufMr,
+                format!(
+                    "{}: dma-buf fd {}, offset {offset}, {len} bytes",
+                    self.ctx.name(),
+                    fd.as_raw_fd()
+                ),
+                io_of(&e),
+            )
+        })?;
+        Ok(MemoryRegion {
+            inner: mr,
+            pd: self.clone(),
+            addr: iova,
+            len,
+            access,
+            mode: RegMode::DmaBuf,
+            _dmabuf: Some(owned),
+        })
+    }
+}
+
+/// A registered memory region.
+pub struct MemoryRegion {
+    inner: Arc<sideway::ibverbs::memory_region::MemoryRegion>,
+    pd: ProtectionDomain,
+    addr: u64,
+    len: usize,
+    access: Access,
+    mode: RegMode,
+    _dmabuf: Option<OwnedFd>,
+}
+
+impl fmt::Debug for MemoryRegion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryRegion")
+            .field("device", &self.pd.context().name())
+            .field("addr", &format_args!("{:#x}", self.addr))
+            .field("len", &self.len)
+            .field("lkey", &self.lkey())
+            .field("rkey", &self.rkey())
+            .field("access", &self.access)
+            .field("mode", &self.mode)
+            .finish()
+    }
+}
+
+impl MemoryRegion {
+    /// Local key.
+    pub fn lkey(&self) -> u32 {
+        self.inner.lkey()
+    }
+    /// Remote key.
+    pub fn rkey(&self) -> u32 {
+        self.inner.rkey()
+    }
+    /// Start address (the iova for dma-buf regions).
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether the region is empty (never: registration refuses that).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Access rights.
+    pub fn access(&self) -> Access {
+        self.access
+    }
+    /// Registration mode.
+    pub fn mode(&self) -> RegMode {
+        self.mode
+    }
+    /// The PD.
+    pub fn pd(&self) -> &ProtectionDomain {
+        &self.pd
+    }
+
+    /// What a peer needs for one-sided access to `range` of this region.
+    pub fn remote(&self, range: Range<u64>) -> Result<RemoteSlice> {
+        if range.start > range.end || range.end > self.len as u64 {
+            return Err(Error::OutOfBounds {
+                what: "memory region",
+                offset: range.start,
+                len: range.end.saturating_sub(range.start),
+                size: self.len as u64,
+            });
+        }
+        Ok(RemoteSlice {
+            addr: self.addr + range.start,
+            rkey: self.rkey(),
+            len: range.end - range.start,
+        })
+    }
+
+    /// Ask the device to fault in (ODP) pages of `range` now (`ibv_advise_mr`, flushed).
+    pub fn prefetch(&self, range: Range<u64>, write: bool) -> Result<()> {
+        if self.mode != RegMode::OnDemand {
+            return Err(Error::InvalidArgument(
+                "prefetch applies to ODP regions only".into(),
+            ));
+        }
+        let r = self.remote(range.clone())?;
+        let len = u32::try_from(r.len)
+            .map_err(|_| Error::InvalidArgument("prefetch range over 4 GiB".into()))?;
+        // SAFETY: the raw PD pointer is used only during this call while `self.pd` keeps the PD
+        // alive; the lkey is this live ODP MR's and `r` was bounds-checked against it.
+        let res =
+            unsafe { ffi::advise_mr_prefetch(self.pd.inner.pd(), write, self.lkey(), r.addr, len) };
+        res.map_err(|e| {
+            Error::verbs(
+                Call::AdviseMr,
+                format!("{}: {} bytes", self.pd.context().name(), r.len),
+                e,
+            )
+        })
+    }
+}
+
+/// The address, rkey and length a peer uses for one-sided RDMA on (part of) a region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemoteSlice {
+    /// Remote virtual address (or iova).
+    pub addr: u64,
+    /// Remote key.
+    pub rkey: u32,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+impl RemoteSlice {
+    /// The sub-slice at `offset` of `len` bytes.
+    pub fn slice(&self, offset: u64, len: u64) -> Result<RemoteSlice> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(RemoteSlice {
+                addr: self.addr + offset,
+                rkey: self.rkey,
+                len,
+            }),
+            _ => Err(Error::OutOfBounds {
+                what: "remote slice",
+                offset,
+                len,
+                size: self.len,
+            }),
+        }
+    }
+}
+
+/// Page-aligned, zero-filled host memory (an anonymous mapping).
+#[derive(Debug)]
+pub struct HostBuffer {
+    map: Mapping,
+}
+
+impl HostBuffer {
+    /// `len` bytes of ordinary pages.
+    pub fn new(len: usize) -> Result<HostBuffer> {
+        Mapping::anonymous(len, false)
+            .map(|map| HostBuffer { map })
+            .map_err(|e| Error::verbs(Call::Mmap, format!("{len} bytes of anonymous memory"), e))
+    }
+
+    /// `len` bytes (a multiple of the huge page size) from huge pages (`MAP_HUGETLB`).
+    pub fn huge(len: usize) -> Result<HostBuffer> {
+        Mapping::anonymous(len, true).map(|map| HostBuffer { map }).map_err(|e| {
+            Error::verbs(
+                Call::Mmap,
+                format!("{len} bytes of huge pages (is vm.nr_hugepages set, and len a multiple of the huge page size?)"),
+                e,
+            )
+        })
+    }
+
+    /// Length.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Whether empty (never).
+    pub fn is_empty(&self) -> bool {
+        self.map.len() == 0
+    }
+
+    /// Contents.
+    pub fn as_slice(&self) -> &[u8] {
+        self.map.as_slice()
+    }
+
+    /// Contents, writable.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        self.map.as_mut_slice()
+    }
+}
+
+/// Host memory together with the MR that covers it. Dropping it deregisters, then unmaps.
+#[derive(Debug)]
+pub struct RegisteredBuffer {
+    // field order matters: the MR is dropped (deregistered) before the memory is unmapped
+    mr: MemoryRegion,
+    mem: HostBuffer,
+}
+
+impl RegisteredBuffer {
+    /// The MR.
+    pub fn mr(&self) -> &MemoryRegion {
+        &self.mr
+    }
+    /// Length.
+    pub fn len(&self) -> usize {
+        self.mem.len()
+    }
+    /// Whether empty (never).
+    pub fn is_empty(&self) -> bool {
+        self.mem.is_empty()
+    }
+    /// Contents.
+    pub fn as_slice(&self) -> &[u8] {
+        self.mem.as_slice()
+    }
+    /// Contents, writable (no work request can be using the buffer: posting takes ownership).
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        self.mem.as_mut_slice()
+    }
+    /// The address of byte 0.
+    pub fn addr(&self) -> u64 {
+        self.mr.addr()
+    }
+}

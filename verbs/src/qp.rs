@@ -1,0 +1,982 @@
+//! Reliable-connected queue pairs: creation, the INIT→RTR→RTS state machine, and posting.
+//!
+//! The safe API moves the local buffer into the operation and hands it back on completion; if
+//! the future is dropped, the buffer stays in the CQ's pending table until the device reports
+//! the work request done. [`QueuePair::post_send_raw`] is the `unsafe` variant for hot paths that
+//! manage buffer lifetimes themselves.
+#![allow(unsafe_code)]
+
+use std::fmt;
+use std::future::Future;
+use std::net::Ipv6Addr;
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
+
+use serde::{Deserialize, Serialize};
+use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
+use sideway::ibverbs::device_context::Mtu;
+use sideway::ibverbs::queue_pair::{
+    ExtendedQueuePair, PostSendGuard as _, QueuePair as _, QueuePairAttribute,
+    QueuePairAttributeMask, QueuePairState, SetScatterGatherEntry as _, WorkRequestFlags,
+};
+use sideway::ibverbs::AccessFlags;
+use tokio::sync::oneshot;
+use tracing::Instrument as _;
+
+use crate::cq::{Cq, CqMode, Done, Queue};
+use crate::device::{io_of, pick_gid, GidInfo};
+use crate::error::{Call, Error, Result};
+use crate::mr::{ProtectionDomain, RegisteredBuffer, RemoteSlice};
+
+/// A local buffer handed to a work request, with the byte range it covers.
+///
+/// `Owned` buffers may be written by the device (RECV, READ destination); `Shared` ones only read
+/// (SEND, WRITE source), so several work requests may use one shared buffer at once.
+#[derive(Debug)]
+pub enum Local {
+    /// Exclusively owned.
+    Owned(RegisteredBuffer, Range<usize>),
+    /// Shared, read-only for the device.
+    Shared(Arc<RegisteredBuffer>, Range<usize>),
+}
+
+impl Local {
+    /// The whole of an owned buffer.
+    pub fn owned(buf: RegisteredBuffer) -> Local {
+        let n = buf.len();
+        Local::Owned(buf, 0..n)
+    }
+
+    /// `range` of an owned buffer.
+    pub fn owned_range(buf: RegisteredBuffer, range: Range<usize>) -> Result<Local> {
+        check_range(&range, buf.len())?;
+        Ok(Local::Owned(buf, range))
+    }
+
+    /// `range` of a shared buffer.
+    pub fn shared(buf: Arc<RegisteredBuffer>, range: Range<usize>) -> Result<Local> {
+        check_range(&range, buf.len())?;
+        Ok(Local::Shared(buf, range))
+    }
+
+    /// The buffer.
+    pub fn buffer(&self) -> &RegisteredBuffer {
+        match self {
+            Local::Owned(b, _) => b,
+            Local::Shared(b, _) => b,
+        }
+    }
+
+    /// The byte range.
+    pub fn range(&self) -> Range<usize> {
+        match self {
+            Local::Owned(_, r) | Local::Shared(_, r) => r.clone(),
+        }
+    }
+
+    /// Length of the range.
+    pub fn len(&self) -> usize {
+        let r = self.range();
+        r.end - r.start
+    }
+
+    /// Whether the range is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The bytes of the range.
+    pub fn bytes(&self) -> &[u8] {
+        &self.buffer().as_slice()[self.range()]
+    }
+
+    /// Give back an owned buffer (None for a shared one).
+    pub fn into_owned(self) -> Option<RegisteredBuffer> {
+        match self {
+            Local::Owned(b, _) => Some(b),
+            Local::Shared(..) => None,
+        }
+    }
+
+    fn sge(&self) -> Result<(u32, u64, u32)> {
+        let b = self.buffer();
+        let r = self.range();
+        let len = u32::try_from(r.end - r.start).map_err(|_| {
+            Error::InvalidArgument("one work request moves at most 4 GiB - 1".into())
+        })?;
+        Ok((b.mr().lkey(), b.addr() + r.start as u64, len))
+    }
+}
+
+fn check_range(range: &Range<usize>, size: usize) -> Result<()> {
+    if range.start > range.end || range.end > size {
+        return Err(Error::OutOfBounds {
+            what: "local buffer",
+            offset: range.start as u64,
+            len: range.end.saturating_sub(range.start) as u64,
+            size: size as u64,
+        });
+    }
+    Ok(())
+}
+
+/// A send-queue operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SendOp {
+    /// RDMA WRITE of the local bytes to the remote slice.
+    Write(RemoteSlice),
+    /// RDMA WRITE with immediate data (consumes a RECV at the peer).
+    WriteImm(RemoteSlice, u32),
+    /// RDMA READ of the remote slice into the local bytes.
+    Read(RemoteSlice),
+    /// SEND of the local bytes.
+    Send,
+    /// SEND with immediate data.
+    SendImm(u32),
+}
+
+impl SendOp {
+    /// A human name for messages.
+    pub fn name(&self) -> &'static str {
+        match self {
+            SendOp::Write(_) => "RDMA WRITE",
+            SendOp::WriteImm(..) => "RDMA WRITE with immediate",
+            SendOp::Read(_) => "RDMA READ",
+            SendOp::Send => "SEND",
+            SendOp::SendImm(_) => "SEND with immediate",
+        }
+    }
+
+    fn device_writes_local(&self) -> bool {
+        matches!(self, SendOp::Read(_))
+    }
+
+    fn remote(&self) -> Option<RemoteSlice> {
+        match *self {
+            SendOp::Write(r) | SendOp::WriteImm(r, _) | SendOp::Read(r) => Some(r),
+            SendOp::Send | SendOp::SendImm(_) => None,
+        }
+    }
+}
+
+/// One send work request of the safe API.
+#[derive(Debug)]
+pub struct SendWr {
+    /// What to do.
+    pub op: SendOp,
+    /// The local bytes.
+    pub local: Local,
+}
+
+/// One send work request of the raw API: the caller vouches for the local memory.
+#[derive(Debug, Clone, Copy)]
+pub struct RawSendWr {
+    /// What to do.
+    pub op: SendOp,
+    /// lkey of the MR covering the local range.
+    pub lkey: u32,
+    /// Local address.
+    pub addr: u64,
+    /// Length.
+    pub len: u32,
+}
+
+/// What a completed RECV reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecvInfo {
+    /// Bytes received.
+    pub byte_len: u32,
+    /// Immediate data, if the sender attached some.
+    pub imm: Option<u32>,
+}
+
+/// Everything the peer needs to connect its QP to ours (exchanged by [`crate::bootstrap`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Endpoint {
+    /// LID (InfiniBand; 0 on RoCE).
+    pub lid: u16,
+    /// GID the QP sends from.
+    pub gid: Ipv6Addr,
+    /// QP number.
+    pub qpn: u32,
+    /// Initial packet sequence number (24 bits).
+    pub psn: u32,
+    /// Active path MTU of our port, in bytes.
+    pub mtu: u32,
+}
+
+/// QP state, as reported by `ibv_query_qp`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QpState {
+    /// RESET
+    Reset,
+    /// INIT
+    Init,
+    /// Ready to receive.
+    Rtr,
+    /// Ready to send.
+    Rts,
+    /// Send queue drained.
+    Sqd,
+    /// Send queue error.
+    Sqe,
+    /// Error: every outstanding and new work request is flushed.
+    Error,
+    /// Unknown
+    Unknown,
+}
+
+impl fmt::Display for QpState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self, f)
+    }
+}
+
+/// Options for [`QueuePair::new`].
+#[derive(Debug, Clone)]
+pub struct QpOptions {
+    /// Send queue depth.
+    pub max_send_wr: u32,
+    /// Receive queue depth.
+    pub max_recv_wr: u32,
+    /// Port (default: the first ACTIVE port with a usable GID).
+    pub port: Option<u8>,
+    /// GID index (default: RoCE v2 with an IPv4-mapped address, see [`pick_gid`]).
+    pub gid_index: Option<u32>,
+    /// Event-driven or polling completions.
+    pub cq_mode: CqMode,
+    /// Outstanding RDMA READs (initiator and responder); capped by the device.
+    pub max_rd_atomic: u8,
+    /// Local ACK timeout exponent (4.096 µs × 2^n).
+    pub timeout: u8,
+    /// Transport retries.
+    pub retry_cnt: u8,
+    /// RNR retries (7 = infinite).
+    pub rnr_retry: u8,
+    /// Initial PSN (default: random).
+    pub psn: Option<u32>,
+}
+
+impl Default for QpOptions {
+    fn default() -> Self {
+        QpOptions {
+            max_send_wr: 128,
+            max_recv_wr: 128,
+            port: None,
+            gid_index: None,
+            cq_mode: CqMode::Events,
+            max_rd_atomic: 16,
+            timeout: 14,
+            retry_cnt: 7,
+            rnr_retry: 7,
+            psn: None,
+        }
+    }
+}
+
+struct QpInner {
+    // drop order: the QP is destroyed before its CQ (which may still hold buffers of work
+    // requests that never completed; after destroy the device no longer touches them)
+    qp: Mutex<ExtendedQueuePair>,
+    cq: Cq,
+    pd: ProtectionDomain,
+    qpn: u32,
+    port: u8,
+    gid: GidInfo,
+    psn: u32,
+    mtu: u32,
+    opts: QpOptions,
+    span: tracing::Span,
+}
+
+/// A reliable-connected queue pair with its own CQ. Cheap to clone.
+#[derive(Clone)]
+pub struct QueuePair {
+    inner: Arc<QpInner>,
+}
+
+impl fmt::Debug for QueuePair {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("QueuePair")
+            .field("device", &self.inner.pd.context().name())
+            .field("qpn", &self.inner.qpn)
+            .field("port", &self.inner.port)
+            .field("gid_index", &self.inner.gid.index)
+            .finish()
+    }
+}
+
+fn mtu_enum(bytes: u32) -> Mtu {
+    match bytes {
+        0..=256 => Mtu::Mtu256,
+        257..=512 => Mtu::Mtu512,
+        513..=1024 => Mtu::Mtu1024,
+        1025..=2048 => Mtu::Mtu2048,
+        _ => Mtu::Mtu4096,
+    }
+}
+
+/// The path MTU two ends agree on: the smaller one, as one of the IB MTU sizes.
+pub fn negotiate_mtu(local: u32, remote: u32) -> u32 {
+    let m = local.min(remote);
+    [4096, 2048, 1024, 512, 256]
+        .into_iter()
+        .find(|&x| x <= m)
+        .unwrap_or(256)
+}
+
+fn qp_state(s: QueuePairState) -> QpState {
+    match s {
+        QueuePairState::Reset => QpState::Reset,
+        QueuePairState::Init => QpState::Init,
+        QueuePairState::ReadyToReceive => QpState::Rtr,
+        QueuePairState::ReadyToSend => QpState::Rts,
+        QueuePairState::SendQueueDrain => QpState::Sqd,
+        QueuePairState::SendQueueError => QpState::Sqe,
+        QueuePairState::Error => QpState::Error,
+        QueuePairState::Unknown => QpState::Unknown,
+    }
+}
+
+impl QueuePair {
+    /// Create an RC QP (and its CQ) on `pd`, and move it to INIT. Must run inside a tokio
+    /// runtime when `opts.cq_mode` is `Events`.
+    pub fn new(pd: &ProtectionDomain, opts: QpOptions) -> Result<QueuePair> {
+        let ctx = pd.context();
+        let dev = ctx.name().to_string();
+        if opts.max_send_wr == 0 {
+            return Err(Error::InvalidArgument(
+                "max_send_wr must be at least 1".into(),
+            ));
+        }
+        let info = ctx.info();
+        let (port, gid) = select_port_gid(ctx, opts.port, opts.gid_index)?;
+        let port_info = ctx.port(port)?;
+        let max_rd = opts
+            .max_rd_atomic
+            .min(info.caps.max_qp_rd_atom.clamp(1, 255) as u8)
+            .min(info.caps.max_qp_init_rd_atom.clamp(1, 255) as u8)
+            .max(1);
+        let opts = QpOptions {
+            max_rd_atomic: max_rd,
+            ..opts
+        };
+        let depth = opts.max_send_wr + opts.max_recv_wr;
+        let cq = Cq::new(ctx, depth, opts.cq_mode)?;
+        let mut b = pd.inner.create_qp_builder();
+        b.setup_max_send_wr(opts.max_send_wr)
+            .setup_max_recv_wr(opts.max_recv_wr.max(1))
+            .setup_max_send_sge(1)
+            .setup_max_recv_sge(1)
+            .setup_send_cq(Arc::clone(&cq.cq))
+            .setup_recv_cq(Arc::clone(&cq.cq));
+        let mut qp = b.build_ex().map_err(|e| {
+            Error::verbs(
+                Call::CreateQp,
+                format!(
+                    "{dev}: RC, {} send / {} recv WRs",
+                    opts.max_send_wr, opts.max_recv_wr
+                ),
+                io_of(&e),
+            )
+        })?;
+        let qpn = qp.qp_number();
+        let mut attr = QueuePairAttribute::new();
+        attr.setup_state(QueuePairState::Init)
+            .setup_pkey_index(0)
+            .setup_port(port)
+            .setup_access_flags(
+                AccessFlags::LocalWrite
+                    | AccessFlags::RemoteWrite
+                    | AccessFlags::RemoteRead
+                    | AccessFlags::RemoteAtomic,
+            );
+        qp.modify(&attr).map_err(|e| {
+            Error::verbs(
+                Call::ModifyQp,
+                format!("{dev} QP {qpn}: RESET→INIT"),
+                io_of(&e),
+            )
+        })?;
+        let psn = opts.psn.unwrap_or_else(rand_psn) & 0xff_ffff;
+        let span = tracing::info_span!("qp", device = %dev, qpn, port, gid_index = gid.index);
+        span.in_scope(
+            || tracing::debug!(gid = %gid.gid, mtu = port_info.active_mtu, "QP created (INIT)"),
+        );
+        Ok(QueuePair {
+            inner: Arc::new(QpInner {
+                qp: Mutex::new(qp),
+                cq,
+                pd: pd.clone(),
+                qpn,
+                port,
+                gid,
+                psn,
+                mtu: port_info.active_mtu,
+                opts,
+                span,
+            }),
+        })
+    }
+
+    /// Our side of the connection.
+    pub fn endpoint(&self) -> Endpoint {
+        let i = &self.inner;
+        Endpoint {
+            lid: i
+                .pd
+                .context()
+                .info()
+                .ports
+                .iter()
+                .find(|p| p.port == i.port)
+                .map_or(0, |p| p.lid),
+            gid: i.gid.gid,
+            qpn: i.qpn,
+            psn: i.psn,
+            mtu: i.mtu,
+        }
+    }
+
+    /// QP number.
+    pub fn qpn(&self) -> u32 {
+        self.inner.qpn
+    }
+
+    /// The GID entry in use.
+    pub fn gid(&self) -> &GidInfo {
+        &self.inner.gid
+    }
+
+    /// The PD.
+    pub fn pd(&self) -> &ProtectionDomain {
+        &self.inner.pd
+    }
+
+    /// Connect to `remote`: INIT → RTR → RTS. The path MTU is the smaller of both ports'.
+    pub fn connect(&self, remote: &Endpoint) -> Result<()> {
+        let i = &self.inner;
+        let dev = i.pd.context().name().to_string();
+        let mtu = negotiate_mtu(i.mtu, remote.mtu);
+        let mut qp = self.lock_qp();
+        let mut ah = AddressHandleAttribute::new();
+        let dgid: Gid = remote.gid.into();
+        ah.setup_dest_lid(remote.lid)
+            .setup_port(i.port)
+            .setup_service_level(0)
+            .setup_grh_src_gid_index(i.gid.index as u8)
+            .setup_grh_dest_gid(&dgid)
+            .setup_grh_hop_limit(64);
+        let mut attr = QueuePairAttribute::new();
+        attr.setup_state(QueuePairState::ReadyToReceive)
+            .setup_path_mtu(mtu_enum(mtu))
+            .setup_dest_qp_num(remote.qpn)
+            .setup_rq_psn(remote.psn & 0xff_ffff)
+            .setup_max_dest_read_atomic(i.opts.max_rd_atomic)
+            .setup_min_rnr_timer(12)
+            .setup_address_vector(&ah);
+        qp.modify(&attr).map_err(|e| {
+            Error::verbs(
+                Call::ModifyQp,
+                format!(
+                    "{dev} QP {}: INIT→RTR to QP {} at {} (gid index {}, mtu {mtu})",
+                    i.qpn, remote.qpn, remote.gid, i.gid.index
+                ),
+                io_of(&e),
+            )
+        })?;
+        let mut attr = QueuePairAttribute::new();
+        attr.setup_state(QueuePairState::ReadyToSend)
+            .setup_sq_psn(i.psn)
+            .setup_timeout(i.opts.timeout)
+            .setup_retry_cnt(i.opts.retry_cnt)
+            .setup_rnr_retry(i.opts.rnr_retry)
+            .setup_max_read_atomic(i.opts.max_rd_atomic);
+        qp.modify(&attr).map_err(|e| {
+            Error::verbs(
+                Call::ModifyQp,
+                format!("{dev} QP {}: RTR→RTS", i.qpn),
+                io_of(&e),
+            )
+        })?;
+        i.span.in_scope(|| tracing::info!(remote_qpn = remote.qpn, remote_gid = %remote.gid, mtu, "QP connected (RTS)"));
+        Ok(())
+    }
+
+    /// Current state (`ibv_query_qp`): after a transport error this reports `Error`.
+    pub fn state(&self) -> Result<QpState> {
+        let qp = self.lock_qp();
+        let (attr, _) = qp.query(QueuePairAttributeMask::State).map_err(|e| {
+            Error::verbs(
+                Call::ModifyQp,
+                format!("ibv_query_qp on QP {}", self.inner.qpn),
+                io_of(&e),
+            )
+        })?;
+        Ok(qp_state(attr.state()))
+    }
+
+    /// Move the QP to the error state: every outstanding work request completes as flushed.
+    pub fn set_error(&self) -> Result<()> {
+        let mut qp = self.lock_qp();
+        let mut attr = QueuePairAttribute::new();
+        attr.setup_state(QueuePairState::Error);
+        qp.modify(&attr).map_err(|e| {
+            Error::verbs(
+                Call::ModifyQp,
+                format!("QP {}: →ERR", self.inner.qpn),
+                io_of(&e),
+            )
+        })
+    }
+
+    /// Work requests posted and not yet completed: (send queue, receive queue).
+    pub fn outstanding(&self) -> (usize, usize) {
+        let s = self.inner.cq.lock();
+        (s.send_outstanding, s.recv_outstanding)
+    }
+
+    /// Poll the CQ once without waiting, delivering completions to their owners.
+    pub fn progress(&self) -> Result<usize> {
+        self.inner.cq.drain()
+    }
+
+    fn lock_qp(&self) -> std::sync::MutexGuard<'_, ExtendedQueuePair> {
+        self.inner.qp.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn check_send_room(&self, state: &crate::cq::CqState, n: usize) -> Result<()> {
+        let cap = self.inner.opts.max_send_wr as usize;
+        if state.send_outstanding + n > cap {
+            return Err(Error::QueueFull {
+                queue: "send",
+                qpn: self.inner.qpn,
+                outstanding: state.send_outstanding,
+                capacity: cap,
+            });
+        }
+        Ok(())
+    }
+
+    /// Post a batch of send work requests (one doorbell). The buffers are owned by the returned
+    /// [`Pending`] until each completes; they come back in order.
+    pub fn post_send(&self, wrs: Vec<SendWr>) -> Result<Pending> {
+        for wr in &wrs {
+            validate(wr)?;
+        }
+        let mut sges = Vec::with_capacity(wrs.len());
+        for wr in &wrs {
+            sges.push(wr.local.sge()?);
+        }
+        let ops: Vec<SendOp> = wrs.iter().map(|w| w.op).collect();
+        let mut state = self.inner.cq.lock();
+        self.check_send_room(&state, wrs.len())?;
+        let mut ids = Vec::with_capacity(wrs.len());
+        let mut rxs = Vec::with_capacity(wrs.len());
+        for wr in wrs {
+            let (id, rx) = state.register(Some(wr.local), Queue::Send);
+            ids.push(id);
+            rxs.push((id, rx, wr.op.name()));
+        }
+        let raw: Vec<RawSendWr> = ops
+            .iter()
+            .zip(&sges)
+            .map(|(op, &(lkey, addr, len))| RawSendWr {
+                op: *op,
+                lkey,
+                addr,
+                len,
+            })
+            .collect();
+        if let Err(e) = self.post_locked(&ids, &raw) {
+            state.unregister(&ids);
+            return Err(e);
+        }
+        drop(state);
+        Ok(Pending {
+            qp: self.clone(),
+            rxs,
+        })
+    }
+
+    /// Post send work requests on memory the caller manages.
+    ///
+    /// # Safety
+    /// Every `(addr, len)` must lie inside the MR of `lkey` (of this QP's PD) and stay valid —
+    /// and, for READ destinations, not be accessed by the CPU — until the returned [`Pending`]
+    /// resolves for that work request, even if the `Pending` is dropped before (then until the
+    /// QP is in the error state and drained, or destroyed).
+    pub unsafe fn post_send_raw(&self, wrs: &[RawSendWr]) -> Result<Pending> {
+        let mut state = self.inner.cq.lock();
+        self.check_send_room(&state, wrs.len())?;
+        let mut ids = Vec::with_capacity(wrs.len());
+        let mut rxs = Vec::with_capacity(wrs.len());
+        for wr in wrs {
+            let (id, rx) = state.register(None, Queue::Send);
+            ids.push(id);
+            rxs.push((id, rx, wr.op.name()));
+        }
+        if let Err(e) = self.post_locked(&ids, wrs) {
+            state.unregister(&ids);
+            return Err(e);
+        }
+        drop(state);
+        Ok(Pending {
+            qp: self.clone(),
+            rxs,
+        })
+    }
+
+    fn post_locked(&self, ids: &[u64], wrs: &[RawSendWr]) -> Result<()> {
+        let mut qp = self.lock_qp();
+        let mut guard = qp.start_post_send();
+        for (id, wr) in ids.iter().zip(wrs) {
+            let h = guard.construct_wr(*id, WorkRequestFlags::Signaled);
+            let h = match wr.op {
+                SendOp::Write(r) => h.setup_write(r.rkey, r.addr),
+                SendOp::WriteImm(r, imm) => h.setup_write_imm(r.rkey, r.addr, imm.to_be()),
+                SendOp::Read(r) => h.setup_read(r.rkey, r.addr),
+                SendOp::Send => h.setup_send(),
+                SendOp::SendImm(imm) => h.setup_send_imm(imm.to_be()),
+            };
+            // SAFETY: for the safe API the range was checked against the registered buffer that
+            // the pending table now owns; for the raw API the caller guarantees it.
+            unsafe { h.setup_sge(wr.lkey, wr.addr, wr.len) };
+        }
+        guard.post().map_err(|e| {
+            Error::verbs(
+                Call::PostSend,
+                format!("QP {}: {} work requests", self.inner.qpn, wrs.len()),
+                io_of(&e),
+            )
+        })
+    }
+
+    /// Post receive buffers (owned: the device writes them).
+    pub fn post_recv(&self, bufs: Vec<Local>) -> Result<PendingRecv> {
+        let mut sges = Vec::with_capacity(bufs.len());
+        for b in &bufs {
+            if matches!(b, Local::Shared(..)) {
+                return Err(Error::InvalidArgument(
+                    "a receive buffer is written by the device: pass an owned buffer".into(),
+                ));
+            }
+            sges.push(b.sge()?);
+        }
+        let mut state = self.inner.cq.lock();
+        let cap = self.inner.opts.max_recv_wr as usize;
+        if state.recv_outstanding + bufs.len() > cap {
+            return Err(Error::QueueFull {
+                queue: "receive",
+                qpn: self.inner.qpn,
+                outstanding: state.recv_outstanding,
+                capacity: cap,
+            });
+        }
+        let mut ids = Vec::with_capacity(bufs.len());
+        let mut rxs = Vec::with_capacity(bufs.len());
+        for b in bufs {
+            let (id, rx) = state.register(Some(b), Queue::Recv);
+            ids.push(id);
+            rxs.push((id, rx));
+        }
+        let res = {
+            let mut qp = self.lock_qp();
+            let mut guard = qp.start_post_recv();
+            for (id, &(lkey, addr, len)) in ids.iter().zip(&sges) {
+                let h = guard.construct_wr(*id);
+                // SAFETY: the range was checked against the owned registered buffer, which the
+                // pending table keeps until the receive completes.
+                unsafe { h.setup_sge(lkey, addr, len) };
+            }
+            guard.post()
+        };
+        if let Err(e) = res {
+            state.unregister(&ids);
+            return Err(Error::verbs(
+                Call::PostRecv,
+                format!("QP {}", self.inner.qpn),
+                io_of(&e),
+            ));
+        }
+        drop(state);
+        Ok(PendingRecv {
+            qp: self.clone(),
+            rxs,
+        })
+    }
+
+    /// RDMA WRITE `local` to `remote`.
+    pub async fn write(&self, local: Local, remote: RemoteSlice) -> Result<Local> {
+        self.one(SendWr {
+            op: SendOp::Write(remote),
+            local,
+        })
+        .await
+    }
+
+    /// RDMA WRITE with immediate data.
+    pub async fn write_imm(&self, local: Local, remote: RemoteSlice, imm: u32) -> Result<Local> {
+        self.one(SendWr {
+            op: SendOp::WriteImm(remote, imm),
+            local,
+        })
+        .await
+    }
+
+    /// RDMA READ `remote` into `local`.
+    pub async fn read(&self, local: Local, remote: RemoteSlice) -> Result<Local> {
+        self.one(SendWr {
+            op: SendOp::Read(remote),
+            local,
+        })
+        .await
+    }
+
+    /// SEND `local`, with optional immediate data.
+    pub async fn send(&self, local: Local, imm: Option<u32>) -> Result<Local> {
+        let op = imm.map_or(SendOp::Send, SendOp::SendImm);
+        self.one(SendWr { op, local }).await
+    }
+
+    /// Post one RECV and wait for it.
+    pub async fn recv(&self, local: Local) -> Result<(Local, RecvInfo)> {
+        let mut v = self.post_recv(vec![local])?.await?;
+        Ok(v.pop().expect("one receive posted"))
+    }
+
+    async fn one(&self, wr: SendWr) -> Result<Local> {
+        let mut v = self.post_send(vec![wr])?.await?;
+        Ok(v.pop().expect("one work request posted"))
+    }
+
+    fn wc_error(&self, wr_id: u64, opcode: &'static str, done: &Done) -> Error {
+        Error::WorkCompletion {
+            qpn: self.inner.qpn,
+            wr_id,
+            opcode,
+            status: done.status,
+            vendor_err: done.vendor_err,
+        }
+    }
+}
+
+fn validate(wr: &SendWr) -> Result<()> {
+    if wr.op.device_writes_local() && matches!(wr.local, Local::Shared(..)) {
+        return Err(Error::InvalidArgument(format!(
+            "{} writes into the local buffer: pass an owned buffer, not a shared one",
+            wr.op.name()
+        )));
+    }
+    if let Some(r) = wr.op.remote() {
+        if wr.local.len() as u64 > r.len {
+            return Err(Error::OutOfBounds {
+                what: "remote slice",
+                offset: 0,
+                len: wr.local.len() as u64,
+                size: r.len,
+            });
+        }
+    }
+    Ok(())
+}
+
+fn select_port_gid(
+    ctx: &crate::Context,
+    port: Option<u8>,
+    gid_index: Option<u32>,
+) -> Result<(u8, GidInfo)> {
+    let info = ctx.info();
+    let dev = ctx.name().to_string();
+    let ports: Vec<_> = match port {
+        Some(p) => {
+            let pi = info
+                .ports
+                .iter()
+                .find(|x| x.port == p)
+                .ok_or_else(|| Error::NoGid {
+                    device: dev.clone(),
+                    port: p,
+                    reason: format!("the device has {} port(s)", info.ports.len()),
+                })?;
+            vec![ctx.port(pi.port)?]
+        }
+        None => info
+            .ports
+            .iter()
+            .map(|p| ctx.port(p.port))
+            .collect::<Result<_>>()?,
+    };
+    let mut why = String::new();
+    for p in &ports {
+        if !p.active {
+            why = format!("port state is {} (the netdev or link is down)", p.state);
+            continue;
+        }
+        let g = match gid_index {
+            Some(ix) => p.gids.iter().find(|g| g.index == ix).cloned(),
+            None => pick_gid(&p.gids).cloned(),
+        };
+        match g {
+            Some(g) => return Ok((p.port, g)),
+            None => {
+                why = match gid_index {
+                    Some(ix) => format!("GID index {ix} is empty"),
+                    None => "the GID table is empty (no IP address on the netdev?)".into(),
+                }
+            }
+        }
+    }
+    Err(Error::NoGid {
+        device: dev,
+        port: port.unwrap_or(1),
+        reason: if why.is_empty() {
+            "no ports".into()
+        } else {
+            why
+        },
+    })
+}
+
+fn rand_psn() -> u32 {
+    // no crypto needed: just not always 0, so that stale packets of an old QP are not accepted
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    (h.finish() as u32) & 0xff_ffff
+}
+
+/// Send work requests in flight. Await it for the buffers back (in posting order); dropping it
+/// leaves the buffers with the CQ until the device is done with them.
+#[must_use = "dropping a Pending does not cancel the work requests; await it to learn their outcome"]
+pub struct Pending {
+    qp: QueuePair,
+    rxs: Vec<(u64, oneshot::Receiver<Done>, &'static str)>,
+}
+
+impl fmt::Debug for Pending {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Pending")
+            .field("qp", &self.qp.qpn())
+            .field("wrs", &self.rxs.len())
+            .finish()
+    }
+}
+
+impl Pending {
+    /// Number of work requests.
+    pub fn len(&self) -> usize {
+        self.rxs.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.rxs.is_empty()
+    }
+
+    /// Wait for all; the first failure is returned (after every work request has completed, so
+    /// no buffer is still in use when this returns).
+    pub fn wait(self) -> impl Future<Output = Result<Vec<Local>>> + Send {
+        let span = self.qp.inner.span.clone();
+        async move {
+            let mut out = Vec::with_capacity(self.rxs.len());
+            let mut first_err = None;
+            for (wr_id, rx, opcode) in self.rxs {
+                let done = self.qp.inner.cq.wait(rx).await?;
+                if !done.status.is_success() && first_err.is_none() {
+                    first_err = Some(self.qp.wc_error(wr_id, opcode, &done));
+                }
+                out.extend(done.local);
+            }
+            match first_err {
+                Some(e) => {
+                    tracing::warn!(error = %e, "work request failed");
+                    Err(e)
+                }
+                None => Ok(out),
+            }
+        }
+        .instrument(span)
+    }
+}
+
+impl std::future::IntoFuture for Pending {
+    type Output = Result<Vec<Local>>;
+    type IntoFuture = std::pin::Pin<Box<dyn Future<Output = Result<Vec<Local>>> + Send>>;
+    fn into_future(self) -> Self::IntoFuture {
+        Box::pin(self.wait())
+    }
+}
+
+/// Receives in flight.
+#[must_use = "dropping a PendingRecv does not cancel the receives"]
+pub struct PendingRecv {
+    qp: QueuePair,
+    rxs: Vec<(u64, oneshot::Receiver<Done>)>,
+}
+
+impl fmt::Debug for PendingRecv {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PendingRecv")
+            .field("qp", &self.qp.qpn())
+            .field("wrs", &self.rxs.len())
+            .finish()
+    }
+}
+
+impl PendingRecv {
+    /// Wait for every receive.
+    pub async fn wait(self) -> Result<Vec<(Local, RecvInfo)>> {
+        let mut out = Vec::with_capacity(self.rxs.len());
+        let mut first_err = None;
+        for (wr_id, rx) in self.rxs {
+            let done = self.qp.inner.cq.wait(rx).await?;
+            if !done.status.is_success() && first_err.is_none() {
+                first_err = Some(self.qp.wc_error(wr_id, "RECV", &done));
+            }
+            let info = RecvInfo {
+                byte_len: done.byte_len,
+                imm: done.imm,
+            };
+            out.extend(done.local.map(|l| (l, info)));
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(out),
+        }
+    }
+}
+
+impl std::future::IntoFuture for PendingRecv {
+    type Output = Result<Vec<(Local, RecvInfo)>>;
+    type IntoFuture = std::pin::Pin<Box<dyn Future<Output = Self::Output> + Send>>;
+    fn into_future(self) -> Self::IntoFuture {
+        Box::pin(self.wait())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mtu_negotiation_takes_the_smaller_ib_size() {
+        assert_eq!(negotiate_mtu(4096, 1024), 1024);
+        assert_eq!(negotiate_mtu(4096, 4096), 4096);
+        assert_eq!(negotiate_mtu(1500, 9000), 1024);
+        assert_eq!(negotiate_mtu(100, 4096), 256);
+        assert_eq!(mtu_enum(1024), Mtu::Mtu1024);
+        assert_eq!(mtu_enum(4096), Mtu::Mtu4096);
+    }
+
+    #[test]
+    fn psn_is_24_bits() {
+        for _ in 0..100 {
+            assert!(rand_psn() <= 0xff_ffff);
+        }
+    }
+}
