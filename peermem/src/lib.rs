@@ -1,5 +1,10 @@
-//! Where memory comes from and how a NIC may reach it: providers (host RAM, NVMe CMB via
-//! P2PDMA, dma-buf, CUDA, device-private pages), PCIe topology, per-region path plans and the
-//! registration cache. The providers, topology and plan land with their issues; until then this
-//! crate only fixes the workspace layout.
-#![forbid(unsafe_code)]
+//! Where memory comes from and how a NIC may reach it.
+//!
+//! For now: the built-in dma-buf exporter ([`udmabuf`]: a memfd exported through
+//! `/dev/udmabuf`). The other providers (NVMe CMB via P2PDMA, CUDA, device-private pages), the
+//! PCIe topology, path plans and the registration cache land with their issues.
+#![deny(unsafe_code)]
+
+pub mod udmabuf;
+
+pub use udmabuf::{Error, Udmabuf};

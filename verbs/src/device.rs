@@ -297,15 +297,35 @@ impl Context {
     }
 }
 
+/// Find the OS error inside one of sideway's error types. Their "kind" enums are
+/// `#[error(transparent)]`, which hides the `io::Error` from `source()`, so besides walking the
+/// chain this also reads the "(os error N)" that the transparent Display carries.
 fn source_io(e: &(dyn std::error::Error + 'static)) -> Option<std::io::Error> {
+    if let Some(mr) = e.downcast_ref::<sideway::ibverbs::memory_region::RegisterMemoryRegionError>()
+    {
+        if let sideway::ibverbs::memory_region::RegisterMemoryRegionErrorKind::Ibverbs(io) = &mr.0 {
+            return io.raw_os_error().map(std::io::Error::from_raw_os_error);
+        }
+    }
     let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
     while let Some(err) = cur {
         if let Some(io) = err.downcast_ref::<std::io::Error>() {
-            return io.raw_os_error().map(std::io::Error::from_raw_os_error);
+            if let Some(n) = io.raw_os_error() {
+                return Some(std::io::Error::from_raw_os_error(n));
+            }
+        }
+        if let Some(n) = os_error_in(&err.to_string()) {
+            return Some(std::io::Error::from_raw_os_error(n));
         }
         cur = err.source();
     }
     None
+}
+
+fn os_error_in(s: &str) -> Option<i32> {
+    let i = s.rfind("(os error ")?;
+    let rest = &s[i + "(os error ".len()..];
+    rest[..rest.find(')')?].parse().ok()
 }
 
 pub(crate) fn io_of(e: &(dyn std::error::Error + 'static)) -> std::io::Error {
@@ -448,6 +468,21 @@ mod tests {
         ];
         assert_eq!(pick_gid(&t).unwrap().index, 1);
         assert!(pick_gid(&[]).is_none());
+    }
+
+    #[test]
+    fn os_error_is_found_in_transparent_messages() {
+        assert_eq!(
+            os_error_in("Operation not supported (os error 95)"),
+            Some(95)
+        );
+        assert_eq!(os_error_in("failed to register memory region"), None);
+        let e = sideway::ibverbs::memory_region::RegisterMemoryRegionError::from(
+            sideway::ibverbs::memory_region::RegisterMemoryRegionErrorKind::Ibverbs(
+                std::io::Error::from_raw_os_error(14),
+            ),
+        );
+        assert_eq!(io_of(&e).raw_os_error(), Some(14));
     }
 
     #[test]

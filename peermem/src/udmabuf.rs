@@ -1,0 +1,228 @@
+//! A dma-buf exporter built from host memory: a sealed memfd handed to `/dev/udmabuf`
+//! (`CONFIG_UDMABUF`, Linux ≥ 4.20). Useful to exercise dma-buf paths (`ibv_reg_dmabuf_mr`)
+//! without a GPU.
+#![allow(unsafe_code)]
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+
+/// Errors of the peer-memory providers.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A system call failed.
+    #[error("{call} failed ({context}): {hint} [{source}]")]
+    Sys {
+        /// The failing call.
+        call: &'static str,
+        /// What was being done.
+        context: String,
+        /// What it means / what to do.
+        hint: &'static str,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+    /// Bad argument.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+}
+
+fn sys(call: &'static str, context: impl Into<String>, hint: &'static str) -> Error {
+    Error::Sys {
+        call,
+        context: context.into(),
+        hint,
+        source: io::Error::last_os_error(),
+    }
+}
+
+const UDMABUF_CREATE: libc::c_ulong = 0x4018_7542; // _IOW('u', 0x42, struct udmabuf_create)
+const UDMABUF_FLAGS_CLOEXEC: u32 = 1;
+
+#[repr(C)]
+struct UdmabufCreate {
+    memfd: u32,
+    flags: u32,
+    offset: u64,
+    size: u64,
+}
+
+/// A dma-buf backed by a memfd. The memfd stays open so the CPU can fill and read the memory
+/// with `pread`/`pwrite` (the copy engine of this provider).
+#[derive(Debug)]
+pub struct Udmabuf {
+    dmabuf: OwnedFd,
+    memfd: File,
+    len: usize,
+}
+
+impl Udmabuf {
+    /// Export `len` bytes (a multiple of the page size) through `/dev/udmabuf`.
+    pub fn create(len: usize) -> Result<Udmabuf, Error> {
+        Self::create_at(Path::new("/dev/udmabuf"), len)
+    }
+
+    /// Same, with the device node at `dev` (tests, chroots).
+    pub fn create_at(dev: &Path, len: usize) -> Result<Udmabuf, Error> {
+        let page = page_size();
+        if len == 0 || len % page != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "a udmabuf must be a non-zero multiple of the page size ({page} bytes), not {len}"
+            )));
+        }
+        // SAFETY: the name is a valid C string; memfd_create has no memory preconditions.
+        let fd = unsafe {
+            libc::memfd_create(
+                c"p2p-rdma-udmabuf".as_ptr(),
+                libc::MFD_ALLOW_SEALING | libc::MFD_CLOEXEC,
+            )
+        };
+        if fd < 0 {
+            return Err(sys(
+                "memfd_create",
+                format!("{len} bytes"),
+                "the kernel lacks memfd support",
+            ));
+        }
+        // SAFETY: `fd` was just returned by memfd_create and is owned by nobody else.
+        let memfd = unsafe { File::from_raw_fd(fd) };
+        memfd.set_len(len as u64).map_err(|e| Error::Sys {
+            call: "ftruncate",
+            context: format!("memfd of {len} bytes"),
+            hint: "out of memory?",
+            source: e,
+        })?;
+        // SAFETY: fcntl on a valid fd with an integer argument.
+        if unsafe { libc::fcntl(memfd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) } < 0 {
+            return Err(sys(
+                "fcntl(F_ADD_SEALS)",
+                "memfd",
+                "udmabuf needs a memfd sealed against shrinking",
+            ));
+        }
+        let dev_file = OpenOptions::new().read(true).write(true).open(dev).map_err(|e| Error::Sys {
+            call: "open",
+            context: dev.display().to_string(),
+            hint: "no udmabuf device: the kernel needs CONFIG_UDMABUF (module udmabuf), and the caller read/write access to it",
+            source: e,
+        })?;
+        let mut arg = UdmabufCreate {
+            memfd: memfd.as_raw_fd() as u32,
+            flags: UDMABUF_FLAGS_CLOEXEC,
+            offset: 0,
+            size: len as u64,
+        };
+        // SAFETY: UDMABUF_CREATE takes a pointer to a `struct udmabuf_create`, whose layout
+        // `UdmabufCreate` reproduces (repr(C), same field types); `arg` outlives the call.
+        let ret = unsafe {
+            libc::ioctl(
+                dev_file.as_raw_fd(),
+                UDMABUF_CREATE,
+                &mut arg as *mut UdmabufCreate,
+            )
+        };
+        if ret < 0 {
+            return Err(sys(
+                "ioctl(UDMABUF_CREATE)",
+                format!("{} for {len} bytes", dev.display()),
+                "the kernel refused to export the memfd (size over udmabuf's size_limit_mb?)",
+            ));
+        }
+        // SAFETY: on success the ioctl returns a new dma-buf fd that nobody else owns.
+        let dmabuf = unsafe { OwnedFd::from_raw_fd(ret) };
+        Ok(Udmabuf { dmabuf, memfd, len })
+    }
+
+    /// The dma-buf fd (to hand to `ibv_reg_dmabuf_mr`).
+    pub fn dmabuf_fd(&self) -> BorrowedFd<'_> {
+        self.dmabuf.as_fd()
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether empty (never).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Write `data` at `offset` through the memfd.
+    pub fn write_at(&self, offset: u64, data: &[u8]) -> Result<(), Error> {
+        use std::os::unix::fs::FileExt;
+        self.check(offset, data.len())?;
+        self.memfd
+            .write_all_at(data, offset)
+            .map_err(|e| Error::Sys {
+                call: "pwrite",
+                context: format!("udmabuf memfd at {offset}"),
+                hint: "I/O error on the memfd",
+                source: e,
+            })
+    }
+
+    /// Read into `buf` from `offset` through the memfd.
+    pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), Error> {
+        use std::os::unix::fs::FileExt;
+        self.check(offset, buf.len())?;
+        self.memfd
+            .read_exact_at(buf, offset)
+            .map_err(|e| Error::Sys {
+                call: "pread",
+                context: format!("udmabuf memfd at {offset}"),
+                hint: "I/O error on the memfd",
+                source: e,
+            })
+    }
+
+    fn check(&self, offset: u64, len: usize) -> Result<(), Error> {
+        match offset.checked_add(len as u64) {
+            Some(end) if end <= self.len as u64 => Ok(()),
+            _ => Err(Error::InvalidArgument(format!(
+                "range {offset}+{len} is outside the {}-byte udmabuf",
+                self.len
+            ))),
+        }
+    }
+
+    /// Where the default device node is.
+    pub fn default_device() -> PathBuf {
+        PathBuf::from("/dev/udmabuf")
+    }
+}
+
+fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 {
+        p as usize
+    } else {
+        4096
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn size_must_be_whole_pages() {
+        let e = Udmabuf::create(100).unwrap_err();
+        assert!(e.to_string().contains("multiple of the page size"), "{e}");
+        assert!(Udmabuf::create(0).is_err());
+    }
+
+    #[test]
+    fn missing_device_node_is_explained() {
+        let e = Udmabuf::create_at(Path::new("/nonexistent/udmabuf"), 4096).unwrap_err();
+        let s = e.to_string();
+        assert!(
+            s.contains("CONFIG_UDMABUF") && s.contains("/nonexistent/udmabuf"),
+            "{s}"
+        );
+    }
+}
