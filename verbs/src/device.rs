@@ -204,19 +204,46 @@ fn ensure_library() -> Result<()> {
     ffi::libibverbs_loadable().map_err(|detail| Error::LibraryMissing { detail })
 }
 
-fn device_list() -> Result<DeviceList> {
+/// The device list, or `None` when the kernel has no RDMA support at all.
+fn device_list() -> Result<Option<DeviceList>> {
     ensure_library()?;
-    DeviceList::new().map_err(|e| {
-        let io = std::io::Error::last_os_error();
-        tracing::debug!(error = %e, "ibv_get_device_list failed");
-        Error::verbs(Call::GetDeviceList, "all devices", io)
-    })
+    match DeviceList::new() {
+        Ok(l) => Ok(Some(l)),
+        Err(e) => {
+            let io = io_of(&e);
+            tracing::debug!(error = %e, "ibv_get_device_list failed");
+            match io.raw_os_error() {
+                // libibverbs says ENOSYS when /sys/class/infiniband does not exist
+                Some(libc::ENOSYS) | Some(libc::ENODEV) | Some(libc::ENOENT) => Ok(None),
+                _ => Err(Error::verbs(Call::GetDeviceList, "all devices", io)),
+            }
+        }
+    }
 }
+
+const NO_KERNEL_RDMA: &str =
+    "the kernel has no RDMA support loaded (no /sys/class/infiniband: no RDMA NIC driver, rdma_rxe or siw)";
+const NO_DEVICES: &str =
+    "the kernel lists no RDMA device (no RDMA NIC, and no rxe/siw device was added)";
 
 /// Names of the RDMA devices on this machine (may be empty).
 pub fn device_names() -> Result<Vec<String>> {
-    let list = device_list()?;
-    Ok(list.iter().map(|d| d.name()).collect())
+    Ok(device_list()?
+        .map(|l| l.iter().map(|d| d.name()).collect())
+        .unwrap_or_default())
+}
+
+/// Why there is no device, for callers that got an empty [`devices`] list.
+pub fn no_device_error() -> Error {
+    let sys = std::path::Path::new("/sys/class/infiniband");
+    Error::NoDevice {
+        detail: if sys.exists() {
+            NO_DEVICES
+        } else {
+            NO_KERNEL_RDMA
+        }
+        .into(),
+    }
 }
 
 /// Query every RDMA device. An empty list is not an error here; [`Context::open`] reports it.
@@ -238,10 +265,14 @@ pub struct Context {
 impl Context {
     /// Open the device called `name`, or the first device with an ACTIVE port when `None`.
     pub fn open(name: Option<&str>) -> Result<Context> {
-        let list = device_list()?;
+        let list = device_list()?.ok_or_else(|| Error::NoDevice {
+            detail: NO_KERNEL_RDMA.into(),
+        })?;
         let names: Vec<String> = list.iter().map(|d| d.name()).collect();
         if names.is_empty() {
-            return Err(Error::NoDevice);
+            return Err(Error::NoDevice {
+                detail: NO_DEVICES.into(),
+            });
         }
         let candidates: Vec<usize> = match name {
             Some(n) => match names.iter().position(|x| x == n) {
@@ -257,7 +288,9 @@ impl Context {
         };
         let mut first = None;
         for i in candidates {
-            let dev = list.get(i).ok_or(Error::NoDevice)?;
+            let dev = list.get(i).ok_or_else(|| Error::NoDevice {
+                detail: NO_DEVICES.into(),
+            })?;
             let inner = dev.open().map_err(|e| {
                 let io = source_io(&e).unwrap_or_else(std::io::Error::last_os_error);
                 Error::verbs(Call::OpenDevice, names[i].clone(), io)
@@ -278,7 +311,9 @@ impl Context {
             first.get_or_insert(ctx);
         }
         // no active port anywhere: return the first device; connecting will explain.
-        first.ok_or(Error::NoDevice)
+        first.ok_or_else(|| Error::NoDevice {
+            detail: NO_DEVICES.into(),
+        })
     }
 
     /// Device name.

@@ -242,11 +242,13 @@ pub enum Error {
     },
     /// No RDMA device at all.
     #[error(
-        "no RDMA device found: the kernel exposes none in /sys/class/infiniband (no RDMA NIC, \
-         or no rdma_rxe/siw software device). On a machine without RDMA hardware use \
+        "no RDMA device found: {detail}. On a machine without RDMA hardware use \
          soft-roce/host-setup (kernel with rdma_rxe) or soft-roce/lab (QEMU guest)"
     )]
-    NoDevice,
+    NoDevice {
+        /// What was seen.
+        detail: String,
+    },
     /// The named device does not exist.
     #[error("RDMA device '{name}' not found; available: {available}")]
     DeviceNotFound {

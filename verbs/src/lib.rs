@@ -23,8 +23,8 @@ mod qp;
 
 pub use cq::CqMode;
 pub use device::{
-    device_names, devices, gid_ipv4, pick_gid, Context, DeviceCaps, DeviceInfo, GidInfo, GidKind,
-    OdpCaps, PortInfo,
+    device_names, devices, gid_ipv4, no_device_error, pick_gid, Context, DeviceCaps, DeviceInfo,
+    GidInfo, GidKind, OdpCaps, PortInfo,
 };
 pub use error::{meaning, Call, Error, Result, WcStatus};
 pub use mr::{

@@ -1,0 +1,87 @@
+//! Host-side tests of the command line: usage errors, help, and the no-device path.
+use std::process::Command;
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_p2p-rdma"))
+}
+
+fn rdma_devices_on_host() -> Vec<String> {
+    std::fs::read_dir("/sys/class/infiniband")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[test]
+fn devices_reports_what_the_host_has() {
+    let out = bin().arg("devices").output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let host = rdma_devices_on_host();
+    if host.is_empty() {
+        assert_eq!(
+            out.status.code(),
+            Some(69),
+            "stdout: {stdout}\nstderr: {stderr}"
+        );
+        assert!(stderr.contains("no RDMA device found"), "{stderr}");
+        assert!(
+            stderr.contains("soft-roce/lab"),
+            "must point at the lab: {stderr}"
+        );
+    } else {
+        assert!(out.status.success(), "{stderr}");
+        for name in host {
+            assert!(stdout.contains(&name), "{name} missing from: {stdout}");
+        }
+    }
+}
+
+#[test]
+fn devices_json_is_valid_json_either_way() {
+    let out = bin().args(["devices", "--json"]).output().unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stdout is JSON");
+    let arr = v.as_array().expect("a JSON array");
+    assert_eq!(arr.len(), rdma_devices_on_host().len());
+    if arr.is_empty() {
+        assert_eq!(out.status.code(), Some(69));
+    }
+}
+
+#[test]
+fn bad_sizes_are_usage_errors_with_a_hint() {
+    let out = bin().args(["loopback", "--size", "12Q"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(e.contains("unknown unit") && e.contains("K, M, G"), "{e}");
+    let out = bin()
+        .args(["loopback", "--duration", "-1"])
+        .output()
+        .unwrap();
+    assert_ne!(out.status.code(), Some(0));
+    let out = bin()
+        .args(["loopback", "--iters", "5", "--duration", "2"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "--iters and --duration conflict"
+    );
+}
+
+#[test]
+fn help_teaches() {
+    let out = bin().arg("--help").output().unwrap();
+    let h = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    for s in ["devices", "loopback", "soft-roce/lab", "Exit status"] {
+        assert!(h.contains(s), "--help lacks {s}: {h}");
+    }
+    let out = bin().args(["loopback", "--help"]).output().unwrap();
+    let h = String::from_utf8_lossy(&out.stdout);
+    assert!(h.contains("Examples:") && h.contains("--verify"), "{h}");
+}
