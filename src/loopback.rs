@@ -74,7 +74,7 @@ pub struct LoopbackReport {
 #[non_exhaustive]
 pub enum LoopbackError {
     /// Verbs failure.
-    #[error(transparent)]
+    #[error("{0}")]
     Verbs(#[from] verbs::Error),
     /// Bad parameters.
     #[error("invalid loopback parameters: {0}")]

@@ -16,9 +16,11 @@ pub(crate) fn parse_size(s: &str) -> Result<u64, String> {
         "m" | "mb" | "mib" => 1 << 20,
         "g" | "gb" | "gib" => 1 << 30,
         "t" | "tb" | "tib" => 1 << 40,
-        other => return Err(format!(
+        other => {
+            return Err(format!(
             "unknown unit '{other}' in '{s}' (use a number with an optional K, M, G or T suffix)"
-        )),
+        ))
+        }
     };
     if num.is_empty() {
         return Err(format!("'{s}' has no number (examples: 4096, 64K, 1M, 2G)"));
