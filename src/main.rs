@@ -198,10 +198,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 .await
                 .context("loopback transfer failed")?;
             if json {
-                println!("{}", serde_json::to_string(&r)?);
+                emit(&format!("{}\n", serde_json::to_string(&r)?))?;
             } else {
-                println!(
-                    "{} loopback on {}: {} x {} ({} in flight, path MTU {}){}",
+                emit(&format!(
+                    "{} loopback on {}: {} x {} ({} in flight, path MTU {}){}\n  {} in {:.3} s: {:.2} MiB/s, {:.0} ops/s\n",
                     match r.op {
                         Op::Write => "RDMA WRITE",
                         Op::Read => "RDMA READ",
@@ -211,25 +211,33 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     human(r.size as u64),
                     r.depth,
                     r.path_mtu,
-                    if r.verified { ", data verified" } else { "" }
-                );
-                println!(
-                    "  {} in {:.3} s: {:.2} MiB/s, {:.0} ops/s",
+                    if r.verified { ", data verified" } else { "" },
                     human(r.bytes),
                     r.seconds,
                     r.mib_per_sec,
                     r.ops_per_sec
-                );
+                ))?;
             }
             Ok(())
         }
     }
 }
 
+/// Write to stdout; a closed pipe (`| head`) is not an error worth a panic.
+fn emit(text: &str) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        r => Ok(r?),
+    }
+}
+
 fn devices(json: bool) -> anyhow::Result<()> {
+    use std::fmt::Write as _;
     let devs = verbs::devices()?;
     if json {
-        println!("{}", serde_json::to_string_pretty(&devs)?);
+        emit(&format!("{}\n", serde_json::to_string_pretty(&devs)?))?;
     }
     if devs.is_empty() {
         return Err(verbs::no_device_error().into());
@@ -237,8 +245,10 @@ fn devices(json: bool) -> anyhow::Result<()> {
     if json {
         return Ok(());
     }
+    let mut o = String::new();
     for d in &devs {
-        println!(
+        writeln!(
+            o,
             "{}  node GUID {}  vendor {:#x}:{}  fw {}{}",
             d.name,
             d.node_guid,
@@ -250,9 +260,9 @@ fn devices(json: bool) -> anyhow::Result<()> {
             } else {
                 ""
             }
-        );
+        )?;
         let c = &d.caps;
-        println!(
+        writeln!(o,
             "  caps: max MR {}, {} MRs, {} QPs x {} WRs, {} CQEs, {} SGEs, rd_atom {}/{}, atomics {}",
             human(c.max_mr_size),
             c.max_mr,
@@ -263,8 +273,9 @@ fn devices(json: bool) -> anyhow::Result<()> {
             c.max_qp_rd_atom,
             c.max_qp_init_rd_atom,
             c.atomic
-        );
-        println!(
+        )?;
+        writeln!(
+            o,
             "  ODP: {}",
             if !c.odp.supported {
                 "not supported".to_string()
@@ -278,14 +289,16 @@ fn devices(json: bool) -> anyhow::Result<()> {
                     c.odp.rc_recv
                 )
             }
-        );
+        )?;
         for p in &d.ports {
-            println!(
+            writeln!(
+                o,
                 "  port {}: {} ({}), MTU {} active / {} max, LID {}",
                 p.port, p.state, p.link_layer, p.active_mtu, p.max_mtu, p.lid
-            );
+            )?;
             for g in &p.gids {
-                println!(
+                writeln!(
+                    o,
                     "    GID[{}] {:<40} {:<10} {}",
                     g.index,
                     g.gid.to_string(),
@@ -294,9 +307,10 @@ fn devices(json: bool) -> anyhow::Result<()> {
                         .and_then(|v| v.as_str().map(String::from))
                         .unwrap_or_default(),
                     g.netdev.as_deref().unwrap_or("-")
-                );
+                )?;
             }
         }
     }
+    emit(&o)?;
     Ok(())
 }

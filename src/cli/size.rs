@@ -45,7 +45,7 @@ pub(crate) fn parse_size(s: &str) -> Result<u64, String> {
 
 /// "1.0 MiB" style, for humans.
 pub(crate) fn human(n: u64) -> String {
-    const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    const U: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
     let mut v = n as f64;
     let mut i = 0;
     while v >= 1024.0 && i < U.len() - 1 {
@@ -90,5 +90,6 @@ mod tests {
         assert_eq!(human(10), "10 B");
         assert_eq!(human(1 << 20), "1.0 MiB");
         assert_eq!(human(3 << 29), "1.5 GiB");
+        assert_eq!(human(u64::MAX), "16.0 EiB");
     }
 }

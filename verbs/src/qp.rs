@@ -290,6 +290,13 @@ struct QpInner {
 }
 
 /// A reliable-connected queue pair with its own CQ. Cheap to clone.
+///
+/// A QP keeps its PD (and so the device context) alive, and an MR keeps its PD alive: neither
+/// can outlive what it depends on. An MR cannot be created without a PD:
+///
+/// ```compile_fail
+/// let mr = verbs::MemoryRegion::new(); // no public constructor: only ProtectionDomain::register*
+/// ```
 #[derive(Clone)]
 pub struct QueuePair {
     inner: Arc<QpInner>,
@@ -707,6 +714,25 @@ impl QueuePair {
     }
 
     /// RDMA WRITE `local` to `remote`.
+    ///
+    /// The buffer is moved into the operation, so the CPU cannot touch it while the device may:
+    ///
+    /// ```compile_fail
+    /// # async fn f(qp: verbs::QueuePair, mut buf: verbs::RegisteredBuffer, r: verbs::RemoteSlice) {
+    /// let op = qp.write(verbs::Local::owned(buf), r);
+    /// buf.as_mut_slice()[0] = 1; // error: `buf` was moved into the work request
+    /// op.await.unwrap();
+    /// # }
+    /// ```
+    ///
+    /// It comes back when the work request has completed:
+    ///
+    /// ```no_run
+    /// # async fn f(qp: verbs::QueuePair, buf: verbs::RegisteredBuffer, r: verbs::RemoteSlice) -> verbs::Result<()> {
+    /// let mut buf = qp.write(verbs::Local::owned(buf), r).await?.into_owned().unwrap();
+    /// buf.as_mut_slice()[0] = 1;
+    /// # Ok(()) }
+    /// ```
     pub async fn write(&self, local: Local, remote: RemoteSlice) -> Result<Local> {
         self.one(SendWr {
             op: SendOp::Write(remote),
