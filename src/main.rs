@@ -1,8 +1,8 @@
 //! The `p2p-rdma` command line.
 #![forbid(unsafe_code)]
 
-mod cli;
-
+use std::io::IsTerminal as _;
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -11,12 +11,20 @@ use clap::{Parser, Subcommand, ValueEnum};
 use p2p_rdma::loopback::{self, LoopbackConfig, Op};
 use verbs::CqMode;
 
-use cli::size::{human, parse_size};
+use bridge::size::{human, parse_size};
 
 /// Exit status: success.
 const EXIT_OK: u8 = 0;
 /// Exit status: the operation failed (transfer error, data mismatch, verbs error).
 const EXIT_FAILED: u8 = 1;
+/// Exit status: the server refused the request (unknown region, out of range, read-only, busy).
+const EXIT_REFUSED: u8 = 3;
+/// Exit status: authentication failed (wrong or missing token) or protocol versions differ.
+const EXIT_AUTH: u8 = 4;
+/// Exit status: the server cannot be reached (not running, wrong address, timeout).
+const EXIT_UNREACHABLE: u8 = 5;
+/// Exit status: `--verify` found different checksums.
+const EXIT_MISMATCH: u8 = 6;
 /// Exit status: no RDMA device, or libibverbs is missing (sysexits EX_UNAVAILABLE).
 const EXIT_UNAVAILABLE: u8 = 69;
 
@@ -29,7 +37,9 @@ const EXIT_UNAVAILABLE: u8 = 69;
                   with one-sided RDMA over RC queue pairs, explaining every path decision.\n\n\
                   No RDMA hardware? soft-roce/lab runs everything inside a QEMU guest with \
                   soft-RoCE (rxe): e.g. `soft-roce/lab -- target/release/p2p-rdma devices`.",
-    after_help = "Exit status: 0 success, 1 failure, 2 bad usage, 69 no RDMA device or libibverbs missing.\n\
+    after_help = "Exit status: 0 success, 1 failure, 2 bad usage, 3 request refused by the server (unknown region, \
+                  out of range, read-only, busy), 4 wrong/missing token or protocol version mismatch, 5 server \
+                  unreachable, 6 --verify mismatch, 69 no RDMA device or libibverbs missing.\n\
                   Logging: RUST_LOG=p2p_rdma=debug,verbs=debug for details."
 )]
 struct Cli {
@@ -39,6 +49,104 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
+    /// Serve memory regions to remote clients over RDMA (one-sided READ/WRITE on RC QPs).
+    ///
+    /// Each client connection gets its own protection domain and QP; a region is registered for
+    /// a connection when the client opens it, so its rkey is valid only there and dies when the
+    /// client closes it or goes away. SIGINT/SIGTERM stop accepting, let connections finish
+    /// (10 s at most) and release everything.
+    #[command(
+        after_help = "Region specs:\n  NAME=host:SIZE        zeroed RAM (K/M/G suffixes)\n  NAME=host:SIZE:huge   from huge pages (vm.nr_hugepages must be set)\n  NAME=file:PATH        a file, mapped shared: puts change the file (it must not shrink while served)\n  NAME=file:PATH:ro     read-only: registered without remote write, so the NIC itself refuses puts\n\nExample:\n  head -c 32 /dev/urandom | base64 > token\n  p2p-rdma serve --listen 0.0.0.0:7471 --token-file token --region ram=host:1G --region img=file:/data/img.bin:ro"
+    )]
+    Serve {
+        /// RDMA device (default: the first one with an active port).
+        #[arg(long, short = 'd', env = "P2P_RDMA_DEVICE")]
+        device: Option<String>,
+        /// Control address to listen on.
+        #[arg(long, default_value = "0.0.0.0:7471")]
+        listen: std::net::SocketAddr,
+        #[command(flatten)]
+        token: TokenArgs,
+        /// A region to serve (repeatable): NAME=host:SIZE[:huge] or NAME=file:PATH[:ro].
+        #[arg(long = "region", short = 'r', required = true, value_name = "SPEC")]
+        regions: Vec<bridge::RegionSpec>,
+        /// Most concurrent client connections.
+        #[arg(long, default_value_t = 64)]
+        max_connections: usize,
+        /// RDMA operations a client may keep in flight.
+        #[arg(long, default_value_t = 16)]
+        max_outstanding: u32,
+    },
+    /// List the regions a server offers.
+    #[command(
+        after_help = "Example:\n  P2P_RDMA_TOKEN=$(cat token) p2p-rdma ls 10.0.0.1:7471 --json"
+    )]
+    Ls {
+        /// Server control address HOST:PORT.
+        addr: String,
+        #[command(flatten)]
+        token: TokenArgs,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+        /// Seconds to wait for the server.
+        #[arg(long, default_value_t = 30)]
+        timeout: u64,
+    },
+    /// Read (part of) a remote region with RDMA READ into a file or stdout.
+    #[command(
+        after_help = "Examples:\n  p2p-rdma fetch 10.0.0.1:7471 ram -o ram.bin --token-file token --verify\n  p2p-rdma fetch 10.0.0.1:7471 img --offset 4K --length 1M -o - --token-file token | sha256sum"
+    )]
+    Fetch {
+        /// Server control address HOST:PORT.
+        addr: String,
+        /// Region name.
+        region: String,
+        /// Start offset in the region (K/M/G suffixes).
+        #[arg(long, default_value = "0", value_parser = parse_size_arg)]
+        offset: u64,
+        /// Bytes to fetch (default: to the end of the region).
+        #[arg(long, value_parser = parse_size_arg)]
+        length: Option<u64>,
+        /// Output file, or - for stdout.
+        #[arg(short = 'o', long = "output", value_name = "FILE|-")]
+        output: String,
+        /// Compare a CRC-32C of the bytes received with the server's.
+        #[arg(long)]
+        verify: bool,
+        /// Print a JSON result record.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Write a file or stdin into a remote region with RDMA WRITE.
+    #[command(
+        after_help = "Examples:\n  p2p-rdma put 10.0.0.1:7471 ram -i data.bin --token-file token --verify\n  tar c dir | p2p-rdma put 10.0.0.1:7471 ram -i - --offset 1M --token-file token"
+    )]
+    Put {
+        /// Server control address HOST:PORT.
+        addr: String,
+        /// Region name.
+        region: String,
+        /// Start offset in the region (K/M/G suffixes).
+        #[arg(long, default_value = "0", value_parser = parse_size_arg)]
+        offset: u64,
+        /// Bytes to put (default: the whole input; it must fit in the region).
+        #[arg(long, value_parser = parse_size_arg)]
+        length: Option<u64>,
+        /// Input file, or - for stdin.
+        #[arg(short = 'i', long = "input", value_name = "FILE|-")]
+        input: String,
+        /// Compare a CRC-32C of the bytes sent with the server's checksum of the range.
+        #[arg(long)]
+        verify: bool,
+        /// Print a JSON result record.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
     /// List RDMA devices with their ports, GID tables and capabilities.
     #[command(
         after_help = "Examples:\n  p2p-rdma devices\n  p2p-rdma devices --json | jq '.[0].ports[0].gids'"
@@ -87,6 +195,58 @@ enum Cmd {
     },
 }
 
+/// How a client finds the token.
+#[derive(clap::Args, Debug, Clone)]
+struct TokenArgs {
+    /// File holding the shared secret (surrounding whitespace is ignored). Default: the
+    /// environment variable P2P_RDMA_TOKEN.
+    #[arg(long, value_name = "FILE")]
+    token_file: Option<PathBuf>,
+}
+
+impl TokenArgs {
+    fn load(&self) -> anyhow::Result<String> {
+        let t = match &self.token_file {
+            Some(p) => std::fs::read_to_string(p)
+                .with_context(|| format!("cannot read the token file {}", p.display()))?,
+            None => std::env::var("P2P_RDMA_TOKEN").map_err(|_| anyhow::anyhow!(MissingToken))?,
+        };
+        let t = t.trim().to_string();
+        if t.is_empty() {
+            anyhow::bail!(MissingToken);
+        }
+        Ok(t)
+    }
+}
+
+#[derive(Debug)]
+struct MissingToken;
+impl std::fmt::Display for MissingToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("no token: give --token-file FILE or set P2P_RDMA_TOKEN (the token file must not be empty)")
+    }
+}
+impl std::error::Error for MissingToken {}
+
+/// Options every data-moving client command shares.
+#[derive(clap::Args, Debug, Clone)]
+struct ClientArgs {
+    /// RDMA device (default: the first one with an active port).
+    #[arg(long, short = 'd', env = "P2P_RDMA_DEVICE")]
+    device: Option<String>,
+    #[command(flatten)]
+    token: TokenArgs,
+    /// Bytes per RDMA work request (K/M/G suffixes).
+    #[arg(long, default_value = "1M", value_parser = parse_size_arg)]
+    chunk: u64,
+    /// Work requests in flight (capped by the server).
+    #[arg(long, default_value_t = 16)]
+    depth: usize,
+    /// Seconds to wait for the server at each step.
+    #[arg(long, default_value_t = 30)]
+    timeout: u64,
+}
+
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum OpArg {
     Write,
@@ -121,23 +281,46 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::from(EXIT_OK),
         Err(e) => {
             eprintln!("p2p-rdma: error: {}", render_chain(&e));
-            let unavailable = e.chain().any(|c| {
-                matches!(
-                    c.downcast_ref::<verbs::Error>(),
-                    Some(
-                        verbs::Error::NoDevice { .. }
-                            | verbs::Error::LibraryMissing { .. }
-                            | verbs::Error::DeviceNotFound { .. }
-                    )
-                )
-            });
-            ExitCode::from(if unavailable {
-                EXIT_UNAVAILABLE
-            } else {
-                EXIT_FAILED
-            })
+            ExitCode::from(exit_code(&e))
         }
     }
+}
+
+fn exit_code(e: &anyhow::Error) -> u8 {
+    use bridge::protocol::ErrorCode;
+    for c in e.chain() {
+        if c.downcast_ref::<MissingToken>().is_some() {
+            return EXIT_AUTH;
+        }
+        if let Some(v) = c.downcast_ref::<verbs::Error>() {
+            if matches!(
+                v,
+                verbs::Error::NoDevice { .. }
+                    | verbs::Error::LibraryMissing { .. }
+                    | verbs::Error::DeviceNotFound { .. }
+            ) {
+                return EXIT_UNAVAILABLE;
+            }
+        }
+        if let Some(b) = c.downcast_ref::<bridge::Error>() {
+            return match b {
+                bridge::Error::Connect { .. } | bridge::Error::Timeout { .. } => EXIT_UNREACHABLE,
+                bridge::Error::Version { .. } => EXIT_AUTH,
+                bridge::Error::Server { code, .. } => match code {
+                    ErrorCode::Unauthorized | ErrorCode::BadVersion => EXIT_AUTH,
+                    _ => EXIT_REFUSED,
+                },
+                bridge::Error::Mismatch { .. } => EXIT_MISMATCH,
+                bridge::Error::Verbs(
+                    verbs::Error::NoDevice { .. }
+                    | verbs::Error::LibraryMissing { .. }
+                    | verbs::Error::DeviceNotFound { .. },
+                ) => EXIT_UNAVAILABLE,
+                _ => EXIT_FAILED,
+            };
+        }
+    }
+    EXIT_FAILED
 }
 
 /// The error and its causes, each cause only if the text so far does not already say it.
@@ -159,6 +342,161 @@ fn render_chain(e: &anyhow::Error) -> String {
 async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.cmd {
         Cmd::Devices { json } => devices(json),
+        Cmd::Serve {
+            device,
+            listen,
+            token,
+            regions,
+            max_connections,
+            max_outstanding,
+        } => {
+            let mut cfg = bridge::ServerConfig::new(listen, token.load()?, regions);
+            cfg.device = device;
+            cfg.max_connections = max_connections;
+            cfg.max_outstanding = max_outstanding.max(1);
+            let server = bridge::Server::bind(cfg).await?;
+            let addr = server.local_addr()?;
+            eprintln!(
+                "p2p-rdma: serving on {addr} with RDMA device {}:",
+                server.device()
+            );
+            for r in server.regions() {
+                eprintln!(
+                    "  {:<16} {:>12}  {}  {}  {}",
+                    r.name,
+                    human(r.size),
+                    r.access,
+                    r.kind,
+                    r.path
+                );
+            }
+            server.run(shutdown_signal()).await?;
+            eprintln!("p2p-rdma: stopped");
+            Ok(())
+        }
+        Cmd::Ls {
+            addr,
+            token,
+            json,
+            timeout,
+        } => {
+            let mut cfg = bridge::ClientConfig::new(addr, token.load()?);
+            cfg.timeout = Duration::from_secs(timeout.max(1));
+            let mut c = bridge::Client::connect(cfg).await?;
+            let regions = c.list().await?;
+            let _ = c.bye().await;
+            if json {
+                emit(&format!("{}\n", serde_json::to_string_pretty(&regions)?))
+            } else {
+                let mut o = format!(
+                    "{:<16} {:>14} {:>10}  {:<6} {:<10} {}\n",
+                    "REGION", "BYTES", "SIZE", "ACCESS", "KIND", "PATH"
+                );
+                for r in regions {
+                    o.push_str(&format!(
+                        "{:<16} {:>14} {:>10}  {:<6} {:<10} {}\n",
+                        r.name,
+                        r.size,
+                        human(r.size),
+                        r.access.to_string(),
+                        r.kind,
+                        r.path
+                    ));
+                }
+                emit(&o)
+            }
+        }
+        Cmd::Fetch {
+            addr,
+            region,
+            offset,
+            length,
+            output,
+            verify,
+            json,
+            client,
+        } => {
+            let mut c = bridge::Client::connect(client_config(addr, &client)?).await?;
+            let r = c.open(&region, false).await?;
+            let len =
+                match length {
+                    Some(l) => l,
+                    None => r.info.size.checked_sub(offset).ok_or_else(|| {
+                        bridge::Error::Server {
+                            code: bridge::protocol::ErrorCode::OutOfRange,
+                            message: format!(
+                                "offset {offset} is beyond the end of region '{region}' ({} bytes)",
+                                r.info.size
+                            ),
+                        }
+                    })?,
+                };
+            let mut sink: Box<dyn std::io::Write + Send> = if output == "-" {
+                Box::new(std::io::BufWriter::with_capacity(
+                    1 << 20,
+                    std::io::stdout(),
+                ))
+            } else {
+                Box::new(
+                    std::fs::File::create(&output)
+                        .with_context(|| format!("cannot create the output file {output}"))?,
+                )
+            };
+            let mut bar = Progress::new(len, json);
+            let rep = c
+                .fetch(&r, offset, len, sink.as_mut(), verify, &mut |d| {
+                    bar.update(d)
+                })
+                .await?;
+            bar.finish();
+            let _ = c.close(&r).await;
+            let _ = c.bye().await;
+            print_report(&rep, json)
+        }
+        Cmd::Put {
+            addr,
+            region,
+            offset,
+            length,
+            input,
+            verify,
+            json,
+            client,
+        } => {
+            let (mut source, size): (Box<dyn std::io::Read + Send>, Option<u64>) = if input == "-" {
+                (Box::new(std::io::stdin()), None)
+            } else {
+                let f = std::fs::File::open(&input)
+                    .with_context(|| format!("cannot open the input file {input}"))?;
+                let n = f
+                    .metadata()
+                    .with_context(|| format!("cannot stat {input}"))?
+                    .len();
+                (
+                    Box::new(std::io::BufReader::with_capacity(1 << 20, f)),
+                    Some(n),
+                )
+            };
+            let limit = match (length, size) {
+                (Some(l), Some(n)) if l > n => {
+                    anyhow::bail!("--length {l} is more than the {n} bytes of {input}")
+                }
+                (Some(l), _) => Some(l),
+                (None, n) => n,
+            };
+            let mut c = bridge::Client::connect(client_config(addr, &client)?).await?;
+            let r = c.open(&region, true).await?;
+            let mut bar = Progress::new(limit.unwrap_or(r.info.size.saturating_sub(offset)), json);
+            let rep = c
+                .put(&r, offset, source.as_mut(), limit, verify, &mut |d| {
+                    bar.update(d)
+                })
+                .await?;
+            bar.finish();
+            let _ = c.close(&r).await;
+            let _ = c.bye().await;
+            print_report(&rep, json)
+        }
         Cmd::Loopback {
             device,
             op,
@@ -219,6 +557,103 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 ))?;
             }
             Ok(())
+        }
+    }
+}
+
+fn client_config(addr: String, a: &ClientArgs) -> anyhow::Result<bridge::ClientConfig> {
+    let mut cfg = bridge::ClientConfig::new(addr, a.token.load()?);
+    cfg.device = a.device.clone();
+    cfg.chunk = usize::try_from(a.chunk).context("--chunk is too large")?;
+    cfg.depth = a.depth;
+    cfg.timeout = Duration::from_secs(a.timeout.max(1));
+    Ok(cfg)
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    match (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) {
+        (Ok(mut i), Ok(mut t)) => {
+            tokio::select! {
+                _ = i.recv() => {}
+                _ = t.recv() => {}
+            }
+        }
+        _ => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+    eprintln!("p2p-rdma: shutting down (no new connections; letting current ones finish)");
+}
+
+fn print_report(r: &bridge::TransferReport, json: bool) -> anyhow::Result<()> {
+    if json {
+        return emit(&format!("{}\n", serde_json::to_string(r)?));
+    }
+    eprintln!(
+        "p2p-rdma: {} {} of '{}' at offset {} in {:.3} s ({:.2} MiB/s; direct {}, bounce {}){}",
+        r.op,
+        human(r.bytes),
+        r.region,
+        r.offset,
+        r.seconds,
+        r.mib_per_sec,
+        human(r.direct_bytes),
+        human(r.bounce_bytes),
+        if r.verified {
+            format!(", CRC-32C {:#010x} verified", r.crc32c)
+        } else {
+            String::new()
+        }
+    );
+    Ok(())
+}
+
+/// A progress line on stderr when it is a terminal (and no JSON was asked for).
+struct Progress {
+    total: u64,
+    on: bool,
+    start: std::time::Instant,
+    last: std::time::Instant,
+}
+
+impl Progress {
+    fn new(total: u64, json: bool) -> Progress {
+        let now = std::time::Instant::now();
+        Progress {
+            total,
+            on: !json && std::io::stderr().is_terminal(),
+            start: now,
+            last: now,
+        }
+    }
+
+    fn update(&mut self, done: u64) {
+        if !self.on || self.last.elapsed() < Duration::from_millis(100) {
+            return;
+        }
+        self.last = std::time::Instant::now();
+        let secs = self.start.elapsed().as_secs_f64().max(1e-9);
+        let pct = if self.total > 0 {
+            done as f64 * 100.0 / self.total as f64
+        } else {
+            100.0
+        };
+        eprint!(
+            "\r{:>10} / {:<10} {:5.1}%  {:8.2} MiB/s ",
+            human(done),
+            human(self.total),
+            pct,
+            done as f64 / secs / f64::from(1 << 20)
+        );
+    }
+
+    fn finish(&self) {
+        if self.on {
+            eprint!("\r{:60}\r", "");
         }
     }
 }

@@ -1,4 +1,17 @@
-//! The p2p-rdma node: region catalog, control protocol, server and client. The control protocol
-//! and the serve/fetch/put paths land with their issue; until then this crate only fixes the
-//! workspace layout.
+//! The p2p-rdma node: region catalog, control protocol, server and client.
+//!
+//! - [`protocol`]: the pure codec of the control protocol (length-prefixed JSON frames);
+//! - [`server::Server`]: serves host RAM and files as RDMA regions, one PD and QP per connection;
+//! - [`client::Client`]: lists, opens, fetches and puts with chunked one-sided RDMA.
 #![forbid(unsafe_code)]
+
+pub mod client;
+mod conn;
+pub mod error;
+pub mod protocol;
+pub mod server;
+pub mod size;
+
+pub use client::{Client, ClientConfig, OpenRegion, TransferReport};
+pub use error::{Error, Result};
+pub use server::{RegionSource, RegionSpec, Server, ServerConfig};

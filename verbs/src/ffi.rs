@@ -197,8 +197,79 @@ impl Mapping {
         Ok(Mapping { ptr, len })
     }
 
+    /// Map `len` bytes of `file` from offset 0, shared (writes reach the file).
+    pub(crate) fn file(file: &std::fs::File, len: usize, writable: bool) -> io::Result<Mapping> {
+        use std::os::fd::AsRawFd as _;
+        if len == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "cannot map an empty file",
+            ));
+        }
+        let prot = if writable {
+            libc::PROT_READ | libc::PROT_WRITE
+        } else {
+            libc::PROT_READ
+        };
+        // SAFETY: a fresh shared mapping of an open file at an address of the kernel's choosing
+        // touches no existing memory; the result is checked for MAP_FAILED. (Truncating the file
+        // behind our back would make later accesses fault: the file is opened by the server,
+        // which documents that served files must not shrink.)
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                prot,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let ptr =
+            NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned NULL"))?;
+        Ok(Mapping { ptr, len })
+    }
+
     pub(crate) fn as_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
+    }
+
+    /// Copy `out.len()` bytes from `offset` without creating a reference to memory that a
+    /// remote peer may be writing concurrently.
+    pub(crate) fn copy_out(&self, offset: usize, out: &mut [u8]) {
+        assert!(
+            offset.checked_add(out.len()).is_some_and(|e| e <= self.len),
+            "copy_out out of bounds"
+        );
+        // SAFETY: the range is inside the mapping (asserted); `out` is a distinct Rust buffer.
+        // Remote RDMA writes may race with this copy: the bytes read are then unspecified, which
+        // is the documented semantics of reading shared RDMA memory, never undefined behaviour
+        // of Rust references (none is created to the mapping).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.ptr.as_ptr().add(offset),
+                out.as_mut_ptr(),
+                out.len(),
+            )
+        };
+    }
+
+    /// Copy `data` to `offset` (same rules as [`Mapping::copy_out`]); the mapping must be writable.
+    pub(crate) fn copy_in(&self, offset: usize, data: &[u8]) {
+        assert!(
+            offset
+                .checked_add(data.len())
+                .is_some_and(|e| e <= self.len),
+            "copy_in out of bounds"
+        );
+        // SAFETY: in bounds (asserted), distinct from `data`; the caller checked the mapping is
+        // writable.
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.as_ptr().add(offset), data.len())
+        };
     }
 
     pub(crate) fn len(&self) -> usize {

@@ -29,6 +29,7 @@ pub use device::{
 pub use error::{meaning, Call, Error, Result, WcStatus};
 pub use mr::{
     Access, HostBuffer, MemoryRegion, ProtectionDomain, RegMode, RegisteredBuffer, RemoteSlice,
+    SharedMemory, SharedRegion,
 };
 pub use qp::{
     negotiate_mtu, Endpoint, Local, Pending, PendingRecv, QpOptions, QpState, QueuePair, RawSendWr,

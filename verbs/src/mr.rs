@@ -439,6 +439,161 @@ impl HostBuffer {
     }
 }
 
+/// Memory shared between many registrations and remote peers (a served region): host RAM or a
+/// mapped file. The CPU reaches it only by copying ([`SharedMemory::read_at`] /
+/// [`SharedMemory::write_at`]), never through references, because remote peers may write it at
+/// any time.
+#[derive(Debug)]
+pub struct SharedMemory {
+    map: Mapping,
+    writable: bool,
+    kind: &'static str,
+}
+
+impl SharedMemory {
+    /// Zeroed anonymous memory, optionally from huge pages.
+    pub fn anonymous(len: usize, huge: bool) -> Result<SharedMemory> {
+        let map = Mapping::anonymous(len, huge).map_err(|e| {
+            Error::verbs(
+                Call::Mmap,
+                if huge {
+                    format!("{len} bytes of huge pages (is vm.nr_hugepages set, and the size a multiple of the huge page size?)")
+                } else {
+                    format!("{len} bytes of anonymous memory")
+                },
+                e,
+            )
+        })?;
+        Ok(SharedMemory {
+            map,
+            writable: true,
+            kind: if huge { "host-huge" } else { "host" },
+        })
+    }
+
+    /// Map the whole of `file` (shared: remote writes reach the file). The file must not shrink
+    /// while mapped.
+    pub fn file(file: &std::fs::File, writable: bool) -> Result<SharedMemory> {
+        let len = file
+            .metadata()
+            .map_err(|e| Error::verbs(Call::Mmap, "fstat of the file to serve", e))?
+            .len();
+        let len = usize::try_from(len)
+            .map_err(|_| Error::InvalidArgument("file too large to map".into()))?;
+        if len == 0 {
+            return Err(Error::InvalidArgument("cannot serve an empty file".into()));
+        }
+        let map = Mapping::file(file, len, writable).map_err(|e| {
+            Error::verbs(
+                Call::Mmap,
+                format!(
+                    "{len}-byte file, {}",
+                    if writable { "read-write" } else { "read-only" }
+                ),
+                e,
+            )
+        })?;
+        Ok(SharedMemory {
+            map,
+            writable,
+            kind: "file",
+        })
+    }
+
+    /// Length.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+    /// Whether empty (never).
+    pub fn is_empty(&self) -> bool {
+        self.map.len() == 0
+    }
+    /// "host", "host-huge" or "file".
+    pub fn kind(&self) -> &'static str {
+        self.kind
+    }
+    /// Whether the CPU (and so remote peers) may write it.
+    pub fn writable(&self) -> bool {
+        self.writable
+    }
+
+    fn check(&self, offset: u64, len: usize) -> Result<usize> {
+        match offset.checked_add(len as u64) {
+            Some(end) if end <= self.len() as u64 => Ok(offset as usize),
+            _ => Err(Error::OutOfBounds {
+                what: "shared memory",
+                offset,
+                len: len as u64,
+                size: self.len() as u64,
+            }),
+        }
+    }
+
+    /// Copy bytes out.
+    pub fn read_at(&self, offset: u64, out: &mut [u8]) -> Result<()> {
+        let o = self.check(offset, out.len())?;
+        self.map.copy_out(o, out);
+        Ok(())
+    }
+
+    /// Copy bytes in.
+    pub fn write_at(&self, offset: u64, data: &[u8]) -> Result<()> {
+        if !self.writable {
+            return Err(Error::InvalidArgument(
+                "this memory is mapped read-only".into(),
+            ));
+        }
+        let o = self.check(offset, data.len())?;
+        self.map.copy_in(o, data);
+        Ok(())
+    }
+}
+
+impl ProtectionDomain {
+    /// Register shared memory; the region keeps it alive. Write access needs writable memory.
+    pub fn register_shared(
+        &self,
+        mem: &Arc<SharedMemory>,
+        access: Access,
+        mode: RegMode,
+    ) -> Result<SharedRegion> {
+        if !mem.writable
+            && (access.contains(Access::LOCAL_WRITE) || access.contains(Access::REMOTE_WRITE))
+        {
+            return Err(Error::InvalidArgument(
+                "read-only memory can only be registered with local/remote read access".into(),
+            ));
+        }
+        // SAFETY: the returned `SharedRegion` holds an `Arc` of the memory and drops the MR
+        // first, so the mapping outlives the registration.
+        let mr = unsafe { self.register_raw(mem.map.as_ptr() as usize, mem.len(), access, mode)? };
+        Ok(SharedRegion {
+            mr,
+            mem: Arc::clone(mem),
+        })
+    }
+}
+
+/// An MR over [`SharedMemory`]. Dropping it deregisters (the rkey dies); the memory lives on
+/// while other holders remain.
+#[derive(Debug)]
+pub struct SharedRegion {
+    // the MR is dropped before the memory's Arc
+    mr: MemoryRegion,
+    mem: Arc<SharedMemory>,
+}
+
+impl SharedRegion {
+    /// The MR.
+    pub fn mr(&self) -> &MemoryRegion {
+        &self.mr
+    }
+    /// The memory.
+    pub fn memory(&self) -> &Arc<SharedMemory> {
+        &self.mem
+    }
+}
+
 /// Host memory together with the MR that covers it. Dropping it deregisters, then unmaps.
 #[derive(Debug)]
 pub struct RegisteredBuffer {

@@ -1,7 +1,7 @@
-//! Byte sizes with K/M/G/T suffixes (powers of 1024), as users type them.
+//! Byte sizes with K/M/G/T suffixes (powers of 1024), as users type them, and back.
 
 /// Parse "4096", "64K", "1M", "1.5G", "2MiB", "8k". Errors say what is accepted.
-pub(crate) fn parse_size(s: &str) -> Result<u64, String> {
+pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
     if t.is_empty() {
         return Err("empty size".into());
@@ -44,7 +44,7 @@ pub(crate) fn parse_size(s: &str) -> Result<u64, String> {
 }
 
 /// "1.0 MiB" style, for humans.
-pub(crate) fn human(n: u64) -> String {
+pub fn human(n: u64) -> String {
     const U: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
     let mut v = n as f64;
     let mut i = 0;

@@ -1,0 +1,569 @@
+//! The client: connect, authenticate, list and open regions, and move bytes with one-sided
+//! RDMA READ/WRITE in chunks, many in flight.
+
+use std::collections::VecDeque;
+use std::io::{Read, Write};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use verbs::{
+    Access, Context, HostBuffer, Local, Pending, ProtectionDomain, QpOptions, QueuePair, RegMode,
+    RegisteredBuffer, RemoteSlice, SendOp, SendWr,
+};
+
+use crate::conn::Conn;
+use crate::error::{Error, Result};
+use crate::protocol::{DataPath, Msg, RegionInfo, WireEndpoint, VERSION};
+
+/// Client settings.
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    /// Server control address, `HOST:PORT`.
+    pub addr: String,
+    /// The shared secret.
+    pub token: String,
+    /// RDMA device (None: first active).
+    pub device: Option<String>,
+    /// Bytes per RDMA work request.
+    pub chunk: usize,
+    /// Work requests in flight (capped by the server's limit).
+    pub depth: usize,
+    /// Timeout for connecting and for each control reply.
+    pub timeout: Duration,
+}
+
+impl ClientConfig {
+    /// Defaults: 1 MiB chunks, 16 in flight, 30 s timeout.
+    pub fn new(addr: impl Into<String>, token: impl Into<String>) -> ClientConfig {
+        ClientConfig {
+            addr: addr.into(),
+            token: token.into(),
+            device: None,
+            chunk: 1 << 20,
+            depth: 16,
+            timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// A region opened on this connection.
+#[derive(Debug, Clone)]
+pub struct OpenRegion {
+    /// Handle for control requests.
+    pub handle: u32,
+    /// What the server says about it.
+    pub info: RegionInfo,
+    /// Where one-sided operations go.
+    pub remote: RemoteSlice,
+}
+
+/// What a transfer did.
+#[derive(Debug, Clone, Serialize)]
+pub struct TransferReport {
+    /// "fetch" or "put".
+    pub op: &'static str,
+    /// Region name.
+    pub region: String,
+    /// Offset in the region.
+    pub offset: u64,
+    /// Bytes moved.
+    pub bytes: u64,
+    /// Seconds from first post to last completion (and output written).
+    pub seconds: f64,
+    /// MiB/s.
+    pub mib_per_sec: f64,
+    /// Bytes that took the direct path.
+    pub direct_bytes: u64,
+    /// Bytes that took the bounce path.
+    pub bounce_bytes: u64,
+    /// CRC-32C of the bytes moved.
+    pub crc32c: u32,
+    /// Whether the server's checksum of the range was compared and matched.
+    pub verified: bool,
+}
+
+struct Rdma {
+    // drop order: staging buffers, then the QP (which holds the PD)
+    spare: Vec<RegisteredBuffer>,
+    qp: QueuePair,
+}
+
+/// A connected, authenticated client.
+pub struct Client {
+    conn: Conn,
+    cfg: ClientConfig,
+    server: String,
+    max_outstanding: u32,
+    rdma: Option<Rdma>,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("server", &self.server)
+            .field("addr", &self.cfg.addr)
+            .finish()
+    }
+}
+
+fn reply_err(peer: &str, m: Msg, want: &'static str) -> Error {
+    match m {
+        Msg::Error { code, message } => Error::Server { code, message },
+        other => Error::Unexpected {
+            peer: peer.to_string(),
+            got: other.kind(),
+            want,
+        },
+    }
+}
+
+impl Client {
+    /// Connect and authenticate.
+    pub async fn connect(cfg: ClientConfig) -> Result<Client> {
+        if cfg.chunk == 0 || cfg.chunk > (1 << 30) {
+            return Err(Error::Config(format!(
+                "chunk size must be 1 byte to 1 GiB, not {}",
+                cfg.chunk
+            )));
+        }
+        if cfg.depth == 0 {
+            return Err(Error::Config("depth must be at least 1".into()));
+        }
+        let stream = tokio::time::timeout(cfg.timeout, tokio::net::TcpStream::connect(&cfg.addr))
+            .await
+            .map_err(|_| Error::Timeout {
+                peer: cfg.addr.clone(),
+                what: "accept the TCP connection",
+                secs: cfg.timeout.as_secs(),
+            })?
+            .map_err(|e| Error::Connect {
+                addr: cfg.addr.clone(),
+                source: e,
+            })?;
+        let mut conn = Conn::new(stream, cfg.addr.clone());
+        conn.send(&Msg::Hello {
+            version: VERSION,
+            token: cfg.token.clone(),
+            client: format!(
+                "p2p-rdma {} pid {}",
+                env!("CARGO_PKG_VERSION"),
+                std::process::id()
+            ),
+        })
+        .await?;
+        match conn.recv(Some(cfg.timeout), "welcome").await? {
+            Msg::Welcome {
+                version,
+                server,
+                max_outstanding,
+            } => {
+                if version != VERSION {
+                    return Err(Error::Version {
+                        peer: cfg.addr.clone(),
+                        theirs: version,
+                        ours: VERSION,
+                    });
+                }
+                tracing::info!(server, max_outstanding, "connected");
+                Ok(Client {
+                    conn,
+                    cfg,
+                    server,
+                    max_outstanding,
+                    rdma: None,
+                })
+            }
+            other => Err(reply_err(&cfg.addr, other, "welcome")),
+        }
+    }
+
+    /// The server's self-description.
+    pub fn server(&self) -> &str {
+        &self.server
+    }
+
+    async fn request(&mut self, m: &Msg, want: &'static str) -> Result<Msg> {
+        self.conn.send(m).await?;
+        self.conn.recv(Some(self.cfg.timeout), want).await
+    }
+
+    /// The regions the server offers.
+    pub async fn list(&mut self) -> Result<Vec<RegionInfo>> {
+        match self.request(&Msg::List, "regions").await? {
+            Msg::Regions { regions } => Ok(regions),
+            other => Err(reply_err(&self.conn.peer, other, "regions")),
+        }
+    }
+
+    /// Open a region (for writing if `write`).
+    pub async fn open(&mut self, region: &str, write: bool) -> Result<OpenRegion> {
+        let m = Msg::Open {
+            region: region.to_string(),
+            write,
+        };
+        match self.request(&m, "opened").await? {
+            Msg::Opened {
+                handle,
+                info,
+                addr,
+                rkey,
+                len,
+            } => Ok(OpenRegion {
+                handle,
+                info,
+                remote: RemoteSlice { addr, rkey, len },
+            }),
+            other => Err(reply_err(&self.conn.peer, other, "opened")),
+        }
+    }
+
+    /// Release a region's handle (its rkey dies on the server).
+    pub async fn close(&mut self, r: &OpenRegion) -> Result<()> {
+        match self
+            .request(&Msg::Close { handle: r.handle }, "closed")
+            .await?
+        {
+            Msg::Closed { .. } => Ok(()),
+            other => Err(reply_err(&self.conn.peer, other, "closed")),
+        }
+    }
+
+    /// The server's CRC-32C of a range.
+    pub async fn checksum(&mut self, r: &OpenRegion, offset: u64, len: u64) -> Result<u32> {
+        let m = Msg::Checksum {
+            handle: r.handle,
+            offset,
+            len,
+        };
+        match self.request(&m, "checksum").await? {
+            Msg::ChecksumIs { crc32c } => Ok(crc32c),
+            other => Err(reply_err(&self.conn.peer, other, "checksum")),
+        }
+    }
+
+    /// Say goodbye and close.
+    pub async fn bye(mut self) -> Result<()> {
+        self.conn.send(&Msg::Bye).await?;
+        self.conn.shutdown().await;
+        Ok(())
+    }
+
+    fn depth(&self) -> usize {
+        self.cfg.depth.min(self.max_outstanding.max(1) as usize)
+    }
+
+    /// Create our QP and have the server connect its own to it (once per client).
+    async fn rdma(&mut self) -> Result<&mut Rdma> {
+        if self.rdma.is_none() {
+            let ctx = Context::open(self.cfg.device.as_deref())?;
+            let pd = ProtectionDomain::new(&ctx)?;
+            let depth = self.depth();
+            let qp = QueuePair::new(
+                &pd,
+                QpOptions {
+                    max_send_wr: depth as u32,
+                    max_recv_wr: 1,
+                    max_rd_atomic: depth.min(255) as u8,
+                    ..QpOptions::default()
+                },
+            )?;
+            let ep = qp.endpoint();
+            let m = Msg::Connect {
+                endpoint: WireEndpoint {
+                    lid: ep.lid,
+                    gid: ep.gid.octets(),
+                    qpn: ep.qpn,
+                    psn: ep.psn,
+                    mtu: ep.mtu,
+                },
+            };
+            let remote = match self.request(&m, "connected").await? {
+                Msg::Connected { endpoint } => verbs::Endpoint {
+                    lid: endpoint.lid,
+                    gid: endpoint.gid.into(),
+                    qpn: endpoint.qpn,
+                    psn: endpoint.psn,
+                    mtu: endpoint.mtu,
+                },
+                other => return Err(reply_err(&self.conn.peer, other, "connected")),
+            };
+            qp.connect(&remote)?;
+            let mut spare = Vec::with_capacity(depth);
+            for _ in 0..depth {
+                spare.push(pd.register(
+                    HostBuffer::new(self.cfg.chunk)?,
+                    Access::LOCAL_WRITE,
+                    RegMode::Pinned,
+                )?);
+            }
+            self.rdma = Some(Rdma { spare, qp });
+        }
+        Ok(self.rdma.as_mut().expect("just set"))
+    }
+
+    fn check_range(r: &OpenRegion, offset: u64, len: u64) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= r.info.size => Ok(()),
+            _ => Err(Error::Server {
+                code: crate::protocol::ErrorCode::OutOfRange,
+                message: format!(
+                    "offset {offset} + length {len} is outside region '{}' of {} bytes",
+                    r.info.name, r.info.size
+                ),
+            }),
+        }
+    }
+
+    /// RDMA-READ `len` bytes at `offset` of the region into `sink`. With `verify`, the server's
+    /// checksum of the range is compared with the bytes received.
+    pub async fn fetch(
+        &mut self,
+        r: &OpenRegion,
+        offset: u64,
+        len: u64,
+        sink: &mut (dyn Write + Send),
+        verify: bool,
+        progress: &mut (dyn FnMut(u64) + Send),
+    ) -> Result<TransferReport> {
+        Self::check_range(r, offset, len)?;
+        if r.info.path != DataPath::Direct {
+            return Err(Error::Config(format!(
+                "region '{}' is not served direct",
+                r.info.name
+            )));
+        }
+        let chunk = self.cfg.chunk as u64;
+        let depth = self.depth();
+        let remote = r.remote;
+        let start = Instant::now();
+        let rdma = self.rdma().await?;
+        let mut window: VecDeque<(Pending, usize)> = VecDeque::with_capacity(depth);
+        let mut next = 0u64;
+        let mut done = 0u64;
+        let mut crc = 0u32;
+        let result: Result<()> = async {
+            loop {
+                while window.len() < depth && next < len {
+                    let n = (len - next).min(chunk) as usize;
+                    let buf = rdma.spare.pop().expect("one staging buffer per slot");
+                    let wr = SendWr {
+                        op: SendOp::Read(remote.slice(offset + next, n as u64)?),
+                        local: Local::owned_range(buf, 0..n)?,
+                    };
+                    window.push_back((rdma.qp.post_send(vec![wr])?, n));
+                    next += n as u64;
+                }
+                let Some((p, n)) = window.pop_front() else {
+                    break;
+                };
+                let mut back = p.await?;
+                let l = back.pop().expect("one work request");
+                let bytes = &l.buffer().as_slice()[..n];
+                crc = crc32c::crc32c_append(crc, bytes);
+                sink.write_all(bytes)
+                    .map_err(|e| Error::io("writing the fetched data", e))?;
+                rdma.spare.push(l.into_owned().expect("owned buffer"));
+                done += n as u64;
+                progress(done);
+            }
+            sink.flush()
+                .map_err(|e| Error::io("flushing the fetched data", e))
+        }
+        .await;
+        // whatever happened, wait for every posted read so no buffer is lost
+        for (p, _) in window.drain(..) {
+            if let Ok(v) = p.await {
+                rdma.spare
+                    .extend(v.into_iter().filter_map(Local::into_owned));
+            }
+        }
+        result?;
+        let seconds = start.elapsed().as_secs_f64();
+        let verified = if verify {
+            let server = self.checksum(r, offset, len).await?;
+            if server != crc {
+                return Err(Error::Mismatch {
+                    what: format!(
+                        "fetch of {len} bytes at offset {offset} of '{}'",
+                        r.info.name
+                    ),
+                    client: crc,
+                    server,
+                });
+            }
+            true
+        } else {
+            false
+        };
+        Ok(report("fetch", r, offset, done, seconds, crc, verified))
+    }
+
+    /// RDMA-WRITE `source` (until EOF, at most `limit` bytes if given) to the region at
+    /// `offset`. Refuses up front when `limit` exceeds the region; a stream that turns out longer
+    /// than the region stops at the region's end with an error saying how much was written.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn put(
+        &mut self,
+        r: &OpenRegion,
+        offset: u64,
+        source: &mut (dyn Read + Send),
+        limit: Option<u64>,
+        verify: bool,
+        progress: &mut (dyn FnMut(u64) + Send),
+    ) -> Result<TransferReport> {
+        if let Some(l) = limit {
+            Self::check_range(r, offset, l)?;
+        } else {
+            Self::check_range(r, offset, 0)?;
+        }
+        let room = r.info.size - offset;
+        let max = limit.unwrap_or(room);
+        let chunk = self.cfg.chunk;
+        let depth = self.depth();
+        let remote = r.remote;
+        let start = Instant::now();
+        let rdma = self.rdma().await?;
+        let mut window: VecDeque<Pending> = VecDeque::with_capacity(depth);
+        let mut posted = 0u64;
+        let mut done = 0u64;
+        let mut crc = 0u32;
+        let mut eof = false;
+        let mut overflow = false;
+        let result: Result<()> = async {
+            loop {
+                while window.len() < depth && !eof && posted < max {
+                    let mut buf = rdma.spare.pop().expect("one staging buffer per slot");
+                    let want = ((max - posted) as usize).min(chunk);
+                    let n = read_full(source, &mut buf.as_mut_slice()[..want]);
+                    let n = match n {
+                        Ok(n) => n,
+                        Err(e) => {
+                            rdma.spare.push(buf);
+                            return Err(Error::io("reading the data to put", e));
+                        }
+                    };
+                    if n < want {
+                        eof = true;
+                    }
+                    if n == 0 {
+                        rdma.spare.push(buf);
+                        break;
+                    }
+                    crc = crc32c::crc32c_append(crc, &buf.as_slice()[..n]);
+                    let wr = SendWr {
+                        op: SendOp::Write(remote.slice(offset + posted, n as u64)?),
+                        local: Local::owned_range(buf, 0..n)?,
+                    };
+                    window.push_back(rdma.qp.post_send(vec![wr])?);
+                    posted += n as u64;
+                }
+                if !eof && posted >= max && limit.is_none() {
+                    // the region is full: is there more input?
+                    let mut probe = [0u8; 1];
+                    if read_full(source, &mut probe)
+                        .map_err(|e| Error::io("reading the data to put", e))?
+                        > 0
+                    {
+                        overflow = true;
+                    }
+                    eof = true;
+                }
+                let Some(p) = window.pop_front() else { break };
+                let back = p.await?;
+                for l in back {
+                    done += l.len() as u64;
+                    rdma.spare.push(l.into_owned().expect("owned buffer"));
+                }
+                progress(done);
+            }
+            Ok(())
+        }
+        .await;
+        for p in window.drain(..) {
+            if let Ok(v) = p.await {
+                for l in v {
+                    done += l.len() as u64;
+                    rdma.spare.extend(l.into_owned());
+                }
+            }
+        }
+        result?;
+        if overflow {
+            return Err(Error::Server {
+                code: crate::protocol::ErrorCode::OutOfRange,
+                message: format!(
+                    "the input is longer than the {room} bytes from offset {offset} to the end of region '{}'; \
+                     the first {done} bytes were written",
+                    r.info.name
+                ),
+            });
+        }
+        let seconds = start.elapsed().as_secs_f64();
+        let verified = if verify {
+            let server = self.checksum(r, offset, done).await?;
+            if server != crc {
+                return Err(Error::Mismatch {
+                    what: format!(
+                        "put of {done} bytes at offset {offset} of '{}'",
+                        r.info.name
+                    ),
+                    client: crc,
+                    server,
+                });
+            }
+            true
+        } else {
+            false
+        };
+        Ok(report("put", r, offset, done, seconds, crc, verified))
+    }
+}
+
+fn report(
+    op: &'static str,
+    r: &OpenRegion,
+    offset: u64,
+    bytes: u64,
+    seconds: f64,
+    crc32c: u32,
+    verified: bool,
+) -> TransferReport {
+    TransferReport {
+        op,
+        region: r.info.name.clone(),
+        offset,
+        bytes,
+        seconds,
+        mib_per_sec: if seconds > 0.0 {
+            bytes as f64 / seconds / f64::from(1 << 20)
+        } else {
+            0.0
+        },
+        direct_bytes: if r.info.path == DataPath::Direct {
+            bytes
+        } else {
+            0
+        },
+        bounce_bytes: if r.info.path == DataPath::Bounce {
+            bytes
+        } else {
+            0
+        },
+        crc32c,
+        verified,
+    }
+}
+
+/// Read until `buf` is full or EOF; returns the bytes read.
+fn read_full(src: &mut (dyn Read + Send), buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match src.read(&mut buf[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(n)
+}

@@ -1,0 +1,121 @@
+//! Errors of the bridge (server and client).
+
+use std::io;
+
+use crate::protocol::{DecodeError, ErrorCode};
+
+/// All errors of the `bridge` crate.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Cannot reach the server.
+    #[error("cannot connect to {addr}: {source} (is `p2p-rdma serve` running there, and the port reachable?)")]
+    Connect {
+        /// Address.
+        addr: String,
+        /// Cause.
+        #[source]
+        source: io::Error,
+    },
+    /// The peer did not answer in time.
+    #[error("{peer} did not {what} within {secs} s")]
+    Timeout {
+        /// Peer.
+        peer: String,
+        /// What was awaited.
+        what: &'static str,
+        /// Seconds.
+        secs: u64,
+    },
+    /// The peer hung up.
+    #[error("{peer} closed the connection{during}")]
+    Closed {
+        /// Peer.
+        peer: String,
+        /// Context.
+        during: String,
+    },
+    /// Bytes that are not our protocol.
+    #[error("protocol error with {peer}: {source}")]
+    Protocol {
+        /// Peer.
+        peer: String,
+        /// Cause.
+        #[source]
+        source: DecodeError,
+    },
+    /// The peer sent a valid message we did not expect.
+    #[error("unexpected message from {peer}: got '{got}' while waiting for {want}")]
+    Unexpected {
+        /// Peer.
+        peer: String,
+        /// Received type.
+        got: &'static str,
+        /// Expected.
+        want: &'static str,
+    },
+    /// The server refused a request.
+    #[error("server refused: {message} [{code}]")]
+    Server {
+        /// Code.
+        code: ErrorCode,
+        /// Message.
+        message: String,
+    },
+    /// Protocol versions differ.
+    #[error("protocol version mismatch: {peer} speaks version {theirs}, this build speaks {ours}; use matching p2p-rdma versions")]
+    Version {
+        /// Peer.
+        peer: String,
+        /// Theirs.
+        theirs: u16,
+        /// Ours.
+        ours: u16,
+    },
+    /// Checksums differ.
+    #[error("verification failed: {what}: client CRC-32C {client:#010x}, server {server:#010x}")]
+    Mismatch {
+        /// What was checked.
+        what: String,
+        /// Client side.
+        client: u32,
+        /// Server side.
+        server: u32,
+    },
+    /// RDMA failure.
+    #[error(transparent)]
+    Verbs(#[from] verbs::Error),
+    /// Local I/O failure.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// Cause.
+        #[source]
+        source: io::Error,
+    },
+    /// Bad configuration or argument.
+    #[error("{0}")]
+    Config(String),
+}
+
+impl Error {
+    /// Wrap an I/O error with what was being done.
+    pub fn io(what: impl Into<String>, source: io::Error) -> Error {
+        Error::Io {
+            what: what.into(),
+            source,
+        }
+    }
+
+    /// The server's error code, if the server refused.
+    pub fn code(&self) -> Option<ErrorCode> {
+        match self {
+            Error::Server { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+}
+
+/// Result alias.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,572 @@
+//! The control protocol: length-prefixed frames carrying JSON messages, over TCP.
+//!
+//! This module is pure: [`encode`] turns a message into bytes and [`Decoder`] turns bytes into
+//! messages; no I/O, no clock. Frame layout: `u32` big-endian payload length, then the payload,
+//! a JSON object with a `"type"` tag. Frames over [`MAX_FRAME`] are refused before buffering.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// Protocol version spoken by this build.
+pub const VERSION: u16 = 1;
+/// Largest accepted frame payload.
+pub const MAX_FRAME: usize = 1 << 20;
+
+/// Region access as the server grants it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AccessMode {
+    /// Remote READ only; the NIC refuses writes.
+    ReadOnly,
+    /// Remote READ and WRITE.
+    ReadWrite,
+}
+
+impl fmt::Display for AccessMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            AccessMode::ReadOnly => "ro",
+            AccessMode::ReadWrite => "rw",
+        })
+    }
+}
+
+/// How the bytes of a region travel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DataPath {
+    /// One-sided RDMA straight on the region's MR.
+    Direct,
+    /// Through the server's staging buffers (bounce requests).
+    Bounce,
+}
+
+impl fmt::Display for DataPath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DataPath::Direct => "direct",
+            DataPath::Bounce => "bounce",
+        })
+    }
+}
+
+/// What a region is, as listed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegionInfo {
+    /// Name clients use.
+    pub name: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// Access granted.
+    pub access: AccessMode,
+    /// Where the memory comes from: "host", "host-huge", "file".
+    pub kind: String,
+    /// The path its data takes.
+    pub path: DataPath,
+}
+
+/// A QP endpoint on the wire (see `verbs::Endpoint`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireEndpoint {
+    /// LID.
+    pub lid: u16,
+    /// GID, 16 bytes.
+    pub gid: [u8; 16],
+    /// QP number.
+    pub qpn: u32,
+    /// Initial PSN.
+    pub psn: u32,
+    /// Path MTU in bytes.
+    pub mtu: u32,
+}
+
+/// Error codes carried by [`Msg::Error`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
+pub enum ErrorCode {
+    /// The peer speaks another protocol version.
+    BadVersion,
+    /// Missing or wrong token, or a request before a successful hello.
+    Unauthorized,
+    /// No region of that name.
+    UnknownRegion,
+    /// Offset/length outside the region.
+    OutOfRange,
+    /// Write access to a read-only region.
+    ReadOnly,
+    /// A malformed or unexpected request.
+    BadRequest,
+    /// A server limit was reached (connections, open regions).
+    Busy,
+    /// The region is served direct: use one-sided RDMA, not bounce requests.
+    NotBounce,
+    /// The handle is not open on this connection.
+    NotOpen,
+    /// The server failed (RDMA resources, I/O).
+    Internal,
+    /// The server is shutting down.
+    ShuttingDown,
+}
+
+impl fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = serde_json::to_value(self)
+            .ok()
+            .and_then(|v| v.as_str().map(String::from));
+        f.write_str(s.as_deref().unwrap_or("unknown"))
+    }
+}
+
+/// Every message of the protocol.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "kebab-case")]
+#[non_exhaustive]
+pub enum Msg {
+    /// Client → server, first message.
+    Hello {
+        /// Client's protocol version.
+        version: u16,
+        /// The shared secret.
+        token: String,
+        /// Free-form client name for logs.
+        client: String,
+    },
+    /// Server → client: the token checked out.
+    Welcome {
+        /// Server's protocol version.
+        version: u16,
+        /// Server name for logs.
+        server: String,
+        /// RDMA operations the client may keep in flight.
+        max_outstanding: u32,
+    },
+    /// Client → server: list regions.
+    List,
+    /// Server → client.
+    Regions {
+        /// The regions.
+        regions: Vec<RegionInfo>,
+    },
+    /// Client → server: create the server side of the RDMA connection.
+    Connect {
+        /// Client's QP.
+        endpoint: WireEndpoint,
+    },
+    /// Server → client.
+    Connected {
+        /// Server's QP, already connected to the client's.
+        endpoint: WireEndpoint,
+    },
+    /// Client → server: open a region for one-sided access.
+    Open {
+        /// Region name.
+        region: String,
+        /// Whether the client wants to write.
+        write: bool,
+    },
+    /// Server → client: what one-sided access needs.
+    Opened {
+        /// Handle for later requests.
+        handle: u32,
+        /// The region.
+        info: RegionInfo,
+        /// Remote address of byte 0.
+        addr: u64,
+        /// Remote key (valid only on this connection's QP).
+        rkey: u32,
+        /// Length.
+        len: u64,
+    },
+    /// Client → server: checksum (CRC-32C) of a range, for end-to-end verification.
+    Checksum {
+        /// Open handle.
+        handle: u32,
+        /// Offset.
+        offset: u64,
+        /// Length.
+        len: u64,
+    },
+    /// Server → client.
+    ChecksumIs {
+        /// CRC-32C of the range.
+        crc32c: u32,
+    },
+    /// Client → server: move a range through the bounce path (server copies to/from staging
+    /// buffers and RDMA-writes/reads the client's buffer).
+    Bounce {
+        /// Open handle.
+        handle: u32,
+        /// Offset in the region.
+        offset: u64,
+        /// Length.
+        len: u64,
+        /// true: client → region (put); false: region → client (fetch).
+        to_region: bool,
+        /// Client buffer address.
+        addr: u64,
+        /// Client buffer rkey.
+        rkey: u32,
+    },
+    /// Server → client: a bounce transfer finished.
+    BounceDone {
+        /// Bytes moved.
+        len: u64,
+    },
+    /// Client → server: release a handle (its MR and rkey).
+    Close {
+        /// Handle.
+        handle: u32,
+    },
+    /// Server → client.
+    Closed {
+        /// Handle.
+        handle: u32,
+    },
+    /// Either way: a request failed.
+    Error {
+        /// Machine-readable code.
+        code: ErrorCode,
+        /// Human message saying what to do.
+        message: String,
+    },
+    /// Client → server: done; the server closes the connection.
+    Bye,
+}
+
+impl Msg {
+    /// The `type` tag, for messages.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Msg::Hello { .. } => "hello",
+            Msg::Welcome { .. } => "welcome",
+            Msg::List => "list",
+            Msg::Regions { .. } => "regions",
+            Msg::Connect { .. } => "connect",
+            Msg::Connected { .. } => "connected",
+            Msg::Open { .. } => "open",
+            Msg::Opened { .. } => "opened",
+            Msg::Checksum { .. } => "checksum",
+            Msg::ChecksumIs { .. } => "checksum-is",
+            Msg::Bounce { .. } => "bounce",
+            Msg::BounceDone { .. } => "bounce-done",
+            Msg::Close { .. } => "close",
+            Msg::Closed { .. } => "closed",
+            Msg::Error { .. } => "error",
+            Msg::Bye => "bye",
+        }
+    }
+
+    /// An error message.
+    pub fn error(code: ErrorCode, message: impl Into<String>) -> Msg {
+        Msg::Error {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+/// Why bytes could not be decoded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DecodeError {
+    /// The length prefix exceeds [`MAX_FRAME`].
+    #[error("frame of {0} bytes exceeds the {MAX_FRAME}-byte limit (not a p2p-rdma peer?)")]
+    TooLarge(usize),
+    /// The payload is not a valid message.
+    #[error("malformed message: {0}")]
+    Malformed(String),
+    /// The stream ended inside a frame.
+    #[error("connection closed in the middle of a frame ({0} bytes buffered)")]
+    Truncated(usize),
+}
+
+/// Encode one message as a frame.
+pub fn encode(msg: &Msg) -> Vec<u8> {
+    let body = serde_json::to_vec(msg).expect("messages always serialize");
+    let mut out = Vec::with_capacity(4 + body.len());
+    out.extend_from_slice(&(body.len() as u32).to_be_bytes());
+    out.extend_from_slice(&body);
+    out
+}
+
+/// Incremental decoder: feed bytes, take messages.
+#[derive(Debug, Default)]
+pub struct Decoder {
+    buf: Vec<u8>,
+}
+
+impl Decoder {
+    /// A new decoder.
+    pub fn new() -> Decoder {
+        Decoder::default()
+    }
+
+    /// Append received bytes.
+    pub fn feed(&mut self, bytes: &[u8]) {
+        self.buf.extend_from_slice(bytes);
+    }
+
+    /// Bytes buffered and not yet decoded.
+    pub fn buffered(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// The next complete message, `Ok(None)` if more bytes are needed.
+    pub fn next_msg(&mut self) -> Result<Option<Msg>, DecodeError> {
+        if self.buf.len() < 4 {
+            return Ok(None);
+        }
+        let len = u32::from_be_bytes([self.buf[0], self.buf[1], self.buf[2], self.buf[3]]) as usize;
+        if len > MAX_FRAME {
+            return Err(DecodeError::TooLarge(len));
+        }
+        if self.buf.len() < 4 + len {
+            return Ok(None);
+        }
+        let res = serde_json::from_slice::<Msg>(&self.buf[4..4 + len]);
+        self.buf.drain(..4 + len);
+        res.map(Some)
+            .map_err(|e| DecodeError::Malformed(e.to_string()))
+    }
+
+    /// Call at end of stream: an error if a partial frame is left.
+    pub fn finish(&self) -> Result<(), DecodeError> {
+        if self.buf.is_empty() {
+            Ok(())
+        } else {
+            Err(DecodeError::Truncated(self.buf.len()))
+        }
+    }
+}
+
+/// Compare two secrets in time that depends only on their lengths' maximum, not on where
+/// they differ.
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let n = a.len().max(b.len());
+    let mut diff = (a.len() ^ b.len()) as u64;
+    for i in 0..n {
+        let x = a.get(i).copied().unwrap_or(0);
+        let y = b.get(i).copied().unwrap_or(0);
+        diff |= u64::from(x ^ y);
+    }
+    std::hint::black_box(diff) == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn sample() -> Vec<Msg> {
+        let info = RegionInfo {
+            name: "ram".into(),
+            size: 64 << 20,
+            access: AccessMode::ReadWrite,
+            kind: "host".into(),
+            path: DataPath::Direct,
+        };
+        vec![
+            Msg::Hello {
+                version: VERSION,
+                token: "s3cret".into(),
+                client: "c".into(),
+            },
+            Msg::Welcome {
+                version: VERSION,
+                server: "s".into(),
+                max_outstanding: 16,
+            },
+            Msg::List,
+            Msg::Regions {
+                regions: vec![info.clone()],
+            },
+            Msg::Open {
+                region: "ram".into(),
+                write: true,
+            },
+            Msg::Opened {
+                handle: 1,
+                info,
+                addr: u64::MAX,
+                rkey: 7,
+                len: 64 << 20,
+            },
+            Msg::error(ErrorCode::OutOfRange, "offset 5 + length 9 > 10"),
+            Msg::Bye,
+        ]
+    }
+
+    #[test]
+    fn frames_roundtrip_even_when_split_byte_by_byte() {
+        let msgs = sample();
+        let bytes: Vec<u8> = msgs.iter().flat_map(encode).collect();
+        let mut d = Decoder::new();
+        let mut out = Vec::new();
+        for b in bytes {
+            d.feed(&[b]);
+            while let Some(m) = d.next_msg().unwrap() {
+                out.push(m);
+            }
+        }
+        assert_eq!(out, msgs);
+        d.finish().unwrap();
+    }
+
+    #[test]
+    fn oversize_garbage_and_truncation_are_errors() {
+        let mut d = Decoder::new();
+        d.feed(b"GET / HTTP/1.1\r\n");
+        assert!(matches!(d.next_msg(), Err(DecodeError::TooLarge(_))));
+        let mut d = Decoder::new();
+        d.feed(&[0, 0, 0, 3, b'{', b'}', b'x']);
+        assert!(matches!(d.next_msg(), Err(DecodeError::Malformed(_))));
+        let mut d = Decoder::new();
+        d.feed(&encode(&Msg::List)[..5]);
+        assert_eq!(d.next_msg(), Ok(None));
+        assert!(matches!(d.finish(), Err(DecodeError::Truncated(5))));
+        let mut d = Decoder::new();
+        let body = br#"{"type":"nope"}"#;
+        d.feed(&(body.len() as u32).to_be_bytes());
+        d.feed(body);
+        let e = d.next_msg().unwrap_err();
+        assert!(e.to_string().contains("nope"), "{e}");
+    }
+
+    #[test]
+    fn error_codes_are_kebab_case_on_the_wire() {
+        assert_eq!(ErrorCode::UnknownRegion.to_string(), "unknown-region");
+        let b = encode(&Msg::error(ErrorCode::ReadOnly, "x"));
+        assert!(String::from_utf8_lossy(&b[4..]).contains(r#""code":"read-only""#));
+    }
+
+    #[test]
+    fn secrets_compare() {
+        assert!(constant_time_eq(b"abc", b"abc"));
+        assert!(!constant_time_eq(b"abc", b"abd"));
+        assert!(!constant_time_eq(b"abc", b"abcd"));
+        assert!(!constant_time_eq(b"", b"a"));
+        assert!(constant_time_eq(b"", b""));
+    }
+
+    fn arb_msg() -> impl Strategy<Value = Msg> {
+        let s = ".{0,40}";
+        prop_oneof![
+            (any::<u16>(), s, s).prop_map(|(version, token, client)| Msg::Hello {
+                version,
+                token,
+                client
+            }),
+            (any::<u16>(), s, any::<u32>()).prop_map(|(version, server, max_outstanding)| {
+                Msg::Welcome {
+                    version,
+                    server,
+                    max_outstanding,
+                }
+            }),
+            Just(Msg::List),
+            (s, any::<bool>()).prop_map(|(region, write)| Msg::Open { region, write }),
+            (
+                any::<u32>(),
+                s,
+                any::<u64>(),
+                any::<bool>(),
+                any::<u64>(),
+                any::<u32>()
+            )
+                .prop_map(|(handle, name, size, ro, addr, rkey)| Msg::Opened {
+                    handle,
+                    info: RegionInfo {
+                        name,
+                        size,
+                        access: if ro {
+                            AccessMode::ReadOnly
+                        } else {
+                            AccessMode::ReadWrite
+                        },
+                        kind: "file".into(),
+                        path: DataPath::Direct,
+                    },
+                    addr,
+                    rkey,
+                    len: size,
+                }),
+            (
+                any::<u16>(),
+                any::<[u8; 16]>(),
+                any::<u32>(),
+                any::<u32>(),
+                any::<u32>()
+            )
+                .prop_map(|(lid, gid, qpn, psn, mtu)| Msg::Connect {
+                    endpoint: WireEndpoint {
+                        lid,
+                        gid,
+                        qpn,
+                        psn,
+                        mtu
+                    }
+                }),
+            (any::<u32>(), any::<u64>(), any::<u64>()).prop_map(|(handle, offset, len)| {
+                Msg::Checksum {
+                    handle,
+                    offset,
+                    len,
+                }
+            }),
+            any::<u32>().prop_map(|crc32c| Msg::ChecksumIs { crc32c }),
+            (
+                any::<u32>(),
+                any::<u64>(),
+                any::<u64>(),
+                any::<bool>(),
+                any::<u64>(),
+                any::<u32>()
+            )
+                .prop_map(|(handle, offset, len, to_region, addr, rkey)| Msg::Bounce {
+                    handle,
+                    offset,
+                    len,
+                    to_region,
+                    addr,
+                    rkey
+                }),
+            any::<u32>().prop_map(|handle| Msg::Close { handle }),
+            s.prop_map(|m| Msg::error(ErrorCode::Internal, m)),
+            Just(Msg::Bye),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn decode_of_encode_is_identity(m in arb_msg()) {
+            let mut d = Decoder::new();
+            d.feed(&encode(&m));
+            prop_assert_eq!(d.next_msg().unwrap(), Some(m));
+            prop_assert_eq!(d.buffered(), 0);
+        }
+
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let mut d = Decoder::new();
+            d.feed(&bytes);
+            for _ in 0..8 {
+                match d.next_msg() {
+                    Ok(Some(_)) => continue,
+                    _ => break,
+                }
+            }
+            let _ = d.finish();
+        }
+
+        #[test]
+        fn arbitrary_json_payloads_never_panic(body in ".{0,200}") {
+            let mut d = Decoder::new();
+            let mut f = (body.len() as u32).to_be_bytes().to_vec();
+            f.extend_from_slice(body.as_bytes());
+            d.feed(&f);
+            let _ = d.next_msg();
+        }
+    }
+}
