@@ -418,19 +418,20 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         } => {
             let mut c = bridge::Client::connect(client_config(addr, &client)?).await?;
             let r = c.open(&region, false).await?;
-            let len =
-                match length {
-                    Some(l) => l,
-                    None => r.info.size.checked_sub(offset).ok_or_else(|| {
-                        bridge::Error::Server {
-                            code: bridge::protocol::ErrorCode::OutOfRange,
-                            message: format!(
-                                "offset {offset} is beyond the end of region '{region}' ({} bytes)",
-                                r.info.size
-                            ),
-                        }
+            let len = match length {
+                Some(l) => l,
+                None => r
+                    .info
+                    .size
+                    .checked_sub(offset)
+                    .ok_or_else(|| bridge::Error::Server {
+                        code: bridge::protocol::ErrorCode::OutOfRange,
+                        message: format!(
+                            "offset {offset} is beyond the end of region '{region}' ({} bytes)",
+                            r.info.size
+                        ),
                     })?,
-                };
+            };
             let mut sink: Box<dyn std::io::Write + Send> = if output == "-" {
                 Box::new(std::io::BufWriter::with_capacity(
                     1 << 20,
