@@ -1,0 +1,481 @@
+//! Lab tests of serve / fetch / put on one soft-RoCE host (the two-host run is
+//! soft-roce/two-host-test). The server runs in this process on the lab address; clients are
+//! the library or the `p2p-rdma` binary.
+
+use std::io::Write as _;
+use std::net::SocketAddr;
+use std::process::Command;
+use std::time::Duration;
+
+use p2p_rdma::bridge::protocol::{encode, ErrorCode, Msg};
+use p2p_rdma::bridge::{Client, ClientConfig, Error, RegionSpec, Server, ServerConfig};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const TOKEN: &str = "lab-token-0123456789";
+const LAB: &str = "lab test: needs an RDMA device; run it with soft-roce/lab";
+
+fn lab_ip() -> String {
+    std::env::var("P2P_RDMA_DEVICE")
+        .unwrap_or_else(|_| panic!("P2P_RDMA_DEVICE is not set. {LAB}"));
+    std::env::var("P2P_LAB_IP").unwrap_or_else(|_| panic!("P2P_LAB_IP is not set. {LAB}"))
+}
+
+fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+}
+
+struct Running {
+    addr: SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<p2p_rdma::bridge::Result<()>>,
+}
+
+impl Running {
+    async fn stop(mut self) {
+        let _ = self.stop.take().unwrap().send(());
+        self.task.await.unwrap().unwrap();
+    }
+}
+
+async fn start(regions: &[&str], tweak: impl FnOnce(&mut ServerConfig)) -> Running {
+    init_tracing();
+    let ip = lab_ip();
+    let specs: Vec<RegionSpec> = regions.iter().map(|s| s.parse().unwrap()).collect();
+    let mut cfg = ServerConfig::new(format!("{ip}:0").parse().unwrap(), TOKEN.into(), specs);
+    tweak(&mut cfg);
+    let server = Server::bind(cfg).await.unwrap();
+    let addr = server.local_addr().unwrap();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(server.run(async {
+        let _ = rx.await;
+    }));
+    Running {
+        addr,
+        stop: Some(tx),
+        task,
+    }
+}
+
+fn cfg(addr: SocketAddr) -> ClientConfig {
+    let mut c = ClientConfig::new(addr.to_string(), TOKEN);
+    c.chunk = 256 << 10;
+    c.depth = 8;
+    c
+}
+
+fn data(len: usize, seed: u32) -> Vec<u8> {
+    let mut x = seed | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x as u8
+        })
+        .collect()
+}
+
+async fn put(
+    c: &mut Client,
+    region: &str,
+    offset: u64,
+    bytes: &[u8],
+) -> p2p_rdma::bridge::TransferReport {
+    let r = c.open(region, true).await.unwrap();
+    let mut src: &[u8] = bytes;
+    c.put(
+        &r,
+        offset,
+        &mut src,
+        Some(bytes.len() as u64),
+        true,
+        &mut |_| {},
+    )
+    .await
+    .unwrap()
+}
+
+async fn fetch(c: &mut Client, region: &str, offset: u64, len: u64) -> Vec<u8> {
+    let r = c.open(region, false).await.unwrap();
+    let mut out = Vec::new();
+    let rep = c
+        .fetch(&r, offset, len, &mut out, true, &mut |_| {})
+        .await
+        .unwrap();
+    assert!(rep.verified);
+    assert_eq!(rep.direct_bytes, len);
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_bridge_put_and_fetch_64_mib_with_verify() {
+    let s = start(&["ram=host:64M"], |_| {}).await;
+    let mut c = Client::connect(cfg(s.addr)).await.unwrap();
+    let d = data(64 << 20, 7);
+    let rep = put(&mut c, "ram", 0, &d).await;
+    assert_eq!(rep.bytes, 64 << 20);
+    assert!(rep.verified);
+    let back = fetch(&mut c, "ram", 0, 64 << 20).await;
+    assert!(back == d, "fetched bytes differ from what was put");
+    c.bye().await.unwrap();
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_bridge_random_offsets_and_lengths() {
+    let size = 4 << 20;
+    let s = start(&["ram=host:4M"], |_| {}).await;
+    let mut c = Client::connect(cfg(s.addr)).await.unwrap();
+    let mut model = vec![0u8; size];
+    let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+    let mut rnd = |n: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % n
+    };
+    for i in 0..12 {
+        let off = rnd(size as u64 - 1);
+        let len = 1 + rnd((size as u64 - off).min(700_001));
+        let d = data(len as usize, i + 1);
+        put(&mut c, "ram", off, &d).await;
+        model[off as usize..(off + len) as usize].copy_from_slice(&d);
+        let (fo, fl) = (rnd(size as u64 - 1), 0);
+        let fl = fl + 1 + rnd((size as u64 - fo).min(900_007));
+        let got = fetch(&mut c, "ram", fo, fl).await;
+        assert!(
+            got[..] == model[fo as usize..(fo + fl) as usize],
+            "round {i}: fetch {fo}+{fl} differs"
+        );
+    }
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_bridge_four_clients_at_once() {
+    let s = start(&["ram=host:16M"], |_| {}).await;
+    let addr = s.addr;
+    let mut tasks = Vec::new();
+    for k in 0..4u64 {
+        tasks.push(tokio::spawn(async move {
+            let mut c = Client::connect(cfg(addr)).await.unwrap();
+            let d = data(3 << 20, 100 + k as u32);
+            let off = k * (4 << 20) + 13;
+            put(&mut c, "ram", off, &d).await;
+            let got = fetch(&mut c, "ram", off, d.len() as u64).await;
+            assert!(got == d, "client {k} read back other bytes");
+            c.bye().await.unwrap();
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    s.stop().await;
+}
+
+fn rc_qps() -> usize {
+    let out = Command::new("rdma")
+        .args(["resource", "show", "qp"])
+        .output()
+        .expect("rdma tool (iproute2)");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.contains("type RC"))
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_bridge_killed_client_is_cleaned_up_and_others_keep_going() {
+    let s = start(&["big=host:48M"], |_| {}).await;
+    let baseline = rc_qps();
+    let token = std::env::temp_dir().join("lab-bridge-token");
+    std::fs::write(&token, TOKEN).unwrap();
+    // a slow fetch (small chunks, one in flight) that we kill mid-transfer
+    let mut child = Command::new(env!("CARGO_BIN_EXE_p2p-rdma"))
+        .args([
+            "fetch",
+            &s.addr.to_string(),
+            "big",
+            "-o",
+            "/dev/null",
+            "--chunk",
+            "16K",
+            "--depth",
+            "1",
+            "--token-file",
+        ])
+        .arg(&token)
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while rc_qps() < baseline + 2 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the client never connected its QP"
+        );
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the fetch finished before it could be killed"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    child.kill().unwrap();
+    child.wait().unwrap();
+    // another client is served meanwhile
+    let mut c = Client::connect(cfg(s.addr)).await.unwrap();
+    let d = data(1 << 20, 9);
+    put(&mut c, "big", 5, &d).await;
+    assert!(fetch(&mut c, "big", 5, d.len() as u64).await == d);
+    c.bye().await.unwrap();
+    // and the dead client's QPs (its own and the server's) are gone
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let n = rc_qps();
+        if n == baseline {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{n} RC QPs remain, expected {baseline}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    s.stop().await;
+}
+
+async fn raw(addr: SocketAddr, bytes: &[u8]) -> Vec<Msg> {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(bytes).await.unwrap();
+    s.shutdown().await.unwrap();
+    let mut buf = Vec::new();
+    tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut buf))
+        .await
+        .unwrap()
+        .unwrap();
+    let mut d = p2p_rdma::bridge::protocol::Decoder::new();
+    d.feed(&buf);
+    let mut out = Vec::new();
+    while let Ok(Some(m)) = d.next_msg() {
+        out.push(m);
+    }
+    out
+}
+
+fn code_of(msgs: &[Msg]) -> Option<ErrorCode> {
+    msgs.iter().find_map(|m| match m {
+        Msg::Error { code, .. } => Some(*code),
+        _ => None,
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_bridge_bad_input_gets_clear_errors_and_the_server_keeps_serving() {
+    let dir = std::env::temp_dir().join("lab-bridge-bad");
+    std::fs::create_dir_all(&dir).unwrap();
+    let ro = dir.join("ro.bin");
+    std::fs::File::create(&ro)
+        .unwrap()
+        .write_all(&data(100_000, 3))
+        .unwrap();
+    let ro_spec = format!("ro=file:{}:ro", ro.display());
+    let s = start(&["ram=host:1M", &ro_spec], |c| {
+        c.hello_timeout = Duration::from_secs(2)
+    })
+    .await;
+    let mut c = Client::connect(cfg(s.addr)).await.unwrap();
+
+    let e = c.open("nope", false).await.unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::UnknownRegion), "{e}");
+    assert!(e.to_string().contains("it serves: ram, ro"), "{e}");
+
+    let r = c.open("ram", false).await.unwrap();
+    let mut sink = Vec::new();
+    let e = c
+        .fetch(&r, 1 << 20, 1, &mut sink, false, &mut |_| {})
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::OutOfRange), "{e}");
+    let e = c.checksum(&r, u64::MAX - 1, 10).await.unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::OutOfRange), "{e}");
+
+    let e = c.open("ro", true).await.unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::ReadOnly), "{e}");
+    // the read-only region is registered without remote write: even a forged write (a client
+    // that RDMA-WRITEs to a region it opened for reading) is refused by the NIC
+    let mut forger = Client::connect(cfg(s.addr)).await.unwrap();
+    let r = forger.open("ro", false).await.unwrap();
+    let mut src: &[u8] = &[1, 2, 3];
+    let e = forger
+        .put(&r, 0, &mut src, Some(3), false, &mut |_| {})
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, Error::Verbs(verbs::Error::WorkCompletion { .. })),
+        "{e}"
+    );
+    assert_eq!(
+        std::fs::read(&ro).unwrap(),
+        data(100_000, 3),
+        "the read-only file changed"
+    );
+
+    // wrong token
+    let mut bad = cfg(s.addr);
+    bad.token = "wrong".into();
+    let e = Client::connect(bad).await.unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::Unauthorized), "{e}");
+    // nothing about regions before hello
+    let m = raw(s.addr, &encode(&Msg::List)).await;
+    assert_eq!(code_of(&m), Some(ErrorCode::Unauthorized));
+    assert!(!m.iter().any(|m| matches!(m, Msg::Regions { .. })));
+    // version mismatch
+    let m = raw(
+        s.addr,
+        &encode(&Msg::Hello {
+            version: 99,
+            token: TOKEN.into(),
+            client: "old".into(),
+        }),
+    )
+    .await;
+    assert_eq!(code_of(&m), Some(ErrorCode::BadVersion));
+    // garbage and truncated frames
+    assert_eq!(
+        code_of(&raw(s.addr, b"GET / HTTP/1.1\r\n\r\n").await),
+        Some(ErrorCode::BadRequest)
+    );
+    assert_eq!(
+        code_of(&raw(s.addr, &[0, 0, 0, 4, b'{', b'x', b'}', b'!']).await),
+        Some(ErrorCode::BadRequest)
+    );
+    assert_eq!(
+        code_of(&raw(s.addr, &encode(&Msg::List)[..6]).await),
+        Some(ErrorCode::BadRequest)
+    );
+    // a client that connects and says nothing is dropped after the hello timeout
+    let mut silent = tokio::net::TcpStream::connect(s.addr).await.unwrap();
+    let mut b = [0u8; 1];
+    let n = tokio::time::timeout(Duration::from_secs(20), silent.read(&mut b))
+        .await
+        .unwrap()
+        .unwrap_or(0);
+    assert_eq!(n, 0, "the server should close a silent connection");
+
+    // and the first client is still fine
+    let d = data(300_001, 5);
+    put(&mut c, "ram", 17, &d).await;
+    assert!(fetch(&mut c, "ram", 17, d.len() as u64).await == d);
+    c.bye().await.unwrap();
+
+    // a server that is not there
+    let mut gone = cfg("127.0.0.1:1".parse().unwrap());
+    gone.timeout = Duration::from_secs(5);
+    let e = Client::connect(gone).await.unwrap_err();
+    assert!(matches!(e, Error::Connect { .. }), "{e}");
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_bridge_cli_exit_codes() {
+    let dir = std::env::temp_dir().join("lab-bridge-cli");
+    std::fs::create_dir_all(&dir).unwrap();
+    let token = dir.join("token");
+    std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
+    let input = dir.join("in.bin");
+    std::fs::write(&input, data(1_234_567, 11)).unwrap();
+    let s = start(&["ram=host:2M"], |_| {}).await;
+    let a = s.addr.to_string();
+    let bin = env!("CARGO_BIN_EXE_p2p-rdma");
+    let run = |args: Vec<String>, env_token: bool| {
+        let mut c = Command::new(bin);
+        c.args(&args).env_remove("P2P_RDMA_TOKEN");
+        if env_token {
+            c.env("P2P_RDMA_TOKEN", TOKEN);
+        }
+        let o = c.output().unwrap();
+        (
+            o.status.code(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+            o.stdout,
+        )
+    };
+    let tf = token.display().to_string();
+    let s_ = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+    let (code, err, _) = run(
+        s_(&[
+            "put",
+            &a,
+            "ram",
+            "-i",
+            &input.display().to_string(),
+            "--token-file",
+            &tf,
+            "--verify",
+        ]),
+        false,
+    );
+    assert_eq!(code, Some(0), "{err}");
+    let out = dir.join("out.bin");
+    let (code, err, _) = run(
+        s_(&[
+            "fetch",
+            &a,
+            "ram",
+            "--length",
+            "1234567",
+            "-o",
+            &out.display().to_string(),
+            "--verify",
+            "--json",
+        ]),
+        true,
+    );
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(std::fs::read(&out).unwrap(), data(1_234_567, 11));
+    let (code, _, stdout) = run(s_(&["ls", &a, "--json"]), true);
+    assert_eq!(code, Some(0));
+    let v: serde_json::Value = serde_json::from_slice(&stdout).unwrap();
+    assert_eq!(v[0]["name"], "ram");
+    let (code, err, _) = run(s_(&["ls", &a]), false);
+    assert_eq!(code, Some(4), "missing token: {err}");
+    assert!(err.contains("P2P_RDMA_TOKEN"), "{err}");
+    let (code, err, _) = run(s_(&["fetch", &a, "nope", "-o", "/dev/null"]), true);
+    assert_eq!(code, Some(3), "unknown region: {err}");
+    let (code, err, _) = run(
+        s_(&["fetch", &a, "ram", "--offset", "3M", "-o", "/dev/null"]),
+        true,
+    );
+    assert_eq!(code, Some(3), "offset out of range: {err}");
+    let (code, err, _) = run(
+        s_(&[
+            "put",
+            &a,
+            "ram",
+            "-i",
+            &input.display().to_string(),
+            "--offset",
+            "1M",
+        ]),
+        true,
+    );
+    assert_eq!(code, Some(3), "does not fit: {err}");
+    let (code, err, _) = run(s_(&["ls", "127.0.0.1:1", "--timeout", "5"]), true);
+    assert_eq!(code, Some(5), "unreachable: {err}");
+    let (code, err, _) = run(
+        s_(&["serve", "--region", "bad", "--token-file", &tf]),
+        false,
+    );
+    assert_eq!(code, Some(2), "bad region spec: {err}");
+    assert!(err.contains("NAME=host:SIZE"), "{err}");
+    s.stop().await;
+}
