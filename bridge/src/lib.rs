@@ -14,4 +14,4 @@ pub mod size;
 
 pub use client::{Client, ClientConfig, OpenRegion, TransferReport};
 pub use error::{Error, Result};
-pub use server::{RegionSource, RegionSpec, Server, ServerConfig};
+pub use server::{MemoryRegionSpec, RegionSource, RegionSpec, Server, ServerConfig};

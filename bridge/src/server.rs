@@ -113,6 +113,22 @@ impl FromStr for RegionSpec {
     }
 }
 
+/// A region that is a window of memory the embedding application owns (e.g. one object of an
+/// arena). The application may keep writing the memory through its own `Arc`.
+#[derive(Debug, Clone)]
+pub struct MemoryRegionSpec {
+    /// Name clients use.
+    pub name: String,
+    /// The memory.
+    pub mem: Arc<SharedMemory>,
+    /// Window start.
+    pub offset: u64,
+    /// Window length.
+    pub len: u64,
+    /// Refuse puts (and register without remote write).
+    pub read_only: bool,
+}
+
 /// Server settings.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -124,6 +140,8 @@ pub struct ServerConfig {
     pub token: String,
     /// Regions to serve.
     pub regions: Vec<RegionSpec>,
+    /// Regions over memory the embedding application provides.
+    pub memory_regions: Vec<MemoryRegionSpec>,
     /// Most concurrent connections; more are refused with `busy`.
     pub max_connections: usize,
     /// RDMA READ/WRITEs a client may keep in flight (the QP's responder resources).
@@ -144,6 +162,7 @@ impl ServerConfig {
             listen,
             token,
             regions,
+            memory_regions: Vec::new(),
             max_connections: 64,
             max_outstanding: 16,
             max_open_per_connection: 64,
@@ -156,6 +175,7 @@ impl ServerConfig {
 struct Region {
     info: RegionInfo,
     mem: Arc<SharedMemory>,
+    base: u64,
 }
 
 impl fmt::Debug for Region {
@@ -180,8 +200,44 @@ pub struct Server {
 }
 
 /// Open the memory of every region (allocate RAM, map files).
-fn build_regions(specs: &[RegionSpec]) -> Result<Vec<Region>> {
+fn build_regions(specs: &[RegionSpec], memory: &[MemoryRegionSpec]) -> Result<Vec<Region>> {
     let mut out: Vec<Region> = Vec::new();
+    for m in memory {
+        if out.iter().any(|r| r.info.name == m.name) {
+            return Err(Error::Config(format!(
+                "region name '{}' is given twice",
+                m.name
+            )));
+        }
+        match m.offset.checked_add(m.len) {
+            Some(end) if m.len > 0 && end <= m.mem.len() as u64 => {}
+            _ => {
+                return Err(Error::Config(format!(
+                    "region '{}': window {}+{} is empty or outside its {}-byte memory",
+                    m.name,
+                    m.offset,
+                    m.len,
+                    m.mem.len()
+                )))
+            }
+        }
+        let access = if m.read_only || !m.mem.writable() {
+            AccessMode::ReadOnly
+        } else {
+            AccessMode::ReadWrite
+        };
+        out.push(Region {
+            info: RegionInfo {
+                name: m.name.clone(),
+                size: m.len,
+                access,
+                kind: m.mem.kind().to_string(),
+                path: DataPath::Direct,
+            },
+            mem: Arc::clone(&m.mem),
+            base: m.offset,
+        });
+    }
     for spec in specs {
         if out.iter().any(|r| r.info.name == spec.name) {
             return Err(Error::Config(format!(
@@ -237,6 +293,7 @@ fn build_regions(specs: &[RegionSpec]) -> Result<Vec<Region>> {
                 path: DataPath::Direct,
             },
             mem: Arc::new(mem),
+            base: 0,
         });
     }
     Ok(out)
@@ -250,25 +307,24 @@ impl Server {
                 "the token is empty: put a secret in the token file".into(),
             ));
         }
-        if cfg.regions.is_empty() {
+        if cfg.regions.is_empty() && cfg.memory_regions.is_empty() {
             return Err(Error::Config(
                 "no region to serve: give at least one --region".into(),
             ));
         }
         let ctx = Context::open(cfg.device.as_deref())?;
-        let regions = build_regions(&cfg.regions)?;
+        let regions = build_regions(&cfg.regions, &cfg.memory_regions)?;
         // Check once, at start-up, that the device accepts the regions (registration errors are
         // reported now with their meaning, not on a client's first open).
         let pd = ProtectionDomain::new(&ctx)?;
         for r in &regions {
-            pd.register_shared(&r.mem, access_for(r.info.access), RegMode::Pinned)
-                .map_err(|e| {
-                    Error::Config(format!(
-                        "region '{}' cannot be registered on {}: {e}",
-                        r.info.name,
-                        ctx.name()
-                    ))
-                })?;
+            register(&pd, r).map_err(|e| {
+                Error::Config(format!(
+                    "region '{}' cannot be registered on {}: {e}",
+                    r.info.name,
+                    ctx.name()
+                ))
+            })?;
         }
         drop(pd);
         let listener = TcpListener::bind(cfg.listen)
@@ -343,6 +399,16 @@ impl Server {
         }
         Ok(())
     }
+}
+
+fn register(pd: &ProtectionDomain, r: &Region) -> verbs::Result<SharedRegion> {
+    let start = r.base as usize;
+    pd.register_shared_range(
+        &r.mem,
+        start..start + r.info.size as usize,
+        access_for(r.info.access),
+        RegMode::Pinned,
+    )
 }
 
 fn access_for(mode: AccessMode) -> Access {
@@ -613,9 +679,7 @@ async fn handle(shared: &Shared, st: &mut ConnState, msg: Msg) -> Reply {
                     pd
                 }
             };
-            let mr = pd
-                .register_shared(&r.mem, access_for(r.info.access), RegMode::Pinned)
-                .map_err(internal)?;
+            let mr = register(&pd, r).map_err(internal)?;
             let handle = st.next_handle;
             st.next_handle = st.next_handle.wrapping_add(1);
             let reply = Msg::Opened {
@@ -643,7 +707,8 @@ async fn handle(shared: &Shared, st: &mut ConnState, msg: Msg) -> Reply {
             let r = &shared.regions[*idx];
             range_check(&r.info, offset, len)?;
             let mem = Arc::clone(&r.mem);
-            let crc = tokio::task::spawn_blocking(move || crc_of(&mem, offset, len))
+            let base = r.base;
+            let crc = tokio::task::spawn_blocking(move || crc_of(&mem, base + offset, len))
                 .await
                 .map_err(internal)?
                 .map_err(internal)?;

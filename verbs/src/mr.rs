@@ -557,6 +557,25 @@ impl ProtectionDomain {
         access: Access,
         mode: RegMode,
     ) -> Result<SharedRegion> {
+        self.register_shared_range(mem, 0..mem.len(), access, mode)
+    }
+
+    /// Register `range` of shared memory (e.g. one object of an arena).
+    pub fn register_shared_range(
+        &self,
+        mem: &Arc<SharedMemory>,
+        range: Range<usize>,
+        access: Access,
+        mode: RegMode,
+    ) -> Result<SharedRegion> {
+        if range.start >= range.end || range.end > mem.len() {
+            return Err(Error::OutOfBounds {
+                what: "shared memory",
+                offset: range.start as u64,
+                len: range.end.saturating_sub(range.start) as u64,
+                size: mem.len() as u64,
+            });
+        }
         if !mem.writable
             && (access.contains(Access::LOCAL_WRITE) || access.contains(Access::REMOTE_WRITE))
         {
@@ -564,9 +583,17 @@ impl ProtectionDomain {
                 "read-only memory can only be registered with local/remote read access".into(),
             ));
         }
-        // SAFETY: the returned `SharedRegion` holds an `Arc` of the memory and drops the MR
-        // first, so the mapping outlives the registration.
-        let mr = unsafe { self.register_raw(mem.map.as_ptr() as usize, mem.len(), access, mode)? };
+        // SAFETY: the range is inside the mapping (checked above); the returned `SharedRegion`
+        // holds an `Arc` of the memory and drops the MR first, so the mapping outlives the
+        // registration.
+        let mr = unsafe {
+            self.register_raw(
+                mem.map.as_ptr() as usize + range.start,
+                range.end - range.start,
+                access,
+                mode,
+            )?
+        };
         Ok(SharedRegion {
             mr,
             mem: Arc::clone(mem),
