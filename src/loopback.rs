@@ -5,6 +5,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bridge::size::mib_per_sec;
 use serde::Serialize;
 use verbs::{
     Access, Context, CqMode, HostBuffer, Local, Pending, ProtectionDomain, QpOptions, QueuePair,
@@ -206,11 +207,7 @@ pub async fn run(cfg: &LoopbackConfig) -> Result<LoopbackReport, LoopbackError> 
         iterations: completed,
         bytes,
         seconds,
-        mib_per_sec: if seconds > 0.0 {
-            bytes as f64 / seconds / f64::from(1 << 20)
-        } else {
-            0.0
-        },
+        mib_per_sec: mib_per_sec(bytes, seconds),
         ops_per_sec: if seconds > 0.0 {
             completed as f64 / seconds
         } else {

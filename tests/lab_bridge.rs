@@ -190,11 +190,23 @@ fn rc_qps() -> usize {
         .count()
 }
 
+fn mrs() -> usize {
+    let out = Command::new("rdma")
+        .args(["resource", "show", "mr"])
+        .output()
+        .expect("rdma tool (iproute2)");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.contains("rkey"))
+        .count()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "lab"]
 async fn lab_bridge_killed_client_is_cleaned_up_and_others_keep_going() {
     let s = start(&["big=host:48M"], |_| {}).await;
     let baseline = rc_qps();
+    let baseline_mrs = mrs();
     let token = std::env::temp_dir().join("lab-bridge-token");
     std::fs::write(&token, TOKEN).unwrap();
     // a slow fetch (small chunks, one in flight) that we kill mid-transfer
@@ -227,6 +239,10 @@ async fn lab_bridge_killed_client_is_cleaned_up_and_others_keep_going() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        mrs() > baseline_mrs,
+        "the transfer's MRs are not visible in `rdma resource show mr`"
+    );
     child.kill().unwrap();
     child.wait().unwrap();
     // another client is served meanwhile
@@ -235,16 +251,16 @@ async fn lab_bridge_killed_client_is_cleaned_up_and_others_keep_going() {
     put(&mut c, "big", 5, &d).await;
     assert!(fetch(&mut c, "big", 5, d.len() as u64).await == d);
     c.bye().await.unwrap();
-    // and the dead client's QPs (its own and the server's) are gone
+    // and the dead client's QPs and MRs (its own and the server's per-connection ones) are gone
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     loop {
-        let n = rc_qps();
-        if n == baseline {
+        let (n, m) = (rc_qps(), mrs());
+        if n == baseline && m == baseline_mrs {
             break;
         }
         assert!(
             std::time::Instant::now() < deadline,
-            "{n} RC QPs remain, expected {baseline}"
+            "{n} RC QPs and {m} MRs remain, expected {baseline} and {baseline_mrs}"
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -478,4 +494,90 @@ async fn lab_bridge_cli_exit_codes() {
     assert_eq!(code, Some(2), "bad region spec: {err}");
     assert!(err.contains("NAME=host:SIZE"), "{err}");
     s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_bridge_connection_limit_refuses_with_busy() {
+    let s = start(&["ram=host:1M"], |c| c.max_connections = 1).await;
+    let first = Client::connect(cfg(s.addr)).await.unwrap();
+    let e = Client::connect(cfg(s.addr)).await.unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::Busy), "{e}");
+    assert!(e.to_string().contains("limit of 1 connections"), "{e}");
+    first.bye().await.unwrap();
+    // the slot frees once the first client has gone
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        match Client::connect(cfg(s.addr)).await {
+            Ok(c) => {
+                c.bye().await.unwrap();
+                break;
+            }
+            Err(e) if e.code() == Some(ErrorCode::Busy) && std::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_bridge_serve_stops_gracefully_on_sigterm() {
+    let ip = lab_ip();
+    let dir = std::env::temp_dir().join("lab-bridge-sigterm");
+    std::fs::create_dir_all(&dir).unwrap();
+    let token = dir.join("token");
+    std::fs::write(&token, TOKEN).unwrap();
+    let addr = format!("{ip}:7479");
+    let server = Command::new(env!("CARGO_BIN_EXE_p2p-rdma"))
+        .args([
+            "serve",
+            "--listen",
+            &addr,
+            "--region",
+            "ram=host:1M",
+            "--token-file",
+        ])
+        .arg(&token)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let a: SocketAddr = addr.parse().unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let mut c = loop {
+        match Client::connect(cfg(a)).await {
+            Ok(c) => break c,
+            Err(e) => {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "server never came up: {e}"
+                );
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    };
+    let r = c.open("ram", false).await.unwrap();
+    let ok = Command::new("kill")
+        .args(["-TERM", &server.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    let out = tokio::task::spawn_blocking(move || server.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(
+        err.contains("shutting down") && err.contains("stopped"),
+        "{err}"
+    );
+    // the connected client was told why
+    let e = c.checksum(&r, 0, 1).await.unwrap_err();
+    assert!(
+        e.code() == Some(ErrorCode::ShuttingDown) || matches!(e, Error::Closed { .. }),
+        "{e}"
+    );
 }

@@ -13,7 +13,8 @@ use verbs::{
 
 use crate::conn::Conn;
 use crate::error::{Error, Result};
-use crate::protocol::{DataPath, Msg, RegionInfo, WireEndpoint, VERSION};
+use crate::protocol::{DataPath, Msg, RegionInfo, VERSION};
+use crate::size::mib_per_sec;
 
 /// Client settings.
 #[derive(Debug, Clone)]
@@ -241,6 +242,29 @@ impl Client {
         }
     }
 
+    /// Compare our CRC-32C of what moved with the server's checksum of the range.
+    async fn verify(
+        &mut self,
+        r: &OpenRegion,
+        op: &str,
+        offset: u64,
+        len: u64,
+        crc: u32,
+    ) -> Result<bool> {
+        let server = self.checksum(r, offset, len).await?;
+        if server != crc {
+            return Err(Error::Mismatch {
+                what: format!(
+                    "{op} of {len} bytes at offset {offset} of '{}'",
+                    r.info.name
+                ),
+                client: crc,
+                server,
+            });
+        }
+        Ok(true)
+    }
+
     /// Say goodbye and close.
     pub async fn bye(mut self) -> Result<()> {
         self.conn.send(&Msg::Bye).await?;
@@ -269,22 +293,10 @@ impl Client {
             )?;
             let ep = qp.endpoint();
             let m = Msg::Connect {
-                endpoint: WireEndpoint {
-                    lid: ep.lid,
-                    gid: ep.gid.octets(),
-                    qpn: ep.qpn,
-                    psn: ep.psn,
-                    mtu: ep.mtu,
-                },
+                endpoint: ep.into(),
             };
             let remote = match self.request(&m, "connected").await? {
-                Msg::Connected { endpoint } => verbs::Endpoint {
-                    lid: endpoint.lid,
-                    gid: endpoint.gid.into(),
-                    qpn: endpoint.qpn,
-                    psn: endpoint.psn,
-                    mtu: endpoint.mtu,
-                },
+                Msg::Connected { endpoint } => verbs::Endpoint::from(endpoint),
                 other => return Err(reply_err(&self.conn.peer, other, "connected")),
             };
             qp.connect(&remote)?;
@@ -379,22 +391,7 @@ impl Client {
         }
         result?;
         let seconds = start.elapsed().as_secs_f64();
-        let verified = if verify {
-            let server = self.checksum(r, offset, len).await?;
-            if server != crc {
-                return Err(Error::Mismatch {
-                    what: format!(
-                        "fetch of {len} bytes at offset {offset} of '{}'",
-                        r.info.name
-                    ),
-                    client: crc,
-                    server,
-                });
-            }
-            true
-        } else {
-            false
-        };
+        let verified = verify && self.verify(r, "fetch", offset, len, crc).await?;
         Ok(report("fetch", r, offset, done, seconds, crc, verified))
     }
 
@@ -499,22 +496,7 @@ impl Client {
             });
         }
         let seconds = start.elapsed().as_secs_f64();
-        let verified = if verify {
-            let server = self.checksum(r, offset, done).await?;
-            if server != crc {
-                return Err(Error::Mismatch {
-                    what: format!(
-                        "put of {done} bytes at offset {offset} of '{}'",
-                        r.info.name
-                    ),
-                    client: crc,
-                    server,
-                });
-            }
-            true
-        } else {
-            false
-        };
+        let verified = verify && self.verify(r, "put", offset, done, crc).await?;
         Ok(report("put", r, offset, done, seconds, crc, verified))
     }
 }
@@ -534,11 +516,7 @@ fn report(
         offset,
         bytes,
         seconds,
-        mib_per_sec: if seconds > 0.0 {
-            bytes as f64 / seconds / f64::from(1 << 20)
-        } else {
-            0.0
-        },
+        mib_per_sec: mib_per_sec(bytes, seconds),
         direct_bytes: if r.info.path == DataPath::Direct {
             bytes
         } else {

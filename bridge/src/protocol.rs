@@ -81,6 +81,30 @@ pub struct WireEndpoint {
     pub mtu: u32,
 }
 
+impl From<verbs::Endpoint> for WireEndpoint {
+    fn from(e: verbs::Endpoint) -> WireEndpoint {
+        WireEndpoint {
+            lid: e.lid,
+            gid: e.gid.octets(),
+            qpn: e.qpn,
+            psn: e.psn,
+            mtu: e.mtu,
+        }
+    }
+}
+
+impl From<WireEndpoint> for verbs::Endpoint {
+    fn from(e: WireEndpoint) -> verbs::Endpoint {
+        verbs::Endpoint {
+            lid: e.lid,
+            gid: e.gid.into(),
+            qpn: e.qpn,
+            psn: e.psn,
+            mtu: e.mtu,
+        }
+    }
+}
+
 /// Error codes carried by [`Msg::Error`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]

@@ -24,7 +24,7 @@ use verbs::{
 use crate::conn::Conn;
 use crate::error::{Error, Result};
 use crate::protocol::{
-    constant_time_eq, AccessMode, DataPath, ErrorCode, Msg, RegionInfo, WireEndpoint, VERSION,
+    constant_time_eq, AccessMode, DataPath, ErrorCode, Msg, RegionInfo, VERSION,
 };
 use crate::size::parse_size;
 
@@ -614,26 +614,14 @@ async fn handle(shared: &Shared, st: &mut ConnState, msg: Msg) -> Reply {
                 },
             )
             .map_err(internal)?;
-            let remote = verbs::Endpoint {
-                lid: endpoint.lid,
-                gid: endpoint.gid.into(),
-                qpn: endpoint.qpn,
-                psn: endpoint.psn,
-                mtu: endpoint.mtu,
-            };
+            let remote = verbs::Endpoint::from(endpoint);
             qp.connect(&remote).map_err(internal)?;
             let ep = qp.endpoint();
             tracing::info!(qpn = qp.qpn(), remote_qpn = remote.qpn, "QP connected");
             st.pd = Some(pd);
             st.qp = Some(qp);
             Ok(Msg::Connected {
-                endpoint: WireEndpoint {
-                    lid: ep.lid,
-                    gid: ep.gid.octets(),
-                    qpn: ep.qpn,
-                    psn: ep.psn,
-                    mtu: ep.mtu,
-                },
+                endpoint: ep.into(),
             })
         }
         Msg::Open { region, write } => {

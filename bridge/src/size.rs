@@ -43,6 +43,15 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     Ok(v as u64)
 }
 
+/// Throughput in MiB/s (2^20 bytes per second, as perftest's MB/sec); 0 for no time.
+pub fn mib_per_sec(bytes: u64, seconds: f64) -> f64 {
+    if seconds > 0.0 {
+        bytes as f64 / seconds / f64::from(1 << 20)
+    } else {
+        0.0
+    }
+}
+
 /// "1.0 MiB" style, for humans.
 pub fn human(n: u64) -> String {
     const U: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
@@ -83,6 +92,12 @@ mod tests {
             .unwrap_err()
             .contains("too large"));
         assert!(parse_size("1.2.3M").is_err());
+    }
+
+    #[test]
+    fn rates() {
+        assert_eq!(mib_per_sec(3 << 20, 2.0), 1.5);
+        assert_eq!(mib_per_sec(1, 0.0), 0.0);
     }
 
     #[test]
