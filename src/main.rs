@@ -147,6 +147,29 @@ enum Cmd {
         #[command(flatten)]
         client: ClientArgs,
     },
+    /// Try to register memory the way `serve` would, and prove each strategy with a canary.
+    ///
+    /// For each strategy (pinned, ODP, dma-buf) in order: register, then RDMA WRITE and READ
+    /// through that MR on a loopback QP pair over a range longer than one path MTU starting
+    /// partway into a page, and compare the bytes (a successful completion is not trusted).
+    /// `--reg` forces one strategy for diagnosis.
+    #[command(
+        after_help = "Examples:\n  p2p-rdma doctor --region host:1M\n  p2p-rdma doctor --region host:1M --reg odp --json\n\nExit status 0 when the chosen strategy works, 1 when none does."
+    )]
+    Doctor {
+        /// Memory to try: host:SIZE (anonymous RAM) or file:PATH.
+        #[arg(long, value_name = "SPEC")]
+        region: String,
+        /// Registration strategy: auto tries dma-buf, pinned, then ODP.
+        #[arg(long = "reg", value_enum, default_value_t = RegArg::Auto)]
+        reg: RegArg,
+        /// RDMA device (default: the first one with an active port).
+        #[arg(long, short = 'd', env = "P2P_RDMA_DEVICE")]
+        device: Option<String>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// List RDMA devices with their ports, GID tables and capabilities.
     #[command(
         after_help = "Examples:\n  p2p-rdma devices\n  p2p-rdma devices --json | jq '.[0].ports[0].gids'"
@@ -248,6 +271,14 @@ struct ClientArgs {
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
+enum RegArg {
+    Auto,
+    Pinned,
+    Odp,
+    Dmabuf,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
 enum OpArg {
     Write,
     Read,
@@ -342,6 +373,12 @@ fn render_chain(e: &anyhow::Error) -> String {
 async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.cmd {
         Cmd::Devices { json } => devices(json),
+        Cmd::Doctor {
+            region,
+            reg,
+            device,
+            json,
+        } => doctor(&region, reg, device.as_deref(), json).await,
         Cmd::Serve {
             device,
             listen,
@@ -559,6 +596,78 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
+    }
+}
+
+async fn doctor(spec: &str, reg: RegArg, device: Option<&str>, json: bool) -> anyhow::Result<()> {
+    use verbs::RegMode;
+    let mem = match spec.split_once(':') {
+        Some(("host", size)) => {
+            let n = parse_size(size).map_err(|e| anyhow::anyhow!("--region {spec}: {e}"))?;
+            verbs::SharedMemory::anonymous(usize::try_from(n)?, false)?
+        }
+        Some(("file", path)) => {
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(path)
+                .with_context(|| format!("cannot open {path} for reading and writing"))?;
+            verbs::SharedMemory::file(&f, true)?
+        }
+        _ => anyhow::bail!("--region must be host:SIZE or file:PATH, not '{spec}'"),
+    };
+    let mem = std::sync::Arc::new(mem);
+    let ctx = verbs::Context::open(device)?;
+    let pd = verbs::ProtectionDomain::new(&ctx)?;
+    let modes: &[RegMode] = match reg {
+        RegArg::Auto => &[RegMode::DmaBuf, RegMode::Pinned, RegMode::OnDemand],
+        RegArg::Pinned => &[RegMode::Pinned],
+        RegArg::Odp => &[RegMode::OnDemand],
+        RegArg::Dmabuf => &[RegMode::DmaBuf],
+    };
+    let r =
+        peermem::canary::register_with_canary(&pd, &mem, verbs::Access::REMOTE_READ, modes).await;
+    let chosen = r.attempts.iter().find_map(|a| match a.outcome {
+        peermem::canary::AttemptOutcome::Works { .. } => Some(a.mode),
+        _ => None,
+    });
+    if json {
+        emit(&format!(
+            "{}\n",
+            serde_json::json!({
+                "device": ctx.name(),
+                "memory": mem.kind(),
+                "size": mem.len(),
+                "attempts": r.attempts,
+                "chosen": chosen,
+            })
+        ))?;
+    } else {
+        let mut o = format!(
+            "{} bytes of {} memory on {}:\n",
+            mem.len(),
+            mem.kind(),
+            ctx.name()
+        );
+        for a in &r.attempts {
+            o.push_str(&format!("  {a}\n"));
+        }
+        o.push_str(&match chosen {
+            Some(m) => format!("=> {m} registration works\n"),
+            None => "=> no strategy works for this memory on this device\n".to_string(),
+        });
+        emit(&o)?;
+    }
+    match chosen {
+        Some(_) => Ok(()),
+        None => Err(anyhow::anyhow!(
+            "no registration strategy passed: {}",
+            r.attempts
+                .iter()
+                .map(|a| a.to_string())
+                .collect::<Vec<_>>()
+                .join("; ")
+        )),
     }
 }
 

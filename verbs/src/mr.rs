@@ -118,6 +118,7 @@ pub enum RegMode {
     /// Pages are pinned at registration (`ibv_reg_mr`).
     Pinned,
     /// On-demand paging (`IBV_ACCESS_ON_DEMAND`): pages are faulted in by the NIC.
+    #[serde(rename = "odp")]
     OnDemand,
     /// A dma-buf exported by a device driver (`ibv_reg_dmabuf_mr`).
     DmaBuf,
@@ -597,6 +598,7 @@ impl ProtectionDomain {
         Ok(SharedRegion {
             mr,
             mem: Arc::clone(mem),
+            window_offset: range.start as u64,
         })
     }
 }
@@ -608,6 +610,7 @@ pub struct SharedRegion {
     // the MR is dropped before the memory's Arc
     mr: MemoryRegion,
     mem: Arc<SharedMemory>,
+    window_offset: u64,
 }
 
 impl SharedRegion {
@@ -618,6 +621,10 @@ impl SharedRegion {
     /// The memory.
     pub fn memory(&self) -> &Arc<SharedMemory> {
         &self.mem
+    }
+    /// Where in the memory the registered range starts.
+    pub fn window_offset(&self) -> u64 {
+        self.window_offset
     }
 }
 

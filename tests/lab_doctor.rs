@@ -1,0 +1,92 @@
+//! Lab tests of `p2p-rdma doctor`: registration attempts proved by a byte-comparing canary.
+use std::process::Command;
+
+fn device() -> String {
+    std::env::var("P2P_RDMA_DEVICE").unwrap_or_else(|_| {
+        panic!("P2P_RDMA_DEVICE is not set. lab test: run it with soft-roce/lab")
+    })
+}
+
+fn doctor(reg: &str) -> (Option<i32>, serde_json::Value, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_p2p-rdma"))
+        .args([
+            "doctor",
+            "--region",
+            "host:1M",
+            "--reg",
+            reg,
+            "--json",
+            "--device",
+            &device(),
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    let v = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {err}"));
+    (out.status.code(), v, err)
+}
+
+#[test]
+#[ignore = "lab"]
+fn lab_doctor_pinned_host_memory_passes_the_canary() {
+    let (code, v, err) = doctor("pinned");
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(v["chosen"], "pinned");
+    let c = &v["attempts"][0]["canary"];
+    assert_eq!(c["write_wrong"], 0);
+    assert_eq!(c["read_wrong"], 0);
+    assert!(
+        c["len"].as_u64().unwrap() > c["path_mtu"].as_u64().unwrap(),
+        "{c}"
+    );
+    assert_ne!(c["offset"].as_u64().unwrap() % 4096, 0, "{c}");
+}
+
+#[test]
+#[ignore = "lab"]
+fn lab_doctor_auto_explains_each_strategy() {
+    let (code, v, err) = doctor("auto");
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(v["attempts"][0]["mode"], "dma-buf");
+    assert_eq!(v["attempts"][0]["outcome"], "registration-failed");
+    assert!(v["attempts"][0]["message"]
+        .as_str()
+        .unwrap()
+        .contains("not a dma-buf"));
+    assert_eq!(v["chosen"], "pinned");
+}
+
+#[test]
+#[ignore = "lab"]
+fn lab_doctor_odp_follows_the_kernel_and_the_canary_catches_the_rxe_odp_offset_bug() {
+    let ctx = verbs::Context::open(Some(&device())).unwrap();
+    let odp = ctx.info().caps.odp;
+    let mtu = ctx.port(1).unwrap().active_mtu;
+    let (code, v, err) = doctor("odp");
+    let a = &v["attempts"][0];
+    if !odp.supported {
+        assert_eq!(code, Some(1), "{err}");
+        assert_eq!(a["outcome"], "registration-failed");
+        assert_eq!(a["errno"], 95);
+        assert!(
+            a["message"].as_str().unwrap().contains("no ODP support"),
+            "{a}"
+        );
+        assert!(err.contains("no registration strategy passed"), "{err}");
+    } else if std::env::var("P2P_LAB_KERNEL").as_deref() == Ok("7.3") {
+        // rxe 7.3 ignores the in-page offset of ODP packets (LAB.md): a packet that starts
+        // partway into a page lands at (or is read from) the page's start. The canary starts
+        // partway into a page, so it must see wrong bytes at path MTU 1024 and at 4096 alike,
+        // although every completion succeeded. (If a fixed kernel makes this pass, update LAB.md
+        // and this expectation.)
+        let _ = mtu;
+        assert_eq!(code, Some(1), "{err}");
+        assert_eq!(a["outcome"], "canary-failed", "{a}");
+        let wrong = a["canary"]["write_wrong"].as_u64().unwrap()
+            + a["canary"]["read_wrong"].as_u64().unwrap();
+        assert!(wrong > 0, "{a}");
+    } else {
+        assert_eq!(code, Some(0), "{err}\n{v}");
+        assert_eq!(a["outcome"], "works", "{a}");
+    }
+}
