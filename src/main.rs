@@ -485,11 +485,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 .fetch(&r, offset, len, sink.as_mut(), verify, &mut |d| {
                     bar.update(d)
                 })
-                .await?;
-            bar.finish();
-            let _ = c.close(&r).await;
-            let _ = c.bye().await;
-            print_report(&rep, json)
+                .await;
+            finish_transfer(c, &r, rep, bar, json).await
         }
         Cmd::Put {
             addr,
@@ -529,11 +526,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 .put(&r, offset, source.as_mut(), limit, verify, &mut |d| {
                     bar.update(d)
                 })
-                .await?;
-            bar.finish();
-            let _ = c.close(&r).await;
-            let _ = c.bye().await;
-            print_report(&rep, json)
+                .await;
+            finish_transfer(c, &r, rep, bar, json).await
         }
         Cmd::Loopback {
             device,
@@ -697,6 +691,21 @@ async fn shutdown_signal() {
         }
     }
     eprintln!("p2p-rdma: shutting down (no new connections; letting current ones finish)");
+}
+
+/// Clear the progress line, release the region and the connection, then report.
+async fn finish_transfer(
+    mut c: bridge::Client,
+    r: &bridge::OpenRegion,
+    rep: bridge::Result<bridge::TransferReport>,
+    bar: Progress,
+    json: bool,
+) -> anyhow::Result<()> {
+    bar.finish();
+    let rep = rep?;
+    let _ = c.close(r).await;
+    let _ = c.bye().await;
+    print_report(&rep, json)
 }
 
 fn print_report(r: &bridge::TransferReport, json: bool) -> anyhow::Result<()> {

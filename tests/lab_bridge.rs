@@ -179,26 +179,24 @@ async fn lab_bridge_four_clients_at_once() {
     s.stop().await;
 }
 
-fn rc_qps() -> usize {
+/// How many lines of `rdma resource show KIND` contain `marker`.
+fn rdma_resources(kind: &str, marker: &str) -> usize {
     let out = Command::new("rdma")
-        .args(["resource", "show", "qp"])
+        .args(["resource", "show", kind])
         .output()
         .expect("rdma tool (iproute2)");
     String::from_utf8_lossy(&out.stdout)
         .lines()
-        .filter(|l| l.contains("type RC"))
+        .filter(|l| l.contains(marker))
         .count()
 }
 
+fn rc_qps() -> usize {
+    rdma_resources("qp", "type RC")
+}
+
 fn mrs() -> usize {
-    let out = Command::new("rdma")
-        .args(["resource", "show", "mr"])
-        .output()
-        .expect("rdma tool (iproute2)");
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter(|l| l.contains("rkey"))
-        .count()
+    rdma_resources("mr", "rkey")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

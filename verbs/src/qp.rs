@@ -685,7 +685,7 @@ impl QueuePair {
         for b in bufs {
             let (id, rx) = state.register(Some(b), Queue::Recv);
             ids.push(id);
-            rxs.push((id, rx));
+            rxs.push((id, rx, "RECV"));
         }
         let res = {
             let mut qp = self.lock_qp();
@@ -774,6 +774,30 @@ impl QueuePair {
     async fn one(&self, wr: SendWr) -> Result<Local> {
         let mut v = self.post_send(vec![wr])?.await?;
         Ok(v.pop().expect("one work request posted"))
+    }
+
+    /// Wait for every work request of a batch; the first failure is returned, but only after
+    /// all of them completed (so no buffer is still in use when this returns).
+    async fn collect(
+        &self,
+        rxs: Vec<(u64, oneshot::Receiver<Done>, &'static str)>,
+    ) -> Result<Vec<Done>> {
+        let mut out = Vec::with_capacity(rxs.len());
+        let mut first_err = None;
+        for (wr_id, rx, opcode) in rxs {
+            let done = self.inner.cq.wait(rx).await?;
+            if !done.status.is_success() && first_err.is_none() {
+                first_err = Some(self.wc_error(wr_id, opcode, &done));
+            }
+            out.push(done);
+        }
+        match first_err {
+            Some(e) => {
+                tracing::warn!(error = %e, "work request failed");
+                Err(e)
+            }
+            None => Ok(out),
+        }
     }
 
     fn wc_error(&self, wr_id: u64, opcode: &'static str, done: &Done) -> Error {
@@ -909,22 +933,8 @@ impl Pending {
     pub fn wait(self) -> impl Future<Output = Result<Vec<Local>>> + Send {
         let span = self.qp.inner.span.clone();
         async move {
-            let mut out = Vec::with_capacity(self.rxs.len());
-            let mut first_err = None;
-            for (wr_id, rx, opcode) in self.rxs {
-                let done = self.qp.inner.cq.wait(rx).await?;
-                if !done.status.is_success() && first_err.is_none() {
-                    first_err = Some(self.qp.wc_error(wr_id, opcode, &done));
-                }
-                out.extend(done.local);
-            }
-            match first_err {
-                Some(e) => {
-                    tracing::warn!(error = %e, "work request failed");
-                    Err(e)
-                }
-                None => Ok(out),
-            }
+            let done = self.qp.collect(self.rxs).await?;
+            Ok(done.into_iter().filter_map(|d| d.local).collect())
         }
         .instrument(span)
     }
@@ -942,7 +952,7 @@ impl std::future::IntoFuture for Pending {
 #[must_use = "dropping a PendingRecv does not cancel the receives"]
 pub struct PendingRecv {
     qp: QueuePair,
-    rxs: Vec<(u64, oneshot::Receiver<Done>)>,
+    rxs: Vec<(u64, oneshot::Receiver<Done>, &'static str)>,
 }
 
 impl fmt::Debug for PendingRecv {
@@ -957,23 +967,17 @@ impl fmt::Debug for PendingRecv {
 impl PendingRecv {
     /// Wait for every receive.
     pub async fn wait(self) -> Result<Vec<(Local, RecvInfo)>> {
-        let mut out = Vec::with_capacity(self.rxs.len());
-        let mut first_err = None;
-        for (wr_id, rx) in self.rxs {
-            let done = self.qp.inner.cq.wait(rx).await?;
-            if !done.status.is_success() && first_err.is_none() {
-                first_err = Some(self.qp.wc_error(wr_id, "RECV", &done));
-            }
-            let info = RecvInfo {
-                byte_len: done.byte_len,
-                imm: done.imm,
-            };
-            out.extend(done.local.map(|l| (l, info)));
-        }
-        match first_err {
-            Some(e) => Err(e),
-            None => Ok(out),
-        }
+        let done = self.qp.collect(self.rxs).await?;
+        Ok(done
+            .into_iter()
+            .filter_map(|d| {
+                let info = RecvInfo {
+                    byte_len: d.byte_len,
+                    imm: d.imm,
+                };
+                d.local.map(|l| (l, info))
+            })
+            .collect())
     }
 }
 
