@@ -347,6 +347,7 @@ impl Client {
         let chunk = self.cfg.chunk as u64;
         let depth = self.depth();
         let remote = r.remote;
+        let stall = self.cfg.timeout;
         let start = Instant::now();
         let rdma = self.rdma().await?;
         let mut window: VecDeque<(Pending, usize)> = VecDeque::with_capacity(depth);
@@ -368,7 +369,8 @@ impl Client {
                 let Some((p, n)) = window.pop_front() else {
                     break;
                 };
-                let mut back = p.await?;
+                let at = offset + done;
+                let mut back = await_or_stall(&rdma.qp, p, stall, "RDMA READ", at).await?;
                 let l = back.pop().expect("one work request");
                 let bytes = &l.buffer().as_slice()[..n];
                 crc = crc32c::crc32c_append(crc, bytes);
@@ -383,8 +385,10 @@ impl Client {
         }
         .await;
         // whatever happened, wait for every posted read so no buffer is lost
+        // (bounded: after a stall the QP is in the error state and flushes quickly; if even that
+        // does not come, the buffers stay with the CQ, which frees them only after the QP is gone)
         for (p, _) in window.drain(..) {
-            if let Ok(v) = p.await {
+            if let Ok(Ok(v)) = tokio::time::timeout(stall, p.wait()).await {
                 rdma.spare
                     .extend(v.into_iter().filter_map(Local::into_owned));
             }
@@ -418,6 +422,7 @@ impl Client {
         let chunk = self.cfg.chunk;
         let depth = self.depth();
         let remote = r.remote;
+        let stall = self.cfg.timeout;
         let start = Instant::now();
         let rdma = self.rdma().await?;
         let mut window: VecDeque<Pending> = VecDeque::with_capacity(depth);
@@ -466,7 +471,8 @@ impl Client {
                     eof = true;
                 }
                 let Some(p) = window.pop_front() else { break };
-                let back = p.await?;
+                let at = offset + done;
+                let back = await_or_stall(&rdma.qp, p, stall, "RDMA WRITE", at).await?;
                 for l in back {
                     done += l.len() as u64;
                     rdma.spare.push(l.into_owned().expect("owned buffer"));
@@ -477,7 +483,7 @@ impl Client {
         }
         .await;
         for p in window.drain(..) {
-            if let Ok(v) = p.await {
+            if let Ok(Ok(v)) = tokio::time::timeout(stall, p.wait()).await {
                 for l in v {
                     done += l.len() as u64;
                     rdma.spare.extend(l.into_owned());
@@ -529,6 +535,32 @@ fn report(
         },
         crc32c,
         verified,
+    }
+}
+
+/// Wait for a work request, but not forever: an RDMA transport that stalls (no completion and
+/// no error) is turned into an error, and the QP is moved to the error state so that every other
+/// outstanding work request completes (flushed) and gives its buffer back.
+async fn await_or_stall(
+    qp: &verbs::QueuePair,
+    p: Pending,
+    limit: Duration,
+    op: &'static str,
+    offset: u64,
+) -> Result<Vec<Local>> {
+    match tokio::time::timeout(limit, p.wait()).await {
+        Ok(r) => Ok(r?),
+        Err(_) => {
+            if let Err(e) = qp.set_error() {
+                tracing::warn!(error = %e, "could not move the stalled QP to the error state");
+            }
+            Err(Error::Stalled {
+                op,
+                offset,
+                secs: limit.as_secs(),
+                qpn: qp.qpn(),
+            })
+        }
     }
 }
 

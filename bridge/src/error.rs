@@ -82,6 +82,22 @@ pub enum Error {
         /// Server side.
         server: u32,
     },
+    /// A work request neither completed nor failed in time.
+    #[error(
+        "{op} at offset {offset} did not complete within {secs} s: the RDMA transport stalled (no \
+         completion, no error) on QP {qpn}, which was moved to the error state. Check the link \
+         between the hosts (MTU, drops), the PCIe path (ACS/IOMMU) and the peer's RDMA device"
+    )]
+    Stalled {
+        /// The operation.
+        op: &'static str,
+        /// Offset in the region.
+        offset: u64,
+        /// The limit.
+        secs: u64,
+        /// Local QP number.
+        qpn: u32,
+    },
     /// RDMA failure.
     #[error(transparent)]
     Verbs(#[from] verbs::Error),
@@ -119,3 +135,31 @@ impl Error {
 
 /// Result alias.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stall_says_what_stalled_and_what_to_check() {
+        let e = Error::Stalled {
+            op: "RDMA READ",
+            offset: 1 << 20,
+            secs: 30,
+            qpn: 17,
+        };
+        let s = e.to_string();
+        assert!(s.contains("RDMA READ at offset 1048576 did not complete within 30 s"), "{s}");
+        assert!(s.contains("QP 17") && s.contains("ACS/IOMMU"), "{s}");
+    }
+
+    #[test]
+    fn server_codes_are_exposed() {
+        let e = Error::Server {
+            code: ErrorCode::ReadOnly,
+            message: "x".into(),
+        };
+        assert_eq!(e.code(), Some(ErrorCode::ReadOnly));
+        assert_eq!(Error::Config("y".into()).code(), None);
+    }
+}
