@@ -149,7 +149,10 @@ mod tests {
             qpn: 17,
         };
         let s = e.to_string();
-        assert!(s.contains("RDMA READ at offset 1048576 did not complete within 30 s"), "{s}");
+        assert!(
+            s.contains("RDMA READ at offset 1048576 did not complete within 30 s"),
+            "{s}"
+        );
         assert!(s.contains("QP 17") && s.contains("ACS/IOMMU"), "{s}");
     }
 
