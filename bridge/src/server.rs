@@ -567,6 +567,33 @@ async fn serve_connection(
 
 type Reply = std::result::Result<Msg, (ErrorCode, String)>;
 
+fn not_open(handle: u32) -> (ErrorCode, String) {
+    (
+        ErrorCode::NotOpen,
+        format!("handle {handle} is not open on this connection"),
+    )
+}
+
+impl ConnState {
+    /// This connection's PD, created on first use.
+    fn pd(&mut self, ctx: &Context) -> std::result::Result<ProtectionDomain, (ErrorCode, String)> {
+        if let Some(pd) = &self.pd {
+            return Ok(pd.clone());
+        }
+        let pd = ProtectionDomain::new(ctx).map_err(internal)?;
+        self.pd = Some(pd.clone());
+        Ok(pd)
+    }
+
+    /// The region behind an open handle.
+    fn region_index(&self, handle: u32) -> std::result::Result<usize, (ErrorCode, String)> {
+        self.open
+            .get(&handle)
+            .map(|(_, idx)| *idx)
+            .ok_or_else(|| not_open(handle))
+    }
+}
+
 fn range_check(
     region: &RegionInfo,
     offset: u64,
@@ -600,10 +627,7 @@ async fn handle(shared: &Shared, st: &mut ConnState, msg: Msg) -> Reply {
                     "this connection already has a QP".into(),
                 ));
             }
-            let pd = match &st.pd {
-                Some(pd) => pd.clone(),
-                None => ProtectionDomain::new(&shared.ctx).map_err(internal)?,
-            };
+            let pd = st.pd(&shared.ctx)?;
             let qp = QueuePair::new(
                 &pd,
                 QpOptions {
@@ -618,7 +642,6 @@ async fn handle(shared: &Shared, st: &mut ConnState, msg: Msg) -> Reply {
             qp.connect(&remote).map_err(internal)?;
             let ep = qp.endpoint();
             tracing::info!(qpn = qp.qpn(), remote_qpn = remote.qpn, "QP connected");
-            st.pd = Some(pd);
             st.qp = Some(qp);
             Ok(Msg::Connected {
                 endpoint: ep.into(),
@@ -659,14 +682,7 @@ async fn handle(shared: &Shared, st: &mut ConnState, msg: Msg) -> Reply {
                     ),
                 ));
             }
-            let pd = match &st.pd {
-                Some(pd) => pd.clone(),
-                None => {
-                    let pd = ProtectionDomain::new(&shared.ctx).map_err(internal)?;
-                    st.pd = Some(pd.clone());
-                    pd
-                }
-            };
+            let pd = st.pd(&shared.ctx)?;
             let mr = register(&pd, r).map_err(internal)?;
             let handle = st.next_handle;
             st.next_handle = st.next_handle.wrapping_add(1);
@@ -686,13 +702,8 @@ async fn handle(shared: &Shared, st: &mut ConnState, msg: Msg) -> Reply {
             offset,
             len,
         } => {
-            let (_, idx) = st.open.get(&handle).ok_or_else(|| {
-                (
-                    ErrorCode::NotOpen,
-                    format!("handle {handle} is not open on this connection"),
-                )
-            })?;
-            let r = &shared.regions[*idx];
+            let idx = st.region_index(handle)?;
+            let r = &shared.regions[idx];
             range_check(&r.info, offset, len)?;
             let mem = Arc::clone(&r.mem);
             let base = r.base;
@@ -703,26 +714,18 @@ async fn handle(shared: &Shared, st: &mut ConnState, msg: Msg) -> Reply {
             Ok(Msg::ChecksumIs { crc32c: crc })
         }
         Msg::Bounce { handle, .. } => {
-            let (_, idx) = st.open.get(&handle).ok_or_else(|| {
-                (
-                    ErrorCode::NotOpen,
-                    format!("handle {handle} is not open on this connection"),
-                )
-            })?;
+            let idx = st.region_index(handle)?;
             Err((
                 ErrorCode::NotBounce,
                 format!(
                     "region '{}' is served direct: use one-sided RDMA on its rkey",
-                    shared.regions[*idx].info.name
+                    shared.regions[idx].info.name
                 ),
             ))
         }
         Msg::Close { handle } => match st.open.remove(&handle) {
             Some(_) => Ok(Msg::Closed { handle }),
-            None => Err((
-                ErrorCode::NotOpen,
-                format!("handle {handle} is not open on this connection"),
-            )),
+            None => Err(not_open(handle)),
         },
         other => Err((
             ErrorCode::BadRequest,
