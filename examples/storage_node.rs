@@ -55,13 +55,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut cfg = ServerConfig::new(args[0].parse()?, token, Vec::new());
     for (name, offset, bytes) in &objects {
         arena.write_at(*offset, bytes)?;
-        cfg.memory_regions.push(MemoryRegionSpec {
-            name: name.clone(),
-            mem: Arc::clone(&arena),
-            offset: *offset,
-            len: bytes.len() as u64,
-            read_only: true,
-        });
+        cfg.memory_regions.push(MemoryRegionSpec::window(
+            name.clone(),
+            Arc::clone(&arena),
+            *offset,
+            bytes.len() as u64,
+            true,
+        )?);
     }
     let server = Server::bind(cfg).await?;
     println!(

@@ -56,7 +56,7 @@ enum Cmd {
     /// client closes it or goes away. SIGINT/SIGTERM stop accepting, let connections finish
     /// (10 s at most) and release everything.
     #[command(
-        after_help = "Region specs:\n  NAME=host:SIZE        zeroed RAM (K/M/G suffixes)\n  NAME=host:SIZE:huge   from huge pages (vm.nr_hugepages must be set)\n  NAME=file:PATH        a file, mapped shared: puts change the file (it must not shrink while served)\n  NAME=file:PATH:ro     read-only: registered without remote write, so the NIC itself refuses puts\n\nExample:\n  head -c 32 /dev/urandom | base64 > token\n  p2p-rdma serve --listen 0.0.0.0:7471 --token-file token --region ram=host:1G --region img=file:/data/img.bin:ro"
+        after_help = "Region specs (NAME=KIND:ARGS[,OPTION=VALUE]...):\n  NAME=host:SIZE          zeroed RAM (K/M/G suffixes)\n  NAME=host:SIZE:huge     from huge pages (vm.nr_hugepages must be set)\n  NAME=file:PATH          a file, mapped shared: puts change the file (it must not shrink while served)\n  NAME=file:PATH:ro       read-only: registered without remote write, so the NIC itself refuses puts\n  NAME=cmb:DEV:SIZE       peer memory of a PCI device through P2PDMA (an NVMe CMB): DEV is a PCI\n                          address (0000:03:00.0) or a controller (nvme0); needs Linux >= 6.2 with\n                          CONFIG_PCI_P2PDMA, as root\n  NAME=dmabuf:SIZE        a dma-buf from the built-in exporter (memfd + /dev/udmabuf)\n  options: ,p2p=required|preferred|disabled  ,reg=auto|pinned|odp|dmabuf  ,window=SIZE (only the\n           first SIZE bytes direct, the rest through bounce buffers)\n\nPaths: for each region the server tries dma-buf, pinned and ODP registration (or the one --reg\nnames) and proves the first that registers with a canary transfer (RDMA WRITE + READ compared\nbyte for byte). A region that no strategy serves goes through bounce buffers: the server copies\nwith the memory's copy engine into registered host staging buffers and RDMA-writes them to the\nclient (or reads the client's for a put). --p2p required refuses such a region (and says why);\n--p2p disabled forces bounce. The path and its reason are printed at start and shown by `ls`.\n\nExample:\n  head -c 32 /dev/urandom | base64 > token\n  p2p-rdma serve --listen 0.0.0.0:7471 --token-file token --region ram=host:1G --region img=file:/data/img.bin:ro --region cmb=cmb:nvme0:16M"
     )]
     Serve {
         /// RDMA device (default: the first one with an active port).
@@ -67,9 +67,24 @@ enum Cmd {
         listen: std::net::SocketAddr,
         #[command(flatten)]
         token: TokenArgs,
-        /// A region to serve (repeatable): NAME=host:SIZE[:huge] or NAME=file:PATH[:ro].
+        /// A region to serve (repeatable): NAME=host:SIZE[:huge], NAME=file:PATH[:ro],
+        /// NAME=cmb:DEV:SIZE or NAME=dmabuf:SIZE (see below).
         #[arg(long = "region", short = 'r', required = true, value_name = "SPEC")]
         regions: Vec<bridge::RegionSpec>,
+        /// Peer-to-peer policy: required (refuse regions that cannot go direct), preferred
+        /// (bounce when no strategy works), disabled (always bounce).
+        #[arg(long, value_enum, default_value_t = P2pArg::Preferred)]
+        p2p: P2pArg,
+        /// Registration strategy: auto tries dma-buf, pinned, then ODP; the others force one
+        /// (the canary still runs).
+        #[arg(long = "reg", value_enum, default_value_t = RegArg::Auto)]
+        reg: RegArg,
+        /// Bytes per bounce staging buffer (the largest bounce request).
+        #[arg(long, default_value = "1M", value_parser = parse_size_arg)]
+        bounce_chunk: u64,
+        /// Bounce staging buffers per connection (copies and transfers in flight).
+        #[arg(long, default_value_t = 8)]
+        bounce_depth: usize,
         /// Most concurrent client connections.
         #[arg(long, default_value_t = 64)]
         max_connections: usize,
@@ -149,7 +164,7 @@ enum Cmd {
     },
     /// Try to register memory the way `serve` would, and prove each strategy with a canary.
     ///
-    /// For each strategy (pinned, ODP, dma-buf) in order: register, then RDMA WRITE and READ
+    /// For each strategy (dma-buf, pinned, ODP) in order: register, then RDMA WRITE and READ
     /// through that MR on a loopback QP pair over a range longer than one path MTU starting
     /// partway into a page, and compare the bytes (a successful completion is not trusted).
     /// `--reg` forces one strategy for diagnosis.
@@ -157,7 +172,8 @@ enum Cmd {
         after_help = "Examples:\n  p2p-rdma doctor --region host:1M\n  p2p-rdma doctor --region host:1M --reg odp --json\n\nExit status 0 when the chosen strategy works, 1 when none does."
     )]
     Doctor {
-        /// Memory to try: host:SIZE (anonymous RAM) or file:PATH.
+        /// Memory to try, as in `serve` without the name: host:SIZE, file:PATH, cmb:DEV:SIZE,
+        /// dmabuf:SIZE.
         #[arg(long, value_name = "SPEC")]
         region: String,
         /// Registration strategy: auto tries dma-buf, pinned, then ODP.
@@ -278,6 +294,36 @@ enum RegArg {
     Dmabuf,
 }
 
+impl From<RegArg> for peermem::plan::RegChoice {
+    fn from(r: RegArg) -> Self {
+        use peermem::plan::RegChoice;
+        match r {
+            RegArg::Auto => RegChoice::Auto,
+            RegArg::Pinned => RegChoice::Only(verbs::RegMode::Pinned),
+            RegArg::Odp => RegChoice::Only(verbs::RegMode::OnDemand),
+            RegArg::Dmabuf => RegChoice::Only(verbs::RegMode::DmaBuf),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum P2pArg {
+    Required,
+    Preferred,
+    Disabled,
+}
+
+impl From<P2pArg> for peermem::plan::P2pPolicy {
+    fn from(p: P2pArg) -> Self {
+        use peermem::plan::P2pPolicy;
+        match p {
+            P2pArg::Required => P2pPolicy::Required,
+            P2pArg::Preferred => P2pPolicy::Preferred,
+            P2pArg::Disabled => P2pPolicy::Disabled,
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum OpArg {
     Write,
@@ -386,26 +432,44 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             regions,
             max_connections,
             max_outstanding,
+            p2p,
+            reg,
+            bounce_chunk,
+            bounce_depth,
         } => {
             let mut cfg = bridge::ServerConfig::new(listen, token.load()?, regions);
             cfg.device = device;
             cfg.max_connections = max_connections;
             cfg.max_outstanding = max_outstanding.max(1);
+            cfg.p2p = p2p.into();
+            cfg.reg = reg.into();
+            cfg.bounce_chunk = usize::try_from(bounce_chunk)
+                .ok()
+                .filter(|&c| (1..=1 << 30).contains(&c))
+                .context("--bounce-chunk must be 1 byte to 1 GiB")?;
+            anyhow::ensure!(bounce_depth >= 1, "--bounce-depth must be at least 1");
+            cfg.bounce_depth = bounce_depth;
             let server = bridge::Server::bind(cfg).await?;
             let addr = server.local_addr()?;
             eprintln!(
                 "p2p-rdma: serving on {addr} with RDMA device {}:",
                 server.device()
             );
-            for r in server.regions() {
+            for r in server.reports() {
+                let i = &r.info;
                 eprintln!(
-                    "  {:<16} {:>12}  {}  {}  {}",
-                    r.name,
-                    human(r.size),
-                    r.access,
-                    r.kind,
-                    r.path
+                    "  {:<16} {:>12}  {}  {:<9} {}{}",
+                    i.name,
+                    human(i.size),
+                    i.access,
+                    i.kind,
+                    i.path,
+                    i.strategy
+                        .as_deref()
+                        .map(|s| format!(" ({s})"))
+                        .unwrap_or_default()
                 );
+                eprintln!("      why: {}", i.reason);
             }
             server.run(shutdown_signal()).await?;
             eprintln!("p2p-rdma: stopped");
@@ -426,19 +490,33 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 emit(&format!("{}\n", serde_json::to_string_pretty(&regions)?))
             } else {
                 let mut o = format!(
-                    "{:<16} {:>14} {:>10}  {:<6} {:<10} {}\n",
-                    "REGION", "BYTES", "SIZE", "ACCESS", "KIND", "PATH"
+                    "{:<16} {:>14} {:>10}  {:<6} {:<8} {:<7} {}\n",
+                    "REGION", "BYTES", "SIZE", "ACCESS", "KIND", "PATH", "STRATEGY"
                 );
                 for r in regions {
                     o.push_str(&format!(
-                        "{:<16} {:>14} {:>10}  {:<6} {:<10} {}\n",
+                        "{:<16} {:>14} {:>10}  {:<6} {:<8} {:<7} {}\n",
                         r.name,
                         r.size,
                         human(r.size),
                         r.access.to_string(),
                         r.kind,
-                        r.path
+                        r.path.to_string(),
+                        r.strategy.as_deref().unwrap_or("-")
                     ));
+                    if r.extents.len() > 1 {
+                        for e in &r.extents {
+                            o.push_str(&format!(
+                                "    bytes {}..{}: {}\n",
+                                e.offset,
+                                e.offset + e.len,
+                                e.path
+                            ));
+                        }
+                    }
+                    if !r.reason.is_empty() {
+                        o.push_str(&format!("    why: {}\n", r.reason));
+                    }
                 }
                 emit(&o)
             }
@@ -594,74 +672,60 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
 }
 
 async fn doctor(spec: &str, reg: RegArg, device: Option<&str>, json: bool) -> anyhow::Result<()> {
-    use verbs::RegMode;
-    let mem = match spec.split_once(':') {
-        Some(("host", size)) => {
-            let n = parse_size(size).map_err(|e| anyhow::anyhow!("--region {spec}: {e}"))?;
-            verbs::SharedMemory::anonymous(usize::try_from(n)?, false)?
-        }
-        Some(("file", path)) => {
-            let f = std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(path)
-                .with_context(|| format!("cannot open {path} for reading and writing"))?;
-            verbs::SharedMemory::file(&f, true)?
-        }
-        _ => anyhow::bail!("--region must be host:SIZE or file:PATH, not '{spec}'"),
-    };
-    let mem = std::sync::Arc::new(mem);
+    use peermem::plan::{decide, P2pPolicy, PathKind};
+    let parsed: bridge::RegionSpec = format!("doctor={spec}").parse().map_err(|e: String| {
+        anyhow::anyhow!("--region {spec}: {}", e.replace("region 'doctor': ", ""))
+    })?;
+    let (provider, _) = parsed.open(std::path::Path::new("/sys"))?;
     let ctx = verbs::Context::open(device)?;
     let pd = verbs::ProtectionDomain::new(&ctx)?;
-    let modes: &[RegMode] = match reg {
-        RegArg::Auto => &[RegMode::DmaBuf, RegMode::Pinned, RegMode::OnDemand],
-        RegArg::Pinned => &[RegMode::Pinned],
-        RegArg::Odp => &[RegMode::OnDemand],
-        RegArg::Dmabuf => &[RegMode::DmaBuf],
-    };
-    let r =
-        peermem::canary::register_with_canary(&pd, &mem, verbs::Access::REMOTE_READ, modes).await;
-    let chosen = r.attempts.iter().find_map(|a| match a.outcome {
-        peermem::canary::AttemptOutcome::Works { .. } => Some(a.mode),
-        _ => None,
-    });
+    let len = provider.len();
+    let window = parsed.options.window.map_or(len, |w| w.min(len));
+    let planned = decide(&pd, &provider, 0..window, reg.into(), P2pPolicy::Preferred)
+        .await
+        .map_err(|r| anyhow::anyhow!("{r}"))?;
+    let d = &planned.decision;
+    let direct = d.path == PathKind::Direct;
     if json {
         emit(&format!(
             "{}\n",
             serde_json::json!({
                 "device": ctx.name(),
-                "memory": mem.kind(),
-                "size": mem.len(),
-                "attempts": r.attempts,
-                "chosen": chosen,
+                "memory": provider.kind(),
+                "describe": provider.describe(),
+                "size": len,
+                "attempts": d.attempts,
+                "chosen": d.mode,
+                "path": d.path,
+                "reason": d.reason,
+                "copy_engine": provider.copy_engine(),
             })
         ))?;
     } else {
-        let mut o = format!(
-            "{} bytes of {} memory on {}:\n",
-            mem.len(),
-            mem.kind(),
-            ctx.name()
-        );
-        for a in &r.attempts {
+        let mut o = format!("{} on {}:\n", provider.describe(), ctx.name());
+        for a in &d.attempts {
             o.push_str(&format!("  {a}\n"));
         }
-        o.push_str(&match chosen {
-            Some(m) => format!("=> {m} registration works\n"),
-            None => "=> no strategy works for this memory on this device\n".to_string(),
+        o.push_str(&match d.mode {
+            Some(m) if direct => format!("=> direct: {m} registration works\n"),
+            _ => format!(
+                "=> no direct strategy works: served through bounce buffers (copy engine: {})\n",
+                provider.copy_engine()
+            ),
         });
         emit(&o)?;
     }
-    match chosen {
-        Some(_) => Ok(()),
-        None => Err(anyhow::anyhow!(
+    if direct {
+        Ok(())
+    } else {
+        Err(anyhow::anyhow!(
             "no registration strategy passed: {}",
-            r.attempts
+            d.attempts
                 .iter()
                 .map(|a| a.to_string())
                 .collect::<Vec<_>>()
                 .join("; ")
-        )),
+        ))
     }
 }
 

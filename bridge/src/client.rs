@@ -13,7 +13,7 @@ use verbs::{
 
 use crate::conn::Conn;
 use crate::error::{Error, Result};
-use crate::protocol::{DataPath, Msg, RegionInfo, VERSION};
+use crate::protocol::{DataPath, Extent, Msg, RegionInfo, VERSION};
 use crate::size::mib_per_sec;
 
 /// Client settings.
@@ -54,8 +54,10 @@ pub struct OpenRegion {
     pub handle: u32,
     /// What the server says about it.
     pub info: RegionInfo,
-    /// Where one-sided operations go.
+    /// Where one-sided operations go (the direct extents; `len` is the bytes the rkey covers).
     pub remote: RemoteSlice,
+    /// Largest bounce request the server accepts.
+    pub bounce_chunk: u64,
 }
 
 /// What a transfer did.
@@ -209,10 +211,16 @@ impl Client {
                 addr,
                 rkey,
                 len,
+                bounce_chunk,
             } => Ok(OpenRegion {
                 handle,
                 info,
                 remote: RemoteSlice { addr, rkey, len },
+                bounce_chunk: if bounce_chunk == 0 {
+                    1 << 20
+                } else {
+                    bounce_chunk
+                },
             }),
             other => Err(reply_err(&self.conn.peer, other, "opened")),
         }
@@ -300,11 +308,13 @@ impl Client {
                 other => return Err(reply_err(&self.conn.peer, other, "connected")),
             };
             qp.connect(&remote)?;
+            // the server RDMA-writes into (fetch) or reads from (put) these buffers on the
+            // bounce path; only this connection's QP can reach them
             let mut spare = Vec::with_capacity(depth);
             for _ in 0..depth {
                 spare.push(pd.register(
                     HostBuffer::new(self.cfg.chunk)?,
-                    Access::LOCAL_WRITE,
+                    Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
                     RegMode::Pinned,
                 )?);
             }
@@ -326,8 +336,21 @@ impl Client {
         }
     }
 
-    /// RDMA-READ `len` bytes at `offset` of the region into `sink`. With `verify`, the server's
-    /// checksum of the range is compared with the bytes received.
+    /// Take the RDMA state out of `self` (created on first use) so that it and the control
+    /// connection can be used together; [`Client::put_back`] returns it.
+    async fn take_rdma(&mut self) -> Result<Rdma> {
+        self.rdma().await?;
+        Ok(self.rdma.take().expect("just created"))
+    }
+
+    fn put_back(&mut self, rdma: Rdma) {
+        self.rdma = Some(rdma);
+    }
+
+    /// Fetch `len` bytes at `offset` of the region into `sink`: direct extents with RDMA READ,
+    /// bounce extents by asking the server to RDMA-WRITE them into our buffers; several of
+    /// either in flight. With `verify`, the server's checksum of the range is compared with
+    /// the bytes received.
     pub async fn fetch(
         &mut self,
         r: &OpenRegion,
@@ -338,69 +361,94 @@ impl Client {
         progress: &mut (dyn FnMut(u64) + Send),
     ) -> Result<TransferReport> {
         Self::check_range(r, offset, len)?;
-        if r.info.path != DataPath::Direct {
-            return Err(Error::Config(format!(
-                "region '{}' is not served direct",
-                r.info.name
-            )));
-        }
         let chunk = self.cfg.chunk as u64;
         let depth = self.depth();
-        let remote = r.remote;
         let stall = self.cfg.timeout;
         let start = Instant::now();
-        let rdma = self.rdma().await?;
-        let mut window: VecDeque<(Pending, usize)> = VecDeque::with_capacity(depth);
+        let mut rdma = self.take_rdma().await?;
+        let mut window: VecDeque<Slot> = VecDeque::with_capacity(depth);
         let mut next = 0u64;
         let mut done = 0u64;
         let mut crc = 0u32;
+        let mut by_path = [0u64; 2];
+        let extents = r.info.extents();
         let result: Result<()> = async {
             loop {
                 while window.len() < depth && next < len {
-                    let n = (len - next).min(chunk) as usize;
+                    let pos = offset + next;
+                    let (path, n) = piece(&extents, pos, len - next, chunk, r.bounce_chunk)?;
                     let buf = rdma.spare.pop().expect("one staging buffer per slot");
-                    let wr = SendWr {
-                        op: SendOp::Read(remote.slice(offset + next, n as u64)?),
-                        local: Local::owned_range(buf, 0..n)?,
-                    };
-                    window.push_back((rdma.qp.post_send(vec![wr])?, n));
-                    next += n as u64;
+                    window.push_back(match path {
+                        DataPath::Direct => {
+                            let wr = SendWr {
+                                op: SendOp::Read(r.remote.slice(pos, n)?),
+                                local: Local::owned_range(buf, 0..n as usize)?,
+                            };
+                            Slot::Rdma(rdma.qp.post_send(vec![wr])?, n)
+                        }
+                        _ => {
+                            let m = Msg::Bounce {
+                                handle: r.handle,
+                                offset: pos,
+                                len: n,
+                                to_region: false,
+                                addr: buf.addr(),
+                                rkey: buf.mr().rkey(),
+                            };
+                            let slot = Slot::Bounce(buf, n);
+                            if let Err(e) = self.conn.send(&m).await {
+                                window.push_back(slot);
+                                return Err(e);
+                            }
+                            slot
+                        }
+                    });
+                    next += n;
                 }
-                let Some((p, n)) = window.pop_front() else {
+                let Some(slot) = window.pop_front() else {
                     break;
                 };
                 let at = offset + done;
-                let mut back = await_or_stall(&rdma.qp, p, stall, "RDMA READ", at).await?;
-                let l = back.pop().expect("one work request");
-                let bytes = &l.buffer().as_slice()[..n];
+                let (buf, n, direct) = match slot {
+                    Slot::Rdma(p, n) => {
+                        let mut back = await_or_stall(&rdma.qp, p, stall, "RDMA READ", at).await?;
+                        let l = back.pop().expect("one work request");
+                        (l.into_owned().expect("owned buffer"), n, true)
+                    }
+                    Slot::Bounce(buf, n) => {
+                        if let Err(e) = bounce_reply(&mut self.conn, stall, n).await {
+                            rdma.spare.push(buf);
+                            return Err(e);
+                        }
+                        (buf, n, false)
+                    }
+                };
+                let bytes = &buf.as_slice()[..n as usize];
                 crc = crc32c::crc32c_append(crc, bytes);
-                sink.write_all(bytes)
-                    .map_err(|e| Error::io("writing the fetched data", e))?;
-                rdma.spare.push(l.into_owned().expect("owned buffer"));
-                done += n as u64;
+                let w = sink.write_all(bytes);
+                rdma.spare.push(buf);
+                w.map_err(|e| Error::io("writing the fetched data", e))?;
+                by_path[usize::from(!direct)] += n;
+                done += n;
                 progress(done);
             }
             sink.flush()
                 .map_err(|e| Error::io("flushing the fetched data", e))
         }
         .await;
-        // whatever happened, wait for every posted read so no buffer is lost
-        // (bounded: after a stall the QP is in the error state and flushes quickly; if even that
-        // does not come, the buffers stay with the CQ, which frees them only after the QP is gone)
-        for (p, _) in window.drain(..) {
-            if let Ok(Ok(v)) = tokio::time::timeout(stall, p.wait()).await {
-                rdma.spare
-                    .extend(v.into_iter().filter_map(Local::into_owned));
-            }
-        }
+        settle(&mut rdma, &mut self.conn, &mut window, stall).await;
+        self.put_back(rdma);
         result?;
         let seconds = start.elapsed().as_secs_f64();
         let verified = verify && self.verify(r, "fetch", offset, len, crc).await?;
-        Ok(report("fetch", r, offset, done, seconds, crc, verified))
+        Ok(report(
+            "fetch", r, offset, done, seconds, crc, verified, by_path,
+        ))
     }
 
-    /// RDMA-WRITE `source` (until EOF, at most `limit` bytes if given) to the region at
-    /// `offset`. Refuses up front when `limit` exceeds the region; a stream that turns out longer
+    /// Write `source` (until EOF, at most `limit` bytes if given) to the region at `offset`:
+    /// direct extents with RDMA WRITE, bounce extents by asking the server to RDMA-READ our
+    /// buffers. Refuses up front when `limit` exceeds the region; a stream that turns out longer
     /// than the region stops at the region's end with an error saying how much was written.
     #[allow(clippy::too_many_arguments)]
     pub async fn put(
@@ -419,25 +467,27 @@ impl Client {
         }
         let room = r.info.size - offset;
         let max = limit.unwrap_or(room);
-        let chunk = self.cfg.chunk;
+        let chunk = self.cfg.chunk as u64;
         let depth = self.depth();
-        let remote = r.remote;
         let stall = self.cfg.timeout;
         let start = Instant::now();
-        let rdma = self.rdma().await?;
-        let mut window: VecDeque<Pending> = VecDeque::with_capacity(depth);
+        let mut rdma = self.take_rdma().await?;
+        let mut window: VecDeque<Slot> = VecDeque::with_capacity(depth);
         let mut posted = 0u64;
         let mut done = 0u64;
         let mut crc = 0u32;
         let mut eof = false;
         let mut overflow = false;
+        let mut by_path = [0u64; 2];
+        let extents = r.info.extents();
         let result: Result<()> = async {
             loop {
                 while window.len() < depth && !eof && posted < max {
+                    let pos = offset + posted;
+                    let (path, want) = piece(&extents, pos, max - posted, chunk, r.bounce_chunk)?;
+                    let want = want as usize;
                     let mut buf = rdma.spare.pop().expect("one staging buffer per slot");
-                    let want = ((max - posted) as usize).min(chunk);
-                    let n = read_full(source, &mut buf.as_mut_slice()[..want]);
-                    let n = match n {
+                    let n = match read_full(source, &mut buf.as_mut_slice()[..want]) {
                         Ok(n) => n,
                         Err(e) => {
                             rdma.spare.push(buf);
@@ -452,11 +502,31 @@ impl Client {
                         break;
                     }
                     crc = crc32c::crc32c_append(crc, &buf.as_slice()[..n]);
-                    let wr = SendWr {
-                        op: SendOp::Write(remote.slice(offset + posted, n as u64)?),
-                        local: Local::owned_range(buf, 0..n)?,
-                    };
-                    window.push_back(rdma.qp.post_send(vec![wr])?);
+                    window.push_back(match path {
+                        DataPath::Direct => {
+                            let wr = SendWr {
+                                op: SendOp::Write(r.remote.slice(pos, n as u64)?),
+                                local: Local::owned_range(buf, 0..n)?,
+                            };
+                            Slot::Rdma(rdma.qp.post_send(vec![wr])?, n as u64)
+                        }
+                        _ => {
+                            let m = Msg::Bounce {
+                                handle: r.handle,
+                                offset: pos,
+                                len: n as u64,
+                                to_region: true,
+                                addr: buf.addr(),
+                                rkey: buf.mr().rkey(),
+                            };
+                            let slot = Slot::Bounce(buf, n as u64);
+                            if let Err(e) = self.conn.send(&m).await {
+                                window.push_back(slot);
+                                return Err(e);
+                            }
+                            slot
+                        }
+                    });
                     posted += n as u64;
                 }
                 if !eof && posted >= max && limit.is_none() {
@@ -470,26 +540,33 @@ impl Client {
                     }
                     eof = true;
                 }
-                let Some(p) = window.pop_front() else { break };
+                let Some(slot) = window.pop_front() else {
+                    break;
+                };
                 let at = offset + done;
-                let back = await_or_stall(&rdma.qp, p, stall, "RDMA WRITE", at).await?;
-                for l in back {
-                    done += l.len() as u64;
-                    rdma.spare.push(l.into_owned().expect("owned buffer"));
+                match slot {
+                    Slot::Rdma(p, n) => {
+                        let back = await_or_stall(&rdma.qp, p, stall, "RDMA WRITE", at).await?;
+                        rdma.spare
+                            .extend(back.into_iter().filter_map(Local::into_owned));
+                        by_path[0] += n;
+                        done += n;
+                    }
+                    Slot::Bounce(buf, n) => {
+                        let res = bounce_reply(&mut self.conn, stall, n).await;
+                        rdma.spare.push(buf);
+                        res?;
+                        by_path[1] += n;
+                        done += n;
+                    }
                 }
                 progress(done);
             }
             Ok(())
         }
         .await;
-        for p in window.drain(..) {
-            if let Ok(Ok(v)) = tokio::time::timeout(stall, p.wait()).await {
-                for l in v {
-                    done += l.len() as u64;
-                    rdma.spare.extend(l.into_owned());
-                }
-            }
-        }
+        settle(&mut rdma, &mut self.conn, &mut window, stall).await;
+        self.put_back(rdma);
         result?;
         if overflow {
             return Err(Error::Server {
@@ -503,10 +580,84 @@ impl Client {
         }
         let seconds = start.elapsed().as_secs_f64();
         let verified = verify && self.verify(r, "put", offset, done, crc).await?;
-        Ok(report("put", r, offset, done, seconds, crc, verified))
+        Ok(report(
+            "put", r, offset, done, seconds, crc, verified, by_path,
+        ))
     }
 }
 
+/// One transfer in flight.
+enum Slot {
+    /// A one-sided RDMA operation of ours.
+    Rdma(Pending, u64),
+    /// A bounce request: the server moves the bytes to or from this buffer and replies.
+    Bounce(RegisteredBuffer, u64),
+}
+
+/// The path and length of the next piece at `pos`: at most `chunk` (and `bounce_chunk` for
+/// bounce extents), never across an extent boundary.
+fn piece(
+    extents: &[Extent],
+    pos: u64,
+    remaining: u64,
+    chunk: u64,
+    bounce_chunk: u64,
+) -> Result<(DataPath, u64)> {
+    let e = extents
+        .iter()
+        .find(|e| e.offset <= pos && pos < e.offset + e.len)
+        .ok_or_else(|| {
+            Error::Config(format!(
+                "the server's extents do not cover offset {pos} of the region"
+            ))
+        })?;
+    let mut n = remaining.min(chunk).min(e.offset + e.len - pos);
+    if e.path != DataPath::Direct {
+        n = n.min(bounce_chunk);
+    }
+    Ok((e.path, n))
+}
+
+/// The server's answer to one bounce request.
+async fn bounce_reply(conn: &mut Conn, limit: Duration, n: u64) -> Result<()> {
+    match conn.recv(Some(limit), "bounce-done").await? {
+        Msg::BounceDone { len } if len == n => Ok(()),
+        Msg::BounceDone { len } => Err(Error::Unexpected {
+            peer: conn.peer.clone(),
+            got: if len < n {
+                "a short bounce-done"
+            } else {
+                "a long bounce-done"
+            },
+            want: "bounce-done",
+        }),
+        other => Err(reply_err(&conn.peer, other, "bounce-done")),
+    }
+}
+
+/// After an error: wait (bounded) for everything still in flight so that no buffer is lost and
+/// the control connection stays in step (every bounce request gets its reply read).
+async fn settle(rdma: &mut Rdma, conn: &mut Conn, window: &mut VecDeque<Slot>, stall: Duration) {
+    let mut conn_ok = true;
+    for slot in window.drain(..) {
+        match slot {
+            Slot::Rdma(p, _) => {
+                if let Ok(Ok(v)) = tokio::time::timeout(stall, p.wait()).await {
+                    rdma.spare
+                        .extend(v.into_iter().filter_map(Local::into_owned));
+                }
+            }
+            Slot::Bounce(buf, n) => {
+                if conn_ok && bounce_reply(conn, stall, n).await.is_err() {
+                    conn_ok = false;
+                }
+                rdma.spare.push(buf);
+            }
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
 fn report(
     op: &'static str,
     r: &OpenRegion,
@@ -515,6 +666,7 @@ fn report(
     seconds: f64,
     crc32c: u32,
     verified: bool,
+    by_path: [u64; 2],
 ) -> TransferReport {
     TransferReport {
         op,
@@ -523,16 +675,8 @@ fn report(
         bytes,
         seconds,
         mib_per_sec: mib_per_sec(bytes, seconds),
-        direct_bytes: if r.info.path == DataPath::Direct {
-            bytes
-        } else {
-            0
-        },
-        bounce_bytes: if r.info.path == DataPath::Bounce {
-            bytes
-        } else {
-            0
-        },
+        direct_bytes: by_path[0],
+        bounce_bytes: by_path[1],
         crc32c,
         verified,
     }

@@ -14,4 +14,7 @@ pub mod size;
 
 pub use client::{Client, ClientConfig, OpenRegion, TransferReport};
 pub use error::{Error, Result};
-pub use server::{MemoryRegionSpec, RegionSource, RegionSpec, Server, ServerConfig};
+pub use server::{
+    MemoryRegionSpec, RegionOptions, RegionSource, RegionSpec, Removal, Server, ServerConfig,
+    ServerHandle,
+};

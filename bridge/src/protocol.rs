@@ -40,6 +40,19 @@ pub enum DataPath {
     Direct,
     /// Through the server's staging buffers (bounce requests).
     Bounce,
+    /// Some extents direct, the others bounce (see [`RegionInfo::extents`]).
+    Mixed,
+}
+
+/// A range of a region and the path its bytes take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Extent {
+    /// Start in the region.
+    pub offset: u64,
+    /// Length.
+    pub len: u64,
+    /// Direct or bounce (never mixed).
+    pub path: DataPath,
 }
 
 impl fmt::Display for DataPath {
@@ -47,6 +60,7 @@ impl fmt::Display for DataPath {
         f.write_str(match self {
             DataPath::Direct => "direct",
             DataPath::Bounce => "bounce",
+            DataPath::Mixed => "mixed",
         })
     }
 }
@@ -60,10 +74,39 @@ pub struct RegionInfo {
     pub size: u64,
     /// Access granted.
     pub access: AccessMode,
-    /// Where the memory comes from: "host", "host-huge", "file".
+    /// Where the memory comes from: "host", "host-huge", "file", "cmb", "dmabuf".
     pub kind: String,
     /// The path its data takes.
     pub path: DataPath,
+    /// Why that path (the registration attempts, the policy).
+    #[serde(default)]
+    pub reason: String,
+    /// The registration strategy of the direct part ("pinned", "odp", "dmabuf").
+    #[serde(default)]
+    pub strategy: Option<String>,
+    /// The region split by path, in order, covering it exactly.
+    #[serde(default)]
+    pub extents: Vec<Extent>,
+}
+
+impl RegionInfo {
+    /// The extents, or one extent of [`RegionInfo::path`] over the whole region when the server
+    /// sent none.
+    pub fn extents(&self) -> Vec<Extent> {
+        if self.extents.is_empty() {
+            vec![Extent {
+                offset: 0,
+                len: self.size,
+                path: if self.path == DataPath::Mixed {
+                    DataPath::Bounce
+                } else {
+                    self.path
+                },
+            }]
+        } else {
+            self.extents.clone()
+        }
+    }
 }
 
 /// A QP endpoint on the wire (see `verbs::Endpoint`).
@@ -132,6 +175,8 @@ pub enum ErrorCode {
     Internal,
     /// The server is shutting down.
     ShuttingDown,
+    /// The region was removed while the handle was open.
+    Removed,
 }
 
 impl fmt::Display for ErrorCode {
@@ -202,6 +247,9 @@ pub enum Msg {
         rkey: u32,
         /// Length.
         len: u64,
+        /// Largest bounce request the server accepts (bytes).
+        #[serde(default)]
+        bounce_chunk: u64,
     },
     /// Client → server: checksum (CRC-32C) of a range, for end-to-end verification.
     Checksum {
@@ -389,7 +437,21 @@ mod tests {
             size: 64 << 20,
             access: AccessMode::ReadWrite,
             kind: "host".into(),
-            path: DataPath::Direct,
+            path: DataPath::Mixed,
+            reason: "direct: pinned".into(),
+            strategy: Some("pinned".into()),
+            extents: vec![
+                Extent {
+                    offset: 0,
+                    len: 1 << 20,
+                    path: DataPath::Direct,
+                },
+                Extent {
+                    offset: 1 << 20,
+                    len: 63 << 20,
+                    path: DataPath::Bounce,
+                },
+            ],
         };
         vec![
             Msg::Hello {
@@ -416,10 +478,37 @@ mod tests {
                 addr: u64::MAX,
                 rkey: 7,
                 len: 64 << 20,
+                bounce_chunk: 1 << 20,
             },
             Msg::error(ErrorCode::OutOfRange, "offset 5 + length 9 > 10"),
             Msg::Bye,
         ]
+    }
+
+    #[test]
+    fn extents_default_to_the_region_path() {
+        let mut r = RegionInfo {
+            name: "r".into(),
+            size: 10,
+            access: AccessMode::ReadOnly,
+            kind: "host".into(),
+            path: DataPath::Bounce,
+            reason: String::new(),
+            strategy: None,
+            extents: Vec::new(),
+        };
+        assert_eq!(
+            r.extents(),
+            vec![Extent {
+                offset: 0,
+                len: 10,
+                path: DataPath::Bounce
+            }]
+        );
+        // an older server's record (no reason/strategy/extents) still decodes
+        let old = r#"{"name":"r","size":10,"access":"read-only","kind":"host","path":"direct"}"#;
+        r = serde_json::from_str(old).unwrap();
+        assert_eq!(r.extents()[0].path, DataPath::Direct);
     }
 
     #[test]
@@ -511,10 +600,14 @@ mod tests {
                         },
                         kind: "file".into(),
                         path: DataPath::Direct,
+                        reason: String::new(),
+                        strategy: None,
+                        extents: Vec::new(),
                     },
                     addr,
                     rkey,
                     len: size,
+                    bounce_chunk: size / 2,
                 }),
             (
                 any::<u16>(),

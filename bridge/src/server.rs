@@ -1,30 +1,48 @@
 //! The server: a catalog of regions served over RC QPs, one PD + QP per connection.
 //!
+//! Each region's memory comes from a [`Provider`] (host RAM, a file, NVMe CMB through P2PDMA,
+//! a dma-buf). At start-up the server decides, per region, the path its bytes take
+//! ([`peermem::plan::decide`]): **direct** — one-sided RDMA on an MR of the memory, with the
+//! first registration strategy that a canary proves — or **bounce** — the provider's copy
+//! engine plus a ring of registered host staging buffers per connection, the server
+//! RDMA-WRITEs (fetch) or RDMA-READs (put) the client's buffer. A region may be direct for its
+//! first `window` bytes and bounce for the rest (mixed); clients see the split in `ls`.
+//!
 //! Each connection gets its own protection domain, so an rkey handed to one client is useless
-//! on another client's QP; regions are registered per connection when opened and deregistered
-//! when closed or when the connection ends, so a vanished client leaves nothing behind.
+//! on another client's QP; MRs are registered per connection through a registration cache
+//! (a reopened region is a hit) and released when the connection ends, so a vanished client
+//! leaves nothing behind. A region can be removed while clients use it
+//! ([`ServerHandle::remove_region`]): its registrations are revoked, in-flight bounce copies
+//! finish, and the memory is freed only when nothing refers to it any more.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::fmt;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::pin::Pin;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
 
+use peermem::canary::{register_mode, Attempt, DeviceMr};
+use peermem::plan::{decide, P2pPolicy, PathKind, RegChoice};
+use peermem::regcache::{Lease, Limits, RegCache};
+use peermem::{DmaBufMemory, HostMemory, Provider};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tracing::Instrument as _;
 use verbs::{
-    Access, Context, ProtectionDomain, QpOptions, QueuePair, RegMode, SharedMemory, SharedRegion,
+    Access, Context, HostBuffer, Local, ProtectionDomain, QpOptions, QueuePair, RegMode,
+    RegisteredBuffer, RemoteSlice, SendOp, SendWr, SharedMemory,
 };
 
 use crate::conn::Conn;
 use crate::error::{Error, Result};
 use crate::protocol::{
-    constant_time_eq, AccessMode, DataPath, ErrorCode, Msg, RegionInfo, VERSION,
+    constant_time_eq, AccessMode, DataPath, ErrorCode, Extent, Msg, RegionInfo, VERSION,
 };
 use crate::size::parse_size;
 
@@ -45,24 +63,83 @@ pub enum RegionSource {
         /// Registered without remote write; puts are refused.
         read_only: bool,
     },
+    /// Peer memory (an NVMe CMB) allocated through P2PDMA.
+    Cmb {
+        /// PCI address (`0000:03:00.0`, `03:00.0`) or NVMe controller (`nvme0`).
+        device: String,
+        /// Bytes.
+        size: u64,
+    },
+    /// A dma-buf from the built-in exporter (memfd + /dev/udmabuf).
+    DmaBuf {
+        /// Bytes.
+        size: u64,
+    },
 }
 
-/// `NAME=host:SIZE[:huge]` or `NAME=file:PATH[:ro]`.
+/// Per-region settings that override the server's.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RegionOptions {
+    /// P2P policy for this region.
+    pub p2p: Option<P2pPolicy>,
+    /// Registration strategies for this region.
+    pub reg: Option<RegChoice>,
+    /// Serve only the first this many bytes direct, the rest through bounce buffers (like a
+    /// device whose P2P window is smaller than its memory).
+    pub window: Option<u64>,
+}
+
+/// `NAME=KIND:ARGS[,OPTION=VALUE]...`, see [`RegionSpec::FORMS`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RegionSpec {
     /// Name clients use.
     pub name: String,
     /// Memory.
     pub source: RegionSource,
+    /// Overrides.
+    pub options: RegionOptions,
+}
+
+impl RegionSpec {
+    /// The accepted forms, for messages.
+    pub const FORMS: &'static str = "NAME=host:SIZE[:huge], NAME=file:PATH[:ro], NAME=cmb:BDF|nvmeN:SIZE or NAME=dmabuf:SIZE, \
+         optionally followed by ,p2p=required|preferred|disabled ,reg=auto|pinned|odp|dmabuf ,window=SIZE";
+}
+
+fn parse_options(name: &str, rest: &str) -> Result<(String, RegionOptions), String> {
+    let mut parts: Vec<&str> = rest.split(',').collect();
+    let mut o = RegionOptions::default();
+    while parts.len() > 1 {
+        let last = parts[parts.len() - 1];
+        let Some((k, v)) = last.split_once('=') else {
+            break;
+        };
+        match k {
+            "p2p" => o.p2p = Some(v.parse().map_err(|e| format!("region '{name}': {e}"))?),
+            "reg" => o.reg = Some(v.parse().map_err(|e| format!("region '{name}': {e}"))?),
+            "window" => {
+                let w = parse_size(v).map_err(|e| format!("region '{name}': window: {e}"))?;
+                if w == 0 {
+                    return Err(format!(
+                        "region '{name}': window must be at least 1 byte (use p2p=disabled for no direct part)"
+                    ));
+                }
+                o.window = Some(w);
+            }
+            _ => break,
+        }
+        parts.pop();
+    }
+    Ok((parts.join(","), o))
 }
 
 impl FromStr for RegionSpec {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        const FORMS: &str = "NAME=host:SIZE[:huge] or NAME=file:PATH[:ro]";
+        let forms = Self::FORMS;
         let (name, rest) = s
             .split_once('=')
-            .ok_or_else(|| format!("region '{s}' has no '=': expected {FORMS}"))?;
+            .ok_or_else(|| format!("region '{s}' has no '=': expected {forms}"))?;
         if name.is_empty()
             || !name
                 .chars()
@@ -72,20 +149,27 @@ impl FromStr for RegionSpec {
                 "region name '{name}' must be non-empty letters, digits, '-', '_' or '.'"
             ));
         }
+        let (rest, options) = parse_options(name, rest)?;
         let (kind, arg) = rest
             .split_once(':')
-            .ok_or_else(|| format!("region '{s}': expected {FORMS}"))?;
+            .ok_or_else(|| format!("region '{s}': expected {forms}"))?;
+        let size_of = |v: &str| -> Result<u64, String> {
+            let size = parse_size(v).map_err(|e| format!("region '{name}': {e}"))?;
+            if size == 0 {
+                return Err(format!("region '{name}': size must be at least 1 byte"));
+            }
+            Ok(size)
+        };
         let source = match kind {
             "host" => {
                 let (size, huge) = match arg.strip_suffix(":huge") {
                     Some(sz) => (sz, true),
                     None => (arg, false),
                 };
-                let size = parse_size(size).map_err(|e| format!("region '{name}': {e}"))?;
-                if size == 0 {
-                    return Err(format!("region '{name}': size must be at least 1 byte"));
+                RegionSource::Host {
+                    size: size_of(size)?,
+                    huge,
                 }
-                RegionSource::Host { size, huge }
             }
             "file" => {
                 let (path, read_only) = match arg.strip_suffix(":ro") {
@@ -100,33 +184,70 @@ impl FromStr for RegionSpec {
                     read_only,
                 }
             }
+            "cmb" => {
+                let (dev, size) = arg.rsplit_once(':').ok_or_else(|| {
+                    format!("region '{name}': expected cmb:BDF:SIZE or cmb:nvmeN:SIZE")
+                })?;
+                if dev.is_empty() {
+                    return Err(format!(
+                        "region '{name}': expected cmb:BDF:SIZE or cmb:nvmeN:SIZE"
+                    ));
+                }
+                RegionSource::Cmb {
+                    device: dev.to_string(),
+                    size: size_of(size)?,
+                }
+            }
+            "dmabuf" => RegionSource::DmaBuf {
+                size: size_of(arg)?,
+            },
             other => {
                 return Err(format!(
-                    "region '{name}': unknown kind '{other}': expected {FORMS}"
+                    "region '{name}': unknown kind '{other}': expected {forms}"
                 ))
             }
         };
         Ok(RegionSpec {
             name: name.to_string(),
             source,
+            options,
         })
     }
 }
 
-/// A region that is a window of memory the embedding application owns (e.g. one object of an
-/// arena). The application may keep writing the memory through its own `Arc`.
+/// A region over memory the embedding application provides: any [`Provider`] (a window of its
+/// own RAM, a dma-buf fd it exported, device memory).
 #[derive(Debug, Clone)]
 pub struct MemoryRegionSpec {
     /// Name clients use.
     pub name: String,
     /// The memory.
-    pub mem: Arc<SharedMemory>,
-    /// Window start.
-    pub offset: u64,
-    /// Window length.
-    pub len: u64,
+    pub provider: Arc<dyn Provider>,
     /// Refuse puts (and register without remote write).
     pub read_only: bool,
+    /// Overrides.
+    pub options: RegionOptions,
+}
+
+impl MemoryRegionSpec {
+    /// A window of host memory the application keeps writing through its own `Arc`.
+    pub fn window(
+        name: impl Into<String>,
+        mem: Arc<SharedMemory>,
+        offset: u64,
+        len: u64,
+        read_only: bool,
+    ) -> Result<MemoryRegionSpec> {
+        let name = name.into();
+        let provider = HostMemory::window(mem, offset, len, !read_only)
+            .map_err(|e| Error::Config(format!("region '{name}': {e}")))?;
+        Ok(MemoryRegionSpec {
+            name,
+            provider: Arc::new(provider),
+            read_only,
+            options: RegionOptions::default(),
+        })
+    }
 }
 
 /// Server settings.
@@ -152,6 +273,18 @@ pub struct ServerConfig {
     pub hello_timeout: Duration,
     /// How long shutdown waits for connections to finish.
     pub drain_timeout: Duration,
+    /// P2P policy for regions that do not set their own.
+    pub p2p: P2pPolicy,
+    /// Registration strategies for regions that do not set their own.
+    pub reg: RegChoice,
+    /// Bytes per staging buffer of the bounce path (the largest bounce request).
+    pub bounce_chunk: usize,
+    /// Staging buffers per connection (bounce copies and RDMA in flight at once).
+    pub bounce_depth: usize,
+    /// Registration cache limits, per connection.
+    pub cache: Limits,
+    /// sysfs root (for CMB devices).
+    pub sysfs: PathBuf,
 }
 
 impl ServerConfig {
@@ -168,14 +301,27 @@ impl ServerConfig {
             max_open_per_connection: 64,
             hello_timeout: Duration::from_secs(10),
             drain_timeout: Duration::from_secs(10),
+            p2p: P2pPolicy::Preferred,
+            reg: RegChoice::Auto,
+            bounce_chunk: 1 << 20,
+            bounce_depth: 8,
+            cache: Limits::default(),
+            sysfs: PathBuf::from("/sys"),
         }
     }
 }
 
 struct Region {
     info: RegionInfo,
-    mem: Arc<SharedMemory>,
-    base: u64,
+    /// None once removed.
+    provider: Mutex<Option<Arc<dyn Provider>>>,
+    /// To know when the memory is really gone after removal.
+    weak: Weak<dyn Provider>,
+    /// Bytes `[0, direct_len)` are direct (with `mode`); the rest bounce.
+    direct_len: u64,
+    mode: Option<RegMode>,
+    attempts: Vec<Attempt>,
+    removed: AtomicBool,
 }
 
 impl fmt::Debug for Region {
@@ -184,12 +330,50 @@ impl fmt::Debug for Region {
     }
 }
 
+impl Region {
+    fn provider(&self) -> std::result::Result<Arc<dyn Provider>, (ErrorCode, String)> {
+        self.provider
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .ok_or_else(|| removed(&self.info.name))
+    }
+}
+
+fn removed(name: &str) -> (ErrorCode, String) {
+    (
+        ErrorCode::Removed,
+        format!("region '{name}' was removed from this server"),
+    )
+}
+
+/// What [`ServerHandle::remove_region`] did.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Removal {
+    /// Region.
+    pub region: String,
+    /// Whether the memory was released (nothing refers to it any more) within the timeout.
+    pub released: bool,
+    /// How long it took.
+    pub seconds: f64,
+}
+
+/// A region's registration attempts, as decided at start-up.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct RegionReport {
+    /// What clients see.
+    pub info: RegionInfo,
+    /// Every attempt.
+    pub attempts: Vec<Attempt>,
+}
+
 #[derive(Debug)]
 struct Shared {
     cfg: ServerConfig,
     ctx: Context,
     regions: Vec<Region>,
     active: AtomicUsize,
+    removals: watch::Sender<u64>,
 }
 
 /// A bound server, ready to [`Server::run`].
@@ -199,58 +383,56 @@ pub struct Server {
     listener: TcpListener,
 }
 
-/// Open the memory of every region (allocate RAM, map files).
-fn build_regions(specs: &[RegionSpec], memory: &[MemoryRegionSpec]) -> Result<Vec<Region>> {
-    let mut out: Vec<Region> = Vec::new();
-    for m in memory {
-        if out.iter().any(|r| r.info.name == m.name) {
-            return Err(Error::Config(format!(
-                "region name '{}' is given twice",
-                m.name
-            )));
+/// Controls a server while it runs (cheap to clone).
+#[derive(Debug, Clone)]
+pub struct ServerHandle {
+    shared: Arc<Shared>,
+}
+
+/// A region's memory, name, read-only flag and options, before its path is decided.
+type Opened = (String, Arc<dyn Provider>, bool, RegionOptions);
+
+/// Open the memory of every region (allocate RAM, map files, allocate CMB, export dma-bufs).
+fn open_providers(cfg: &ServerConfig) -> Result<Vec<Opened>> {
+    let mut out: Vec<Opened> = Vec::new();
+    let mut names: Vec<&str> = Vec::new();
+    for n in cfg
+        .memory_regions
+        .iter()
+        .map(|m| m.name.as_str())
+        .chain(cfg.regions.iter().map(|r| r.name.as_str()))
+    {
+        if names.contains(&n) {
+            return Err(Error::Config(format!("region name '{n}' is given twice")));
         }
-        match m.offset.checked_add(m.len) {
-            Some(end) if m.len > 0 && end <= m.mem.len() as u64 => {}
-            _ => {
-                return Err(Error::Config(format!(
-                    "region '{}': window {}+{} is empty or outside its {}-byte memory",
-                    m.name,
-                    m.offset,
-                    m.len,
-                    m.mem.len()
-                )))
-            }
-        }
-        let access = if m.read_only || !m.mem.writable() {
-            AccessMode::ReadOnly
-        } else {
-            AccessMode::ReadWrite
-        };
-        out.push(Region {
-            info: RegionInfo {
-                name: m.name.clone(),
-                size: m.len,
-                access,
-                kind: m.mem.kind().to_string(),
-                path: DataPath::Direct,
-            },
-            mem: Arc::clone(&m.mem),
-            base: m.offset,
-        });
+        names.push(n);
     }
-    for spec in specs {
-        if out.iter().any(|r| r.info.name == spec.name) {
-            return Err(Error::Config(format!(
-                "region name '{}' is given twice",
-                spec.name
-            )));
-        }
-        let (mem, access) = match &spec.source {
-            RegionSource::Host { size, huge } => {
-                let len = usize::try_from(*size)
-                    .map_err(|_| Error::Config(format!("region '{}' is too large", spec.name)))?;
-                (SharedMemory::anonymous(len, *huge)?, AccessMode::ReadWrite)
-            }
+    for m in &cfg.memory_regions {
+        out.push((
+            m.name.clone(),
+            Arc::clone(&m.provider),
+            m.read_only || !m.provider.writable(),
+            m.options,
+        ));
+    }
+    for spec in &cfg.regions {
+        let (p, ro) = spec.open(&cfg.sysfs)?;
+        out.push((spec.name.clone(), p, ro, spec.options));
+    }
+    Ok(out)
+}
+
+impl RegionSpec {
+    /// Open the memory: allocate RAM, map the file, allocate CMB (P2PDMA, sysfs at `sysfs`),
+    /// export a dma-buf. Returns the provider and whether the region is read-only.
+    pub fn open(&self, sysfs: &std::path::Path) -> Result<(Arc<dyn Provider>, bool)> {
+        let name = &self.name;
+        let cfg_err = |e: peermem::Error| Error::Config(format!("region '{name}': {e}"));
+        Ok(match &self.source {
+            RegionSource::Host { size, huge } => (
+                Arc::new(HostMemory::anonymous(*size, *huge).map_err(cfg_err)?),
+                false,
+            ),
             RegionSource::File { path, read_only } => {
                 let file = std::fs::OpenOptions::new()
                     .read(true)
@@ -259,8 +441,7 @@ fn build_regions(specs: &[RegionSpec], memory: &[MemoryRegionSpec]) -> Result<Ve
                     .map_err(|e| {
                         Error::io(
                             format!(
-                                "region '{}': cannot open {} {}",
-                                spec.name,
+                                "region '{name}': cannot open {} {}",
                                 path.display(),
                                 if *read_only {
                                     "for reading"
@@ -271,36 +452,105 @@ fn build_regions(specs: &[RegionSpec], memory: &[MemoryRegionSpec]) -> Result<Ve
                             e,
                         )
                     })?;
-                let mem = SharedMemory::file(&file, !read_only).map_err(|e| {
-                    Error::Config(format!("region '{}' ({}): {e}", spec.name, path.display()))
+                let mem = HostMemory::file(&file, !read_only).map_err(|e| {
+                    Error::Config(format!("region '{name}' ({}): {e}", path.display()))
                 })?;
-                (
-                    mem,
-                    if *read_only {
-                        AccessMode::ReadOnly
-                    } else {
-                        AccessMode::ReadWrite
-                    },
-                )
+                (Arc::new(mem), *read_only)
             }
+            RegionSource::Cmb { device, size } => (
+                Arc::new(peermem::cmb::CmbMemory::allocate(sysfs, device, *size).map_err(cfg_err)?),
+                false,
+            ),
+            RegionSource::DmaBuf { size } => (
+                Arc::new(DmaBufMemory::udmabuf(*size).map_err(cfg_err)?),
+                false,
+            ),
+        })
+    }
+}
+
+/// Decide each region's path (registration attempts proved by canaries, policy applied).
+async fn build_regions(cfg: &ServerConfig, ctx: &Context) -> Result<Vec<Region>> {
+    let providers = open_providers(cfg)?;
+    let pd = ProtectionDomain::new(ctx)?;
+    let mut out = Vec::new();
+    for (name, provider, read_only, opts) in providers {
+        let policy = opts.p2p.unwrap_or(cfg.p2p);
+        let choice = opts.reg.unwrap_or(cfg.reg);
+        let len = provider.len();
+        let window = opts.window.map_or(len, |w| w.min(len));
+        let planned = decide(&pd, &provider, 0..window, choice, policy)
+            .await
+            .map_err(|r| {
+                Error::Config(format!(
+                    "region '{name}' ({}) is refused: {r}",
+                    provider.describe()
+                ))
+            })?;
+        drop(planned.mr);
+        let d = planned.decision;
+        let direct_len = if d.path == PathKind::Direct {
+            window
+        } else {
+            0
         };
+        let mut extents = Vec::new();
+        if direct_len > 0 {
+            extents.push(Extent {
+                offset: 0,
+                len: direct_len,
+                path: DataPath::Direct,
+            });
+        }
+        if direct_len < len {
+            extents.push(Extent {
+                offset: direct_len,
+                len: len - direct_len,
+                path: DataPath::Bounce,
+            });
+        }
+        let path = match (direct_len, direct_len == len) {
+            (_, true) => DataPath::Direct,
+            (0, _) => DataPath::Bounce,
+            _ => DataPath::Mixed,
+        };
+        let mut reason = d.reason.clone();
+        if direct_len > 0 && direct_len < len {
+            reason.push_str(&format!(
+                "; bytes from {direct_len} on are beyond the {direct_len}-byte P2P window and go through bounce buffers"
+            ));
+        }
+        let access = if read_only {
+            AccessMode::ReadOnly
+        } else {
+            AccessMode::ReadWrite
+        };
+        tracing::info!(region = %name, %path, reason, "region ready");
+        let weak = Arc::downgrade(&provider);
         out.push(Region {
             info: RegionInfo {
-                name: spec.name.clone(),
-                size: mem.len() as u64,
+                name,
+                size: len,
                 access,
-                kind: mem.kind().to_string(),
-                path: DataPath::Direct,
+                kind: provider.kind().to_string(),
+                path,
+                reason,
+                strategy: d.mode.filter(|_| direct_len > 0).map(|m| m.to_string()),
+                extents,
             },
-            mem: Arc::new(mem),
-            base: 0,
+            provider: Mutex::new(Some(provider)),
+            weak,
+            direct_len,
+            mode: d.mode,
+            attempts: d.attempts,
+            removed: AtomicBool::new(false),
         });
     }
     Ok(out)
 }
 
 impl Server {
-    /// Open the device, build the regions, bind the listener.
+    /// Open the device, build the regions (deciding each one's path), bind the listener.
     pub async fn bind(cfg: ServerConfig) -> Result<Server> {
         if cfg.token.is_empty() {
             return Err(Error::Config(
@@ -312,21 +562,13 @@ impl Server {
                 "no region to serve: give at least one --region".into(),
             ));
         }
-        let ctx = Context::open(cfg.device.as_deref())?;
-        let regions = build_regions(&cfg.regions, &cfg.memory_regions)?;
-        // Check once, at start-up, that the device accepts the regions (registration errors are
-        // reported now with their meaning, not on a client's first open).
-        let pd = ProtectionDomain::new(&ctx)?;
-        for r in &regions {
-            register(&pd, r).map_err(|e| {
-                Error::Config(format!(
-                    "region '{}' cannot be registered on {}: {e}",
-                    r.info.name,
-                    ctx.name()
-                ))
-            })?;
+        if cfg.bounce_chunk == 0 || cfg.bounce_depth == 0 {
+            return Err(Error::Config(
+                "bounce chunk and depth must be at least 1".into(),
+            ));
         }
-        drop(pd);
+        let ctx = Context::open(cfg.device.as_deref())?;
+        let regions = build_regions(&cfg, &ctx).await?;
         let listener = TcpListener::bind(cfg.listen)
             .await
             .map_err(|e| Error::io(format!("cannot listen on {}", cfg.listen), e))?;
@@ -336,6 +578,7 @@ impl Server {
                 ctx,
                 regions,
                 active: AtomicUsize::new(0),
+                removals: watch::Sender::new(0),
             }),
             listener,
         })
@@ -350,12 +593,31 @@ impl Server {
 
     /// What is served.
     pub fn regions(&self) -> Vec<RegionInfo> {
-        self.shared.regions.iter().map(|r| r.info.clone()).collect()
+        self.handle().regions()
+    }
+
+    /// What is served, with every registration attempt.
+    pub fn reports(&self) -> Vec<RegionReport> {
+        self.shared
+            .regions
+            .iter()
+            .map(|r| RegionReport {
+                info: r.info.clone(),
+                attempts: r.attempts.clone(),
+            })
+            .collect()
     }
 
     /// The RDMA device in use.
     pub fn device(&self) -> &str {
         self.shared.ctx.name()
+    }
+
+    /// A handle to control the server while it runs.
+    pub fn handle(&self) -> ServerHandle {
+        ServerHandle {
+            shared: Arc::clone(&self.shared),
+        }
     }
 
     /// Serve until `shutdown` resolves; then stop accepting, tell connections to finish, wait
@@ -401,14 +663,48 @@ impl Server {
     }
 }
 
-fn register(pd: &ProtectionDomain, r: &Region) -> verbs::Result<SharedRegion> {
-    let start = r.base as usize;
-    pd.register_shared_range(
-        &r.mem,
-        start..start + r.info.size as usize,
-        access_for(r.info.access),
-        RegMode::Pinned,
-    )
+impl ServerHandle {
+    /// The regions still served.
+    pub fn regions(&self) -> Vec<RegionInfo> {
+        self.shared
+            .regions
+            .iter()
+            .filter(|r| !r.removed.load(Ordering::SeqCst))
+            .map(|r| r.info.clone())
+            .collect()
+    }
+
+    /// Stop serving a region: new opens are refused, every connection revokes its
+    /// registrations of it (clients' one-sided operations on the old rkey then fail with a
+    /// remote access error), in-flight bounce copies finish, and the memory is released once
+    /// nothing refers to it. Waits at most `timeout` for that release.
+    pub async fn remove_region(&self, name: &str, timeout: Duration) -> Result<Removal> {
+        let start = Instant::now();
+        let r = self
+            .shared
+            .regions
+            .iter()
+            .find(|r| r.info.name == name && !r.removed.load(Ordering::SeqCst))
+            .ok_or_else(|| Error::Config(format!("no region '{name}' is being served")))?;
+        r.removed.store(true, Ordering::SeqCst);
+        drop(r.provider.lock().unwrap_or_else(|p| p.into_inner()).take());
+        self.shared.removals.send_modify(|g| *g += 1);
+        let released = loop {
+            if r.weak.strong_count() == 0 {
+                break true;
+            }
+            if start.elapsed() >= timeout {
+                break false;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        tracing::info!(region = name, released, "region removed");
+        Ok(Removal {
+            region: name.to_string(),
+            released,
+            seconds: start.elapsed().as_secs_f64(),
+        })
+    }
 }
 
 fn access_for(mode: AccessMode) -> Access {
@@ -425,14 +721,36 @@ impl Drop for ActiveGuard<'_> {
     }
 }
 
-/// Per-connection RDMA state; dropping it destroys the QP, the MRs and the PD.
+struct OpenHandle {
+    idx: usize,
+    /// The direct part's MR (None: bounce only, or revoked).
+    lease: Option<Lease<DeviceMr>>,
+    revoked: bool,
+}
+
+type Completion = verbs::Result<Vec<Local>>;
+
+/// A bounce transfer in flight: the staging buffer is owned by the work request.
+struct InFlight {
+    fut: Pin<Box<dyn Future<Output = Option<Completion>> + Send>>,
+    provider: Arc<dyn Provider>,
+    offset: u64,
+    len: u64,
+    to_region: bool,
+}
+
+/// Per-connection RDMA state; dropping it destroys the MRs, the QP and the PD.
 #[derive(Default)]
 struct ConnState {
-    // drop order: MRs, then the QP, then the PD
-    open: HashMap<u32, (SharedRegion, usize)>,
+    // drop order: handles (leases), in-flight bounces, cache, staging ring, QP, PD
+    open: HashMap<u32, OpenHandle>,
+    inflight: VecDeque<InFlight>,
+    cache: Option<RegCache<usize, DeviceMr>>,
+    ring: Vec<RegisteredBuffer>,
     qp: Option<QueuePair>,
     pd: Option<ProtectionDomain>,
     next_handle: u32,
+    seen_removals: u64,
 }
 
 async fn connection(shared: Arc<Shared>, mut conn: Conn, mut stop: watch::Receiver<bool>) {
@@ -459,6 +777,13 @@ async fn connection(shared: Arc<Shared>, mut conn: Conn, mut stop: watch::Receiv
         Err(e) => tracing::info!(error = %e, "connection ended"),
     }
     conn.shutdown().await;
+}
+
+async fn next_done(q: &mut VecDeque<InFlight>) -> Option<Completion> {
+    match q.front_mut() {
+        Some(f) => f.fut.as_mut().await,
+        None => std::future::pending().await,
+    }
 }
 
 async fn serve_connection(
@@ -531,19 +856,35 @@ async fn serve_connection(
     })
     .await?;
 
-    // 2. requests
+    // 2. requests; bounce requests are pipelined (several in flight), and every reply goes out
+    // in request order: a request of another kind first waits for the bounces before it
     let mut st = ConnState::default();
+    let mut removals = shared.removals.subscribe();
+    st.seen_removals = *removals.borrow_and_update();
     loop {
         let msg = tokio::select! {
-            m = conn.recv(None, "a request") => m,
+            biased;
             _ = stop.changed() => {
+                st.drain(conn).await?;
                 let _ = conn.send(&Msg::error(ErrorCode::ShuttingDown, "the server is shutting down")).await;
                 return Ok(());
             }
+            _ = removals.changed() => {
+                st.revoke_removed(shared);
+                continue;
+            }
+            done = next_done(&mut st.inflight) => {
+                let f = st.inflight.pop_front().expect("a bounce was in flight");
+                let reply = st.finish(f, done);
+                conn.send(&reply).await?;
+                continue;
+            }
+            m = conn.recv(None, "a request") => m,
         };
         let msg = match msg {
             Ok(m) => m,
             Err(Error::Protocol { peer, source }) => {
+                let _ = st.drain(conn).await;
                 let _ = conn
                     .send(&Msg::error(ErrorCode::BadRequest, source.to_string()))
                     .await;
@@ -552,8 +893,33 @@ async fn serve_connection(
             Err(e) => return Err(e),
         };
         if matches!(msg, Msg::Bye) {
+            st.drain(conn).await?;
             return Ok(());
         }
+        if let Msg::Bounce {
+            handle,
+            offset,
+            len,
+            to_region,
+            addr,
+            rkey,
+        } = msg
+        {
+            let req = BounceReq {
+                handle,
+                offset,
+                len,
+                to_region,
+                remote: RemoteSlice { addr, rkey, len },
+            };
+            if let Err((code, message)) = st.start_bounce(shared, conn, req).await? {
+                tracing::debug!(%code, message, "bounce refused");
+                st.drain(conn).await?;
+                conn.send(&Msg::Error { code, message }).await?;
+            }
+            continue;
+        }
+        st.drain(conn).await?;
         let reply = match handle(shared, &mut st, msg).await {
             Ok(r) => r,
             Err((code, message)) => {
@@ -565,6 +931,14 @@ async fn serve_connection(
     }
 }
 
+struct BounceReq {
+    handle: u32,
+    offset: u64,
+    len: u64,
+    to_region: bool,
+    remote: RemoteSlice,
+}
+
 type Reply = std::result::Result<Msg, (ErrorCode, String)>;
 
 fn not_open(handle: u32) -> (ErrorCode, String) {
@@ -573,6 +947,9 @@ fn not_open(handle: u32) -> (ErrorCode, String) {
         format!("handle {handle} is not open on this connection"),
     )
 }
+
+/// How long one bounce RDMA operation may take before the connection is declared stalled.
+const BOUNCE_STALL: Duration = Duration::from_secs(30);
 
 impl ConnState {
     /// This connection's PD, created on first use.
@@ -589,8 +966,201 @@ impl ConnState {
     fn region_index(&self, handle: u32) -> std::result::Result<usize, (ErrorCode, String)> {
         self.open
             .get(&handle)
-            .map(|(_, idx)| *idx)
+            .map(|h| h.idx)
             .ok_or_else(|| not_open(handle))
+    }
+
+    /// Drop this connection's registrations of removed regions.
+    fn revoke_removed(&mut self, shared: &Shared) {
+        let gone = |idx: &usize| shared.regions[*idx].removed.load(Ordering::SeqCst);
+        for (handle, h) in self.open.iter_mut() {
+            if gone(&h.idx) && !h.revoked {
+                tracing::info!(
+                    handle,
+                    region = shared.regions[h.idx].info.name,
+                    "revoking a removed region"
+                );
+                h.lease = None;
+                h.revoked = true;
+            }
+        }
+        if let Some(c) = &self.cache {
+            // no lease is left (handles dropped theirs): deregisters at once
+            if let Err(e) = c.invalidate(gone, Duration::from_secs(1)) {
+                tracing::warn!(error = %e, "registrations of a removed region are still in use");
+            }
+        }
+    }
+
+    /// Finish every bounce in flight, replying to each in order.
+    async fn drain(&mut self, conn: &mut Conn) -> Result<()> {
+        while let Some(mut f) = self.inflight.pop_front() {
+            let done = f.fut.as_mut().await;
+            let reply = self.finish(f, done);
+            conn.send(&reply).await?;
+        }
+        Ok(())
+    }
+
+    /// A completed bounce: copy into the region for a put, give the buffer back, say how it went.
+    fn finish(&mut self, f: InFlight, done: Option<Completion>) -> Msg {
+        let op = if f.to_region {
+            "RDMA READ of the client's buffer"
+        } else {
+            "RDMA WRITE to the client's buffer"
+        };
+        let mut locals = match done {
+            Some(Ok(l)) => l,
+            Some(Err(e)) => {
+                return Msg::error(ErrorCode::Internal, format!("bounce {op} failed: {e}"))
+            }
+            None => {
+                if let Some(qp) = &self.qp {
+                    let _ = qp.set_error();
+                }
+                return Msg::error(
+                    ErrorCode::Internal,
+                    format!(
+                        "bounce {op} neither completed nor failed in {} s: the RDMA transport stalled",
+                        BOUNCE_STALL.as_secs()
+                    ),
+                );
+            }
+        };
+        let Some(buf) = locals.pop().and_then(Local::into_owned) else {
+            return Msg::error(ErrorCode::Internal, "bounce staging buffer lost");
+        };
+        let n = f.len as usize;
+        let res = if f.to_region {
+            f.provider.copy_in(f.offset, &buf.as_slice()[..n])
+        } else {
+            Ok(())
+        };
+        self.ring.push(buf);
+        match res {
+            Ok(()) => Msg::BounceDone { len: f.len },
+            Err(e) => Msg::error(
+                ErrorCode::Internal,
+                format!(
+                    "copying {} bytes into the region at {}: {e}",
+                    f.len, f.offset
+                ),
+            ),
+        }
+    }
+
+    /// Validate and start one bounce request. The outer error is the connection's; the inner
+    /// one is a refusal to send back.
+    async fn start_bounce(
+        &mut self,
+        shared: &Shared,
+        conn: &mut Conn,
+        req: BounceReq,
+    ) -> Result<std::result::Result<(), (ErrorCode, String)>> {
+        let h = match self.open.get(&req.handle) {
+            Some(h) => h,
+            None => return Ok(Err(not_open(req.handle))),
+        };
+        let r = &shared.regions[h.idx];
+        if h.revoked || r.removed.load(Ordering::SeqCst) {
+            return Ok(Err(removed(&r.info.name)));
+        }
+        if let Err(e) = range_check(&r.info, req.offset, req.len) {
+            return Ok(Err(e));
+        }
+        if req.offset < r.direct_len {
+            return Ok(Err((
+                ErrorCode::NotBounce,
+                format!(
+                    "bytes 0..{} of region '{}' are served direct: use one-sided RDMA on its rkey",
+                    r.direct_len, r.info.name
+                ),
+            )));
+        }
+        let chunk = shared.cfg.bounce_chunk as u64;
+        if req.len == 0 || req.len > chunk {
+            return Ok(Err((
+                ErrorCode::BadRequest,
+                format!("a bounce request moves 1 to {chunk} bytes, not {}", req.len),
+            )));
+        }
+        if req.to_region && r.info.access == AccessMode::ReadOnly {
+            return Ok(Err((
+                ErrorCode::ReadOnly,
+                format!("region '{}' is read-only; puts are refused", r.info.name),
+            )));
+        }
+        if self.qp.is_none() {
+            return Ok(Err((
+                ErrorCode::BadRequest,
+                "connect a QP before bounce requests".into(),
+            )));
+        }
+        let provider = match r.provider() {
+            Ok(p) => p,
+            Err(e) => return Ok(Err(e)),
+        };
+        // a staging buffer: a free one, a new one while the ring is not full, or the oldest
+        // in-flight one once it completes
+        let mut buf = loop {
+            if let Some(b) = self.ring.pop() {
+                break b;
+            }
+            if self.inflight.len() < shared.cfg.bounce_depth {
+                let pd = match self.pd(&shared.ctx) {
+                    Ok(p) => p,
+                    Err(e) => return Ok(Err(e)),
+                };
+                let b = HostBuffer::new(shared.cfg.bounce_chunk)
+                    .and_then(|m| pd.register(m, Access::LOCAL_WRITE, RegMode::Pinned));
+                match b {
+                    Ok(b) => break b,
+                    Err(e) => return Ok(Err(internal(format!("staging buffer: {e}")))),
+                }
+            }
+            let mut f = self
+                .inflight
+                .pop_front()
+                .expect("ring full means work in flight");
+            let done = f.fut.as_mut().await;
+            let reply = self.finish(f, done);
+            conn.send(&reply).await?;
+        };
+        let n = req.len as usize;
+        let op = if req.to_region {
+            SendOp::Read(req.remote)
+        } else {
+            if let Err(e) = provider.copy_out(req.offset, &mut buf.as_mut_slice()[..n]) {
+                self.ring.push(buf);
+                return Ok(Err(internal(format!(
+                    "copying {n} bytes out of region '{}' at {}: {e}",
+                    r.info.name, req.offset
+                ))));
+            }
+            SendOp::Write(req.remote)
+        };
+        let qp = self.qp.as_ref().expect("checked above");
+        let local = Local::owned_range(buf, 0..n).map_err(Error::Verbs)?;
+        let pending = match qp.post_send(vec![SendWr { op, local }]) {
+            Ok(p) => p,
+            Err(e) => return Ok(Err(internal(format!("posting the bounce transfer: {e}")))),
+        };
+        self.inflight.push_back(InFlight {
+            fut: Box::pin(async move {
+                tokio::time::timeout(BOUNCE_STALL, pending.wait())
+                    .await
+                    .ok()
+            }),
+            provider,
+            offset: req.offset,
+            len: req.len,
+            to_region: req.to_region,
+        });
+        Ok(Ok(()))
+    }
+
+    fn cache(&mut self, limits: Limits) -> &RegCache<usize, DeviceMr> {
+        self.cache.get_or_insert_with(|| RegCache::new(limits))
     }
 }
 
@@ -618,7 +1188,12 @@ fn internal(e: impl fmt::Display) -> (ErrorCode, String) {
 async fn handle(shared: &Shared, st: &mut ConnState, msg: Msg) -> Reply {
     match msg {
         Msg::List => Ok(Msg::Regions {
-            regions: shared.regions.iter().map(|r| r.info.clone()).collect(),
+            regions: shared
+                .regions
+                .iter()
+                .filter(|r| !r.removed.load(Ordering::SeqCst))
+                .map(|r| r.info.clone())
+                .collect(),
         }),
         Msg::Connect { endpoint } => {
             if st.qp.is_some() {
@@ -631,7 +1206,7 @@ async fn handle(shared: &Shared, st: &mut ConnState, msg: Msg) -> Reply {
             let qp = QueuePair::new(
                 &pd,
                 QpOptions {
-                    max_send_wr: 1,
+                    max_send_wr: shared.cfg.bounce_depth as u32 + 1,
                     max_recv_wr: 1,
                     max_rd_atomic: shared.cfg.max_outstanding.clamp(1, 255) as u8,
                     ..QpOptions::default()
@@ -651,11 +1226,12 @@ async fn handle(shared: &Shared, st: &mut ConnState, msg: Msg) -> Reply {
             let idx = shared
                 .regions
                 .iter()
-                .position(|r| r.info.name == region)
+                .position(|r| r.info.name == region && !r.removed.load(Ordering::SeqCst))
                 .ok_or_else(|| {
                     let names: Vec<&str> = shared
                         .regions
                         .iter()
+                        .filter(|r| !r.removed.load(Ordering::SeqCst))
                         .map(|r| r.info.name.as_str())
                         .collect();
                     (
@@ -682,19 +1258,49 @@ async fn handle(shared: &Shared, st: &mut ConnState, msg: Msg) -> Reply {
                     ),
                 ));
             }
-            let pd = st.pd(&shared.ctx)?;
-            let mr = register(&pd, r).map_err(internal)?;
+            let lease = match r.mode {
+                Some(mode) if r.direct_len > 0 => {
+                    let pd = st.pd(&shared.ctx)?;
+                    let provider = r.provider()?;
+                    let access = access_for(r.info.access);
+                    let direct = r.direct_len;
+                    let lease = st
+                        .cache(shared.cfg.cache)
+                        .get(&idx, 0..direct, direct, |range| {
+                            register_mode(&pd, &provider, range, access, mode)
+                        })
+                        .map_err(|e| {
+                            (
+                                ErrorCode::Internal,
+                                format!("registering region '{region}' ({mode}): {e}"),
+                            )
+                        })?;
+                    Some(lease)
+                }
+                _ => None,
+            };
             let handle = st.next_handle;
             st.next_handle = st.next_handle.wrapping_add(1);
+            let (addr, rkey) = lease
+                .as_ref()
+                .map_or((0, 0), |l| (l.mr().addr(), l.mr().rkey()));
             let reply = Msg::Opened {
                 handle,
                 info: r.info.clone(),
-                addr: mr.mr().addr(),
-                rkey: mr.mr().rkey(),
-                len: r.info.size,
+                addr,
+                rkey,
+                len: r.direct_len,
+                bounce_chunk: shared.cfg.bounce_chunk as u64,
             };
-            tracing::info!(region, handle, write, "region opened");
-            st.open.insert(handle, (mr, idx));
+            tracing::info!(region, handle, write, path = %r.info.path, "region opened");
+            st.open.insert(
+                handle,
+                OpenHandle {
+                    idx,
+                    lease,
+                    revoked: false,
+                },
+            );
             Ok(reply)
         }
         Msg::Checksum {
@@ -705,23 +1311,12 @@ async fn handle(shared: &Shared, st: &mut ConnState, msg: Msg) -> Reply {
             let idx = st.region_index(handle)?;
             let r = &shared.regions[idx];
             range_check(&r.info, offset, len)?;
-            let mem = Arc::clone(&r.mem);
-            let base = r.base;
-            let crc = tokio::task::spawn_blocking(move || crc_of(&mem, base + offset, len))
+            let provider = r.provider()?;
+            let crc = tokio::task::spawn_blocking(move || crc_of(&*provider, offset, len))
                 .await
                 .map_err(internal)?
                 .map_err(internal)?;
             Ok(Msg::ChecksumIs { crc32c: crc })
-        }
-        Msg::Bounce { handle, .. } => {
-            let idx = st.region_index(handle)?;
-            Err((
-                ErrorCode::NotBounce,
-                format!(
-                    "region '{}' is served direct: use one-sided RDMA on its rkey",
-                    shared.regions[idx].info.name
-                ),
-            ))
         }
         Msg::Close { handle } => match st.open.remove(&handle) {
             Some(_) => Ok(Msg::Closed { handle }),
@@ -734,14 +1329,18 @@ async fn handle(shared: &Shared, st: &mut ConnState, msg: Msg) -> Reply {
     }
 }
 
-/// CRC-32C of a range of shared memory, reading it in chunks.
-pub fn crc_of(mem: &SharedMemory, offset: u64, len: u64) -> verbs::Result<u32> {
+/// CRC-32C of a range of a region's memory, reading it in chunks through its copy engine.
+pub fn crc_of(
+    mem: &dyn Provider,
+    offset: u64,
+    len: u64,
+) -> std::result::Result<u32, peermem::Error> {
     let mut crc = 0u32;
     let mut buf = vec![0u8; (len as usize).min(1 << 20)];
     let mut done = 0u64;
     while done < len {
         let n = ((len - done) as usize).min(buf.len());
-        mem.read_at(offset + done, &mut buf[..n])?;
+        mem.copy_out(offset + done, &mut buf[..n])?;
         crc = crc32c::crc32c_append(crc, &buf[..n]);
         done += n as u64;
     }
@@ -761,7 +1360,8 @@ mod tests {
                 source: RegionSource::Host {
                     size: 64 << 20,
                     huge: false
-                }
+                },
+                options: RegionOptions::default(),
             }
         );
         assert_eq!(
@@ -797,10 +1397,50 @@ mod tests {
             ("r=host:12Q", "unknown unit"),
             ("r=file:", "empty file path"),
             ("r=host", "expected NAME=host"),
+            ("r=cmb:4M", "expected cmb:BDF:SIZE"),
+            ("r=cmb::4M", "expected cmb:BDF:SIZE"),
+            ("r=dmabuf:0", "at least 1 byte"),
+            ("r=host:1M,p2p=maybe", "unknown P2P policy 'maybe'"),
+            ("r=host:1M,reg=fast", "unknown registration strategy"),
+            ("r=host:1M,window=0", "window must be at least 1 byte"),
         ] {
             let e = bad.parse::<RegionSpec>().unwrap_err();
             assert!(e.contains(why), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn device_specs_and_options() {
+        let s: RegionSpec = "c=cmb:0000:03:00.0:16M,p2p=required".parse().unwrap();
+        assert_eq!(
+            s.source,
+            RegionSource::Cmb {
+                device: "0000:03:00.0".into(),
+                size: 16 << 20
+            }
+        );
+        assert_eq!(s.options.p2p, Some(P2pPolicy::Required));
+        let s: RegionSpec = "c=cmb:nvme0:1M".parse().unwrap();
+        assert_eq!(
+            s.source,
+            RegionSource::Cmb {
+                device: "nvme0".into(),
+                size: 1 << 20
+            }
+        );
+        let s: RegionSpec = "d=dmabuf:2M,window=64K,reg=odp".parse().unwrap();
+        assert_eq!(s.source, RegionSource::DmaBuf { size: 2 << 20 });
+        assert_eq!(s.options.window, Some(64 << 10));
+        assert_eq!(s.options.reg, Some(RegChoice::Only(RegMode::OnDemand)));
+        // a comma that is not an option stays in the path
+        let s: RegionSpec = "f=file:/data/a,b.bin:ro".parse().unwrap();
+        assert_eq!(
+            s.source,
+            RegionSource::File {
+                path: "/data/a,b.bin".into(),
+                read_only: true
+            }
+        );
     }
 
     #[test]
@@ -811,6 +1451,9 @@ mod tests {
             access: AccessMode::ReadWrite,
             kind: "host".into(),
             path: DataPath::Direct,
+            reason: String::new(),
+            strategy: None,
+            extents: Vec::new(),
         };
         assert!(range_check(&r, 0, 100).is_ok());
         assert!(range_check(&r, 100, 0).is_ok());
@@ -826,9 +1469,9 @@ mod tests {
 
     #[test]
     fn crc_matches_the_reference() {
-        let m = SharedMemory::anonymous(3 << 20, false).unwrap();
+        let m = HostMemory::anonymous(3 << 20, false).unwrap();
         let data: Vec<u8> = (0..(3 << 20)).map(|i| (i * 7 + 3) as u8).collect();
-        m.write_at(0, &data).unwrap();
+        m.copy_in(0, &data).unwrap();
         assert_eq!(
             crc_of(&m, 5, (3 << 20) - 9).unwrap(),
             crc32c::crc32c(&data[5..(3 << 20) - 4])

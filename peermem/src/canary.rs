@@ -7,13 +7,17 @@
 //! compared with the CPU's view and the range is restored afterwards.
 
 use std::fmt;
+use std::ops::Range;
 use std::sync::Arc;
 
 use serde::Serialize;
 use verbs::{
-    Access, HostBuffer, Local, ProtectionDomain, QpOptions, QueuePair, RegMode, SharedMemory,
+    Access, HostBuffer, Local, MemoryRegion, ProtectionDomain, QpOptions, QueuePair, RegMode,
     SharedRegion,
 };
+
+use crate::error::Error;
+use crate::provider::Provider;
 
 /// What the canary saw.
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
@@ -24,6 +28,8 @@ pub struct CanaryReport {
     pub len: u64,
     /// Path MTU of the loopback connection.
     pub path_mtu: u32,
+    /// Whether the WRITE half ran (not on read-only memory).
+    pub write_checked: bool,
     /// Bytes that an RDMA WRITE into the MR did not deliver correctly (CPU view after the write).
     pub write_wrong: u64,
     /// First wrong byte of the WRITE, relative to `offset`.
@@ -46,7 +52,8 @@ impl fmt::Display for CanaryReport {
         if self.ok() {
             write!(
                 f,
-                "canary passed: RDMA WRITE and READ of {} bytes at offset {} (path MTU {}) moved every byte right",
+                "canary passed: RDMA {} of {} bytes at offset {} (path MTU {}) moved every byte right",
+                if self.write_checked { "WRITE and READ" } else { "READ (read-only memory)" },
                 self.len, self.offset, self.path_mtu
             )
         } else {
@@ -70,6 +77,11 @@ impl fmt::Display for CanaryReport {
 #[derive(Debug, Clone, Serialize)]
 #[serde(tag = "outcome", rename_all = "kebab-case")]
 pub enum AttemptOutcome {
+    /// The memory offers no way in for this strategy.
+    NotApplicable {
+        /// Why.
+        message: String,
+    },
     /// Registration failed.
     RegistrationFailed {
         /// errno, if the OS gave one.
@@ -107,6 +119,9 @@ pub struct Attempt {
 impl fmt::Display for Attempt {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.outcome {
+            AttemptOutcome::NotApplicable { message } => {
+                write!(f, "{}: not applicable: {message}", self.mode)
+            }
             AttemptOutcome::RegistrationFailed { message, .. } => {
                 write!(f, "{}: registration failed: {message}", self.mode)
             }
@@ -129,7 +144,7 @@ pub struct Registration {
     /// Every attempt, in order.
     pub attempts: Vec<Attempt>,
     /// The registration in use, if any strategy worked.
-    pub region: Option<SharedRegion>,
+    pub region: Option<DeviceMr>,
 }
 
 /// The scratch range the canary uses in a region of `len` bytes: more than one path MTU,
@@ -158,12 +173,114 @@ fn diff(a: &[u8], b: &[u8]) -> (u64, Option<u64>) {
     (n, first)
 }
 
-/// Run the canary through `region`'s MR. The memory is restored afterwards.
-pub async fn run_canary(
+/// An MR over a provider's memory, of one of the strategies. The MR is deregistered (dropped)
+/// before the provider can go away.
+#[derive(Debug)]
+pub struct DeviceMr {
+    // drop order: the MR first, then the provider
+    inner: MrInner,
+    provider: Arc<dyn Provider>,
+    start: u64,
+}
+
+#[derive(Debug)]
+enum MrInner {
+    Cpu(SharedRegion),
+    DmaBuf(MemoryRegion),
+}
+
+impl DeviceMr {
+    /// The MR.
+    pub fn mr(&self) -> &MemoryRegion {
+        match &self.inner {
+            MrInner::Cpu(r) => r.mr(),
+            MrInner::DmaBuf(m) => m,
+        }
+    }
+    /// The strategy.
+    pub fn mode(&self) -> RegMode {
+        self.mr().mode()
+    }
+    /// The memory.
+    pub fn provider(&self) -> &Arc<dyn Provider> {
+        &self.provider
+    }
+    /// Offset in the provider of the MR's byte 0.
+    pub fn start(&self) -> u64 {
+        self.start
+    }
+}
+
+/// Why a strategy did not produce an MR.
+#[derive(Debug, thiserror::Error)]
+pub enum Refusal {
+    /// The memory offers no way in for this strategy (no CPU mapping, not a dma-buf).
+    #[error("not applicable: {0}")]
+    NotApplicable(String),
+    /// The registration call failed.
+    #[error(transparent)]
+    Failed(#[from] verbs::Error),
+}
+
+/// Register `range` of `provider` with one strategy (no canary).
+pub fn register_mode(
     pd: &ProtectionDomain,
-    region: &SharedRegion,
-) -> Result<CanaryReport, verbs::Error> {
-    let mem = region.memory();
+    provider: &Arc<dyn Provider>,
+    range: Range<u64>,
+    access: Access,
+    mode: RegMode,
+) -> Result<DeviceMr, Refusal> {
+    if range.start >= range.end || range.end > provider.len() {
+        return Err(Refusal::Failed(verbs::Error::InvalidArgument(format!(
+            "range {}..{} is outside the {}-byte {} memory",
+            range.start,
+            range.end,
+            provider.len(),
+            provider.kind()
+        ))));
+    }
+    if let Err(e) = provider.check_valid() {
+        return Err(Refusal::NotApplicable(e.to_string()));
+    }
+    let len = usize::try_from(range.end - range.start)
+        .map_err(|_| Refusal::NotApplicable("the range does not fit in memory".into()))?;
+    let inner = match mode {
+        RegMode::DmaBuf => {
+            let Some((fd, off)) = provider.dmabuf() else {
+                return Err(Refusal::NotApplicable(format!(
+                    "{} memory is not exported as a dma-buf",
+                    provider.kind()
+                )));
+            };
+            MrInner::DmaBuf(pd.register_dmabuf(fd, off + range.start, len, 0, access)?)
+        }
+        RegMode::Pinned | RegMode::OnDemand => {
+            let Some((mem, base)) = provider.mapping() else {
+                return Err(Refusal::NotApplicable(format!(
+                    "{} memory has no CPU mapping a NIC could register (only {})",
+                    provider.kind(),
+                    if provider.dmabuf().is_some() {
+                        "a dma-buf"
+                    } else {
+                        "its copy engine"
+                    }
+                )));
+            };
+            let s = (base + range.start) as usize;
+            MrInner::Cpu(pd.register_shared_range(mem, s..s + len, access, mode)?)
+        }
+    };
+    Ok(DeviceMr {
+        inner,
+        provider: Arc::clone(provider),
+        start: range.start,
+    })
+}
+
+/// Run the canary through `region`'s MR. The memory is restored afterwards. On read-only
+/// memory only the READ half runs (against the CPU's view of the bytes).
+pub async fn run_canary(pd: &ProtectionDomain, region: &DeviceMr) -> Result<CanaryReport, Error> {
+    let prov = region.provider();
     let a = QueuePair::new(pd, QpOptions::default())?;
     let b = QueuePair::new(pd, QpOptions::default())?;
     a.connect(&b.endpoint())?;
@@ -172,38 +289,45 @@ pub async fn run_canary(
     let region_len = region.mr().len() as u64;
     let (offset, len) = scratch_range(region_len, path_mtu);
     if len == 0 {
-        return Err(verbs::Error::InvalidArgument(
+        return Err(Error::InvalidArgument(
             "the region is too small for a canary".into(),
         ));
     }
-    // the MR may cover a window of the memory: translate offsets
-    let base = region.window_offset();
+    let base = region.start();
+    let writable = prov.writable() && region.mr().access().contains(Access::REMOTE_WRITE);
     let n = len as usize;
     let mut original = vec![0u8; n];
-    mem.read_at(base + offset, &mut original)?;
+    prov.copy_out(base + offset, &mut original)?;
     let pattern: Vec<u8> = original
         .iter()
         .enumerate()
         .map(|(i, b)| !b ^ (i as u8 & 0x10))
         .collect();
-    let mut src = pd.register(HostBuffer::new(n)?, Access::LOCAL_WRITE, RegMode::Pinned)?;
-    src.as_mut_slice().copy_from_slice(&pattern);
     let target = region.mr().remote(offset..offset + len)?;
     let result = async {
-        // WRITE through the MR, check with the CPU
-        a.write(Local::owned(src), target).await?;
-        let mut seen = vec![0u8; n];
-        mem.read_at(base + offset, &mut seen)?;
-        let (write_wrong, write_first_wrong) = diff(&seen, &pattern);
-        // READ through the MR of bytes the CPU put there
-        mem.write_at(base + offset, &pattern)?;
+        let (mut write_wrong, mut write_first_wrong) = (0, None);
+        let expect = if writable {
+            // WRITE through the MR, check with the CPU
+            let mut src = pd.register(HostBuffer::new(n)?, Access::LOCAL_WRITE, RegMode::Pinned)?;
+            src.as_mut_slice().copy_from_slice(&pattern);
+            a.write(Local::owned(src), target).await?;
+            let mut seen = vec![0u8; n];
+            prov.copy_out(base + offset, &mut seen)?;
+            (write_wrong, write_first_wrong) = diff(&seen, &pattern);
+            // READ through the MR bytes the CPU put there
+            prov.copy_in(base + offset, &pattern)?;
+            &pattern
+        } else {
+            &original
+        };
         let dst = pd.register(HostBuffer::new(n)?, Access::LOCAL_WRITE, RegMode::Pinned)?;
         let got = b.read(Local::owned(dst), target).await?;
-        let (read_wrong, read_first_wrong) = diff(got.bytes(), &pattern);
-        Ok::<_, verbs::Error>(CanaryReport {
+        let (read_wrong, read_first_wrong) = diff(got.bytes(), expect);
+        Ok::<_, Error>(CanaryReport {
             offset,
             len,
             path_mtu,
+            write_checked: writable,
             write_wrong,
             write_first_wrong,
             read_wrong,
@@ -212,41 +336,44 @@ pub async fn run_canary(
     }
     .await;
     // restore whatever happened
-    let restored = mem.write_at(base + offset, &original);
+    let restored = if writable {
+        prov.copy_in(base + offset, &original)
+    } else {
+        Ok(())
+    };
     let report = result?;
     restored?;
     Ok(report)
 }
 
-/// Try `modes` in order on `mem`; each registration is proved by a canary before it is used.
-/// With `stop_at_first`, the first working strategy ends the search.
+/// Try `modes` in order on `range` of `provider`; each registration is proved by a canary
+/// before it is trusted. The first strategy that works ends the search; its MR (registered with
+/// the canary's access) is returned with every attempt.
 pub async fn register_with_canary(
     pd: &ProtectionDomain,
-    mem: &Arc<SharedMemory>,
-    access: Access,
+    provider: &Arc<dyn Provider>,
+    range: Range<u64>,
     modes: &[RegMode],
 ) -> Registration {
     let mut attempts = Vec::new();
     let mut chosen = None;
+    // the canary writes through the MR: register with local and remote write when allowed
+    let access = if provider.writable() {
+        Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ
+    } else {
+        Access::REMOTE_READ
+    };
     for &mode in modes {
-        if mode == RegMode::DmaBuf {
-            attempts.push(Attempt {
-                mode,
-                outcome: AttemptOutcome::RegistrationFailed {
-                    errno: None,
-                    message: format!("{} memory is not a dma-buf", mem.kind()),
-                },
-            });
-            continue;
-        }
-        // the canary writes through the MR: register with local write for it
-        let reg = match pd.register_shared(
-            mem,
-            access | Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
-            mode,
-        ) {
+        let reg = match register_mode(pd, provider, range.clone(), access, mode) {
             Ok(r) => r,
-            Err(e) => {
+            Err(Refusal::NotApplicable(message)) => {
+                attempts.push(Attempt {
+                    mode,
+                    outcome: AttemptOutcome::NotApplicable { message },
+                });
+                continue;
+            }
+            Err(Refusal::Failed(e)) => {
                 attempts.push(Attempt {
                     mode,
                     outcome: AttemptOutcome::RegistrationFailed {
@@ -306,6 +433,7 @@ mod tests {
             offset: 2148,
             len: 6267,
             path_mtu: 1024,
+            write_checked: true,
             write_wrong: 3000,
             write_first_wrong: Some(1948),
             read_wrong: 0,

@@ -1,11 +1,23 @@
 //! Where memory comes from and how a NIC may reach it.
 //!
-//! For now: registration attempts proved by a byte-comparing [`canary`], and the built-in
-//! dma-buf exporter ([`udmabuf`]: a memfd exported through `/dev/udmabuf`). The other providers (NVMe CMB via P2PDMA, CUDA, device-private pages), the
-//! PCIe topology, path plans and the registration cache land with their issues.
+//! - [`provider`]: host RAM and files, NVMe CMB through P2PDMA ([`cmb`]), dma-bufs (the
+//!   built-in [`udmabuf`] exporter or an application's fd); each with a copy engine;
+//! - [`canary`]: registration attempts (dma-buf, pinned, ODP) proved by a byte-comparing
+//!   canary transfer;
+//! - [`plan`]: the user's policy (`--p2p required|preferred|disabled`) applied to those
+//!   attempts: direct with one strategy, or bounce, and why;
+//! - [`regcache`]: a registration cache with LRU limits and invalidation that waits for
+//!   in-flight users.
 #![deny(unsafe_code)]
 
 pub mod canary;
+pub mod cmb;
+pub mod error;
+pub mod plan;
+pub mod provider;
+pub mod regcache;
 pub mod udmabuf;
 
-pub use udmabuf::{Error, Udmabuf};
+pub use error::Error;
+pub use provider::{DmaBufMemory, HostMemory, Provider};
+pub use udmabuf::Udmabuf;

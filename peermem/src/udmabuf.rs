@@ -4,40 +4,10 @@
 #![allow(unsafe_code)]
 
 use std::fs::{File, OpenOptions};
-use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
-/// Errors of the peer-memory providers.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum Error {
-    /// A system call failed.
-    #[error("{call} failed ({context}): {hint} [{source}]")]
-    Sys {
-        /// The failing call.
-        call: &'static str,
-        /// What was being done.
-        context: String,
-        /// What it means / what to do.
-        hint: &'static str,
-        /// The OS error.
-        #[source]
-        source: io::Error,
-    },
-    /// Bad argument.
-    #[error("invalid argument: {0}")]
-    InvalidArgument(String),
-}
-
-fn sys(call: &'static str, context: impl Into<String>, hint: &'static str) -> Error {
-    Error::Sys {
-        call,
-        context: context.into(),
-        hint,
-        source: io::Error::last_os_error(),
-    }
-}
+use crate::error::{sys, Error};
 
 const UDMABUF_CREATE: libc::c_ulong = 0x4018_7542; // _IOW('u', 0x42, struct udmabuf_create)
 const UDMABUF_FLAGS_CLOEXEC: u32 = 1;
@@ -193,9 +163,14 @@ impl Udmabuf {
     pub fn default_device() -> PathBuf {
         PathBuf::from("/dev/udmabuf")
     }
+
+    /// The memfd behind the dma-buf.
+    pub fn memfd(&self) -> &File {
+        &self.memfd
+    }
 }
 
-fn page_size() -> usize {
+pub(crate) fn page_size() -> usize {
     // SAFETY: sysconf has no preconditions.
     let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     if p > 0 {

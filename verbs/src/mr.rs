@@ -501,6 +501,32 @@ impl SharedMemory {
         })
     }
 
+    /// Map `len` bytes of a device file at offset 0, shared (e.g. an NVMe CMB allocated through
+    /// `/sys/bus/pci/devices/BDF/p2pmem/allocate`, or a dma-buf that supports mmap). `kind` names
+    /// the memory in reports ("cmb", "dmabuf").
+    pub fn map_device(
+        file: &std::fs::File,
+        len: usize,
+        writable: bool,
+        kind: &'static str,
+    ) -> Result<SharedMemory> {
+        if len == 0 {
+            return Err(Error::InvalidArgument("cannot map 0 bytes".into()));
+        }
+        let map = Mapping::file(file, len, writable).map_err(|e| {
+            Error::verbs(
+                Call::Mmap,
+                format!("{len} bytes of {kind} memory, MAP_SHARED at offset 0"),
+                e,
+            )
+        })?;
+        Ok(SharedMemory {
+            map,
+            writable,
+            kind,
+        })
+    }
+
     /// Length.
     pub fn len(&self) -> usize {
         self.map.len()
@@ -509,7 +535,7 @@ impl SharedMemory {
     pub fn is_empty(&self) -> bool {
         self.map.len() == 0
     }
-    /// "host", "host-huge" or "file".
+    /// "host", "host-huge", "file", or the kind given to [`SharedMemory::map_device`].
     pub fn kind(&self) -> &'static str {
         self.kind
     }
