@@ -48,12 +48,13 @@ fn lab_doctor_auto_explains_each_strategy() {
     let (code, v, err) = doctor("auto");
     assert_eq!(code, Some(0), "{err}");
     assert_eq!(v["attempts"][0]["mode"], "dma-buf");
-    assert_eq!(v["attempts"][0]["outcome"], "registration-failed");
+    assert_eq!(v["attempts"][0]["outcome"], "not-applicable");
     assert!(v["attempts"][0]["message"]
         .as_str()
         .unwrap()
-        .contains("not a dma-buf"));
+        .contains("not exported as a dma-buf"));
     assert_eq!(v["chosen"], "pinned");
+    assert_eq!(v["path"], "direct");
 }
 
 #[test]

@@ -1,0 +1,460 @@
+//! Lab tests of the peer-memory paths: bounce, mixed (a P2P window), dma-buf fallback, the
+//! `--p2p` policy, region removal while clients transfer, and NVMe CMB through P2PDMA (the
+//! `lab_nvme_*` tests need a lab topology with NVMe controllers: `switch` or `iommu`).
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use p2p_rdma::bridge::protocol::{DataPath, ErrorCode};
+use p2p_rdma::bridge::{
+    Client, ClientConfig, Error, RegionSpec, Server, ServerConfig, ServerHandle,
+};
+
+const TOKEN: &str = "lab-token-peermem-0123";
+const LAB: &str = "lab test: needs an RDMA device; run it with soft-roce/lab";
+
+fn lab_ip() -> String {
+    std::env::var("P2P_RDMA_DEVICE")
+        .unwrap_or_else(|_| panic!("P2P_RDMA_DEVICE is not set. {LAB}"));
+    std::env::var("P2P_LAB_IP").unwrap_or_else(|_| panic!("P2P_LAB_IP is not set. {LAB}"))
+}
+
+fn kernel() -> String {
+    std::env::var("P2P_LAB_KERNEL").unwrap_or_else(|_| panic!("P2P_LAB_KERNEL is not set. {LAB}"))
+}
+
+fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+}
+
+struct Running {
+    addr: SocketAddr,
+    handle: ServerHandle,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<p2p_rdma::bridge::Result<()>>,
+}
+
+impl Running {
+    async fn stop(mut self) {
+        let _ = self.stop.take().unwrap().send(());
+        self.task.await.unwrap().unwrap();
+    }
+}
+
+async fn bind(regions: &[&str], tweak: impl FnOnce(&mut ServerConfig)) -> Result<Server, Error> {
+    init_tracing();
+    let ip = lab_ip();
+    let specs: Vec<RegionSpec> = regions.iter().map(|s| s.parse().unwrap()).collect();
+    let mut cfg = ServerConfig::new(format!("{ip}:0").parse().unwrap(), TOKEN.into(), specs);
+    cfg.bounce_chunk = 128 << 10;
+    cfg.bounce_depth = 4;
+    tweak(&mut cfg);
+    Server::bind(cfg).await
+}
+
+async fn start(regions: &[&str]) -> Running {
+    let server = bind(regions, |_| {}).await.unwrap();
+    let addr = server.local_addr().unwrap();
+    let handle = server.handle();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(server.run(async {
+        let _ = rx.await;
+    }));
+    Running {
+        addr,
+        handle,
+        stop: Some(tx),
+        task,
+    }
+}
+
+fn cfg(addr: SocketAddr) -> ClientConfig {
+    let mut c = ClientConfig::new(addr.to_string(), TOKEN);
+    c.chunk = 256 << 10;
+    c.depth = 6;
+    c.timeout = Duration::from_secs(20);
+    c
+}
+
+fn data(len: usize, seed: u32) -> Vec<u8> {
+    let mut x = seed | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x as u8
+        })
+        .collect()
+}
+
+/// Put `bytes` at `offset` then fetch them back, both verified against the server's CRC.
+/// Returns (put report, fetch report).
+async fn round_trip(
+    addr: SocketAddr,
+    region: &str,
+    offset: u64,
+    bytes: &[u8],
+) -> (
+    p2p_rdma::bridge::TransferReport,
+    p2p_rdma::bridge::TransferReport,
+) {
+    let mut c = Client::connect(cfg(addr)).await.unwrap();
+    let r = c.open(region, true).await.unwrap();
+    let mut src = bytes;
+    let put = c
+        .put(
+            &r,
+            offset,
+            &mut src,
+            Some(bytes.len() as u64),
+            true,
+            &mut |_| {},
+        )
+        .await
+        .unwrap_or_else(|e| panic!("put to '{region}': {e}"));
+    let mut out = Vec::new();
+    let fetch = c
+        .fetch(&r, offset, bytes.len() as u64, &mut out, true, &mut |_| {})
+        .await
+        .unwrap_or_else(|e| panic!("fetch of '{region}': {e}"));
+    assert!(
+        out == bytes,
+        "'{region}': fetched bytes differ from the bytes put"
+    );
+    c.close(&r).await.unwrap();
+    c.bye().await.unwrap();
+    (put, fetch)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_bounce_mixed_and_dmabuf_regions_move_every_byte_and_attribute_it() {
+    let s = start(&[
+        "direct=host:2M",
+        "bounce=host:2M,p2p=disabled",
+        "mixed=host:3M,window=1M",
+        "dmabuf=dmabuf:2M",
+    ])
+    .await;
+    let mut c = Client::connect(cfg(s.addr)).await.unwrap();
+    let list = c.list().await.unwrap();
+    c.bye().await.unwrap();
+    let info = |n: &str| list.iter().find(|r| r.name == n).unwrap().clone();
+    assert_eq!(info("direct").path, DataPath::Direct);
+    assert_eq!(info("direct").strategy.as_deref(), Some("pinned"));
+    assert_eq!(info("bounce").path, DataPath::Bounce);
+    assert!(
+        info("bounce").reason.contains("--p2p disabled"),
+        "{:?}",
+        info("bounce")
+    );
+    let m = info("mixed");
+    assert_eq!(m.path, DataPath::Mixed);
+    assert_eq!(m.extents.len(), 2);
+    assert_eq!((m.extents[0].offset, m.extents[0].len), (0, 1 << 20));
+    assert_eq!(m.extents[1].path, DataPath::Bounce);
+    // rxe refuses dma-buf MRs (EOPNOTSUPP on both lab kernels): the region falls back to bounce
+    let d = info("dmabuf");
+    assert_eq!(d.path, DataPath::Bounce, "{d:?}");
+    assert!(
+        d.reason.contains("errno 95") && d.reason.contains("pread/pwrite"),
+        "{}",
+        d.reason
+    );
+
+    // unaligned ranges that cross extents and staging-buffer boundaries
+    let bytes = data((1 << 20) + 777, 7);
+    let (put, fetch) = round_trip(s.addr, "direct", 4097, &bytes).await;
+    assert_eq!(
+        (put.direct_bytes, put.bounce_bytes),
+        (bytes.len() as u64, 0)
+    );
+    assert_eq!(fetch.direct_bytes, bytes.len() as u64);
+    let (put, fetch) = round_trip(s.addr, "bounce", 12345, &bytes).await;
+    assert_eq!(
+        (put.direct_bytes, put.bounce_bytes),
+        (0, bytes.len() as u64)
+    );
+    assert_eq!(
+        (fetch.direct_bytes, fetch.bounce_bytes),
+        (0, bytes.len() as u64)
+    );
+    let off = (1 << 20) - 1000;
+    let (put, fetch) = round_trip(s.addr, "mixed", off, &bytes).await;
+    assert_eq!(put.direct_bytes, 1000, "{put:?}");
+    assert_eq!(put.bounce_bytes, bytes.len() as u64 - 1000);
+    assert_eq!(fetch.direct_bytes, 1000);
+    let (_, fetch) = round_trip(s.addr, "dmabuf", 3, &bytes).await;
+    assert_eq!(fetch.bounce_bytes, bytes.len() as u64);
+
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_p2p_required_refuses_what_cannot_go_direct_and_says_why() {
+    let e = bind(&["d=dmabuf:1M,p2p=required"], |_| {})
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("region 'd'") && e.contains("--p2p required"),
+        "{e}"
+    );
+    assert!(e.contains("errno 95"), "the dma-buf attempt's errno: {e}");
+    assert!(
+        e.contains("not applicable"),
+        "pinned/ODP have no CPU mapping: {e}"
+    );
+    // the server-wide policy applies to regions without their own
+    let e = bind(&["d=dmabuf:1M"], |c| {
+        c.p2p = p2p_rdma::peermem::plan::P2pPolicy::Required
+    })
+    .await
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("--p2p required"), "{e}");
+    // host memory goes direct under `required`
+    let s = bind(&["h=host:1M,p2p=required"], |_| {}).await.unwrap();
+    assert_eq!(s.regions()[0].path, DataPath::Direct);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_removing_regions_during_transfers_never_hangs_and_the_rest_keeps_serving() {
+    let s = start(&["d=host:4M", "b=host:4M,p2p=disabled", "keep=host:1M"]).await;
+    let addr = s.addr;
+    let mut workers = Vec::new();
+    for region in ["d", "b"] {
+        workers.push(tokio::spawn(async move {
+            let mut c = Client::connect(cfg(addr)).await.unwrap();
+            let r = c.open(region, false).await.unwrap();
+            let mut rounds = 0u32;
+            loop {
+                let mut out = Vec::new();
+                match c.fetch(&r, 0, 4 << 20, &mut out, false, &mut |_| {}).await {
+                    Ok(rep) => {
+                        assert_eq!(rep.bytes, 4 << 20);
+                        rounds += 1;
+                        if rounds > 200 {
+                            panic!("region '{region}' still served after removal");
+                        }
+                    }
+                    Err(e) => return (region, rounds, e),
+                }
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    for region in ["b", "d"] {
+        let rm = s
+            .handle
+            .remove_region(region, Duration::from_secs(20))
+            .await
+            .unwrap();
+        assert!(
+            rm.released,
+            "region '{region}': its memory is still referenced 20 s after removal"
+        );
+    }
+    for w in workers {
+        let (region, rounds, e) = tokio::time::timeout(Duration::from_secs(60), w)
+            .await
+            .expect("a client hung after its region was removed")
+            .unwrap();
+        let msg = e.to_string();
+        eprintln!("region '{region}': {rounds} fetches, then: {msg}");
+        let clear = matches!(
+            &e,
+            Error::Server {
+                code: ErrorCode::Removed,
+                ..
+            }
+        ) || msg.contains("remote access")
+            || msg.contains("REM_ACCESS")
+            || msg.contains("flush")
+            || msg.contains("removed");
+        assert!(
+            clear,
+            "region '{region}': unclear error after removal: {msg}"
+        );
+    }
+    // removed regions are gone from the list; the other region still works for new clients
+    let mut c = Client::connect(cfg(addr)).await.unwrap();
+    let names: Vec<String> = c
+        .list()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.name)
+        .collect();
+    assert_eq!(names, vec!["keep".to_string()]);
+    let e = c.open("d", false).await.unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Server {
+                code: ErrorCode::UnknownRegion,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    c.bye().await.unwrap();
+    let bytes = data(300_000, 3);
+    round_trip(addr, "keep", 5, &bytes).await;
+    s.stop().await;
+}
+
+/// The lab topology's NVMe controller with a CMB behind the PCIe switch.
+fn nvme_behind_switch() -> String {
+    let topo = std::env::var("P2P_LAB_TOPOLOGY").unwrap_or_default();
+    let dir = std::path::Path::new("/sys/class/nvme");
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| {
+            panic!("{} is unreadable ({e}): this test needs the lab's switch or iommu topology (now: '{topo}')", dir.display())
+        })
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("nvme"))
+        .collect();
+    names.sort();
+    assert!(
+        !names.is_empty(),
+        "no NVMe controller: this test needs the lab's switch or iommu topology (now: '{topo}')"
+    );
+    // nvme0 is the one on the switch (serial p2plab0)
+    for n in &names {
+        let serial = std::fs::read_to_string(dir.join(n).join("serial")).unwrap_or_default();
+        if serial.trim() == "p2plab0" {
+            return n.clone();
+        }
+    }
+    names[0].clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_nvme_cmb_region_is_served_or_refused_with_the_kernel_reason() {
+    let nvme = nvme_behind_switch();
+    let spec = format!("cmb=cmb:{nvme}:4M");
+    if kernel() == "6.12" {
+        let e = bind(&[&spec], |_| {}).await.unwrap_err().to_string();
+        assert!(e.contains("kernel lacks CONFIG_PCI_P2PDMA"), "{e}");
+        // and a dma-buf region on the same kernel still serves, through bounce
+        let s = start(&["d=dmabuf:1M"]).await;
+        let bytes = data(700_001, 11);
+        let (put, _) = round_trip(s.addr, "d", 99, &bytes).await;
+        assert_eq!(put.bounce_bytes, bytes.len() as u64);
+        s.stop().await;
+        return;
+    }
+    let server = bind(&[&spec], |_| {}).await.unwrap();
+    let rep = server.reports().remove(0);
+    let att: Vec<(String, String, Option<i64>)> = rep
+        .attempts
+        .iter()
+        .map(|a| {
+            let v = serde_json::to_value(a).unwrap();
+            (
+                v["mode"].as_str().unwrap().to_string(),
+                v["outcome"].as_str().unwrap().to_string(),
+                v["errno"].as_i64(),
+            )
+        })
+        .collect();
+    eprintln!(
+        "CMB attempts on {}: {}",
+        kernel(),
+        serde_json::to_string(&rep.attempts).unwrap()
+    );
+    eprintln!("CMB path: {} ({})", rep.info.path, rep.info.reason);
+    // what LAB.md recorded for 7.3: dma-buf not applicable, pinned EFAULT, ODP registers
+    assert_eq!(att[0].1, "not-applicable", "{att:?}");
+    assert_eq!(
+        (att[1].0.as_str(), att[1].1.as_str(), att[1].2),
+        ("pinned", "registration-failed", Some(14)),
+        "{att:?}"
+    );
+    assert_eq!(att[2].0, "odp");
+    assert!(
+        matches!(att[2].1.as_str(), "works" | "canary-failed"),
+        "ODP on a p2pmem mapping: {att:?}"
+    );
+    let want = if att[2].1 == "works" {
+        DataPath::Direct
+    } else {
+        DataPath::Bounce
+    };
+    assert_eq!(rep.info.path, want, "{}", rep.info.reason);
+    assert_eq!(rep.info.kind, "cmb");
+    let addr = server.local_addr().unwrap();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(server.run(async {
+        let _ = rx.await;
+    }));
+    // whatever the path, the bytes are right
+    let bytes = data((2 << 20) + 4321, 5);
+    let (put, fetch) = round_trip(addr, "cmb", 777, &bytes).await;
+    let path_bytes = if want == DataPath::Direct {
+        put.direct_bytes
+    } else {
+        put.bounce_bytes
+    };
+    assert_eq!(path_bytes, bytes.len() as u64);
+    assert_eq!(fetch.bytes, bytes.len() as u64);
+    let _ = tx.send(());
+    task.await.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_nvme_cmb_forced_strategies_report_what_the_kernel_did() {
+    let nvme = nvme_behind_switch();
+    if kernel() == "6.12" {
+        // nothing to register: the allocation itself is refused (see the test above)
+        let e = bind(&[&format!("c=cmb:{nvme}:1M")], |_| {})
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("CONFIG_PCI_P2PDMA"), "{e}");
+        return;
+    }
+    // --reg pinned: EFAULT, and with --p2p required the region is refused saying so
+    let e = bind(
+        &[&format!("c=cmb:{nvme}:1M,reg=pinned,p2p=required")],
+        |_| {},
+    )
+    .await
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("errno 14"), "{e}");
+    // --p2p disabled: bounce without any attempt, bytes right
+    let s = {
+        let server = bind(&[&format!("c=cmb:{nvme}:1M,p2p=disabled")], |_| {})
+            .await
+            .unwrap();
+        let info = server.regions().remove(0);
+        assert_eq!(info.path, DataPath::Bounce);
+        assert!(
+            info.reason.contains("CPU copy from the p2pmem mapping"),
+            "{}",
+            info.reason
+        );
+        server
+    };
+    let addr = s.local_addr().unwrap();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(s.run(async {
+        let _ = rx.await;
+    }));
+    let bytes = data(600_000, 9);
+    let (put, _) = round_trip(addr, "c", 1, &bytes).await;
+    assert_eq!(put.bounce_bytes, bytes.len() as u64);
+    let _ = tx.send(());
+    task.await.unwrap().unwrap();
+}
