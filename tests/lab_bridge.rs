@@ -2,6 +2,9 @@
 //! soft-roce/two-host-test). The server runs in this process on the lab address; clients are
 //! the library or the `p2p-rdma` binary.
 
+mod common;
+use common::{data, init_tracing, lab_ip};
+
 use std::io::Write as _;
 use std::net::SocketAddr;
 use std::process::Command;
@@ -12,20 +15,6 @@ use p2p_rdma::bridge::{Client, ClientConfig, Error, RegionSpec, Server, ServerCo
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const TOKEN: &str = "lab-token-0123456789";
-const LAB: &str = "lab test: needs an RDMA device; run it with soft-roce/lab";
-
-fn lab_ip() -> String {
-    std::env::var("P2P_RDMA_DEVICE")
-        .unwrap_or_else(|_| panic!("P2P_RDMA_DEVICE is not set. {LAB}"));
-    std::env::var("P2P_LAB_IP").unwrap_or_else(|_| panic!("P2P_LAB_IP is not set. {LAB}"))
-}
-
-fn init_tracing() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_test_writer()
-        .try_init();
-}
 
 struct Running {
     addr: SocketAddr,
@@ -64,18 +53,6 @@ fn cfg(addr: SocketAddr) -> ClientConfig {
     c.chunk = 256 << 10;
     c.depth = 8;
     c
-}
-
-fn data(len: usize, seed: u32) -> Vec<u8> {
-    let mut x = seed | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            x as u8
-        })
-        .collect()
 }
 
 async fn put(

@@ -2,6 +2,9 @@
 //! `--p2p` policy, region removal while clients transfer, and NVMe CMB through P2PDMA (the
 //! `lab_nvme_*` tests need a lab topology with NVMe controllers: `switch` or `iommu`).
 
+mod common;
+use common::{data, init_tracing, lab_ip, LAB};
+
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -11,23 +14,9 @@ use p2p_rdma::bridge::{
 };
 
 const TOKEN: &str = "lab-token-peermem-0123";
-const LAB: &str = "lab test: needs an RDMA device; run it with soft-roce/lab";
-
-fn lab_ip() -> String {
-    std::env::var("P2P_RDMA_DEVICE")
-        .unwrap_or_else(|_| panic!("P2P_RDMA_DEVICE is not set. {LAB}"));
-    std::env::var("P2P_LAB_IP").unwrap_or_else(|_| panic!("P2P_LAB_IP is not set. {LAB}"))
-}
 
 fn kernel() -> String {
     std::env::var("P2P_LAB_KERNEL").unwrap_or_else(|_| panic!("P2P_LAB_KERNEL is not set. {LAB}"))
-}
-
-fn init_tracing() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_test_writer()
-        .try_init();
 }
 
 struct Running {
@@ -77,18 +66,6 @@ fn cfg(addr: SocketAddr) -> ClientConfig {
     c.depth = 6;
     c.timeout = Duration::from_secs(20);
     c
-}
-
-fn data(len: usize, seed: u32) -> Vec<u8> {
-    let mut x = seed | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            x as u8
-        })
-        .collect()
 }
 
 /// Put `bytes` at `offset` then fetch them back, both verified against the server's CRC.

@@ -9,7 +9,6 @@
 use std::fmt;
 use std::fs::File;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
 use verbs::SharedMemory;
@@ -260,32 +259,14 @@ impl Provider for DmaBufMemory {
     fn copy_out(&self, offset: u64, out: &mut [u8]) -> Result<(), Error> {
         check_range("dma-buf", offset, out.len() as u64, self.len)?;
         match &self.inner {
-            DmaBufInner::Udmabuf(u) => {
-                u.memfd()
-                    .read_exact_at(out, offset)
-                    .map_err(|e| Error::Sys {
-                        call: "pread",
-                        context: format!("udmabuf memfd at {offset}"),
-                        hint: "I/O error on the memfd",
-                        source: e,
-                    })
-            }
+            DmaBufInner::Udmabuf(u) => u.read_at(offset, out),
             DmaBufInner::Foreign { map, .. } => Ok(map.read_at(offset, out)?),
         }
     }
     fn copy_in(&self, offset: u64, data: &[u8]) -> Result<(), Error> {
         check_range("dma-buf", offset, data.len() as u64, self.len)?;
         match &self.inner {
-            DmaBufInner::Udmabuf(u) => {
-                u.memfd()
-                    .write_all_at(data, offset)
-                    .map_err(|e| Error::Sys {
-                        call: "pwrite",
-                        context: format!("udmabuf memfd at {offset}"),
-                        hint: "I/O error on the memfd",
-                        source: e,
-                    })
-            }
+            DmaBufInner::Udmabuf(u) => u.write_at(offset, data),
             DmaBufInner::Foreign { map, .. } => Ok(map.write_at(offset, data)?),
         }
     }

@@ -163,11 +163,6 @@ impl Udmabuf {
     pub fn default_device() -> PathBuf {
         PathBuf::from("/dev/udmabuf")
     }
-
-    /// The memfd behind the dma-buf.
-    pub fn memfd(&self) -> &File {
-        &self.memfd
-    }
 }
 
 pub(crate) fn page_size() -> usize {
