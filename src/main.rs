@@ -73,12 +73,12 @@ enum Cmd {
         regions: Vec<bridge::RegionSpec>,
         /// Peer-to-peer policy: required (refuse regions that cannot go direct), preferred
         /// (bounce when no strategy works), disabled (always bounce).
-        #[arg(long, value_enum, default_value_t = P2pArg::Preferred)]
-        p2p: P2pArg,
-        /// Registration strategy: auto tries dma-buf, pinned, then ODP; the others force one
-        /// (the canary still runs).
-        #[arg(long = "reg", value_enum, default_value_t = RegArg::Auto)]
-        reg: RegArg,
+        #[arg(long, default_value = "preferred", value_name = "POLICY")]
+        p2p: peermem::plan::P2pPolicy,
+        /// Registration strategy: auto tries dma-buf, pinned, then ODP; pinned, odp or dmabuf
+        /// force one (the canary still runs).
+        #[arg(long = "reg", default_value = "auto", value_name = "STRATEGY")]
+        reg: peermem::plan::RegChoice,
         /// Bytes per bounce staging buffer (the largest bounce request).
         #[arg(long, default_value = "1M", value_parser = parse_size_arg)]
         bounce_chunk: u64,
@@ -176,9 +176,10 @@ enum Cmd {
         /// dmabuf:SIZE.
         #[arg(long, value_name = "SPEC")]
         region: String,
-        /// Registration strategy: auto tries dma-buf, pinned, then ODP.
-        #[arg(long = "reg", value_enum, default_value_t = RegArg::Auto)]
-        reg: RegArg,
+        /// Registration strategy: auto tries dma-buf, pinned, then ODP; pinned, odp or dmabuf
+        /// force one.
+        #[arg(long = "reg", default_value = "auto", value_name = "STRATEGY")]
+        reg: peermem::plan::RegChoice,
         /// RDMA device (default: the first one with an active port).
         #[arg(long, short = 'd', env = "P2P_RDMA_DEVICE")]
         device: Option<String>,
@@ -284,44 +285,6 @@ struct ClientArgs {
     /// Seconds to wait for the server at each step.
     #[arg(long, default_value_t = 30)]
     timeout: u64,
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum RegArg {
-    Auto,
-    Pinned,
-    Odp,
-    Dmabuf,
-}
-
-impl From<RegArg> for peermem::plan::RegChoice {
-    fn from(r: RegArg) -> Self {
-        use peermem::plan::RegChoice;
-        match r {
-            RegArg::Auto => RegChoice::Auto,
-            RegArg::Pinned => RegChoice::Only(verbs::RegMode::Pinned),
-            RegArg::Odp => RegChoice::Only(verbs::RegMode::OnDemand),
-            RegArg::Dmabuf => RegChoice::Only(verbs::RegMode::DmaBuf),
-        }
-    }
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum P2pArg {
-    Required,
-    Preferred,
-    Disabled,
-}
-
-impl From<P2pArg> for peermem::plan::P2pPolicy {
-    fn from(p: P2pArg) -> Self {
-        use peermem::plan::P2pPolicy;
-        match p {
-            P2pArg::Required => P2pPolicy::Required,
-            P2pArg::Preferred => P2pPolicy::Preferred,
-            P2pArg::Disabled => P2pPolicy::Disabled,
-        }
-    }
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -441,8 +404,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             cfg.device = device;
             cfg.max_connections = max_connections;
             cfg.max_outstanding = max_outstanding.max(1);
-            cfg.p2p = p2p.into();
-            cfg.reg = reg.into();
+            cfg.p2p = p2p;
+            cfg.reg = reg;
             cfg.bounce_chunk = usize::try_from(bounce_chunk)
                 .ok()
                 .filter(|&c| (1..=1 << 30).contains(&c))
@@ -671,7 +634,12 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
-async fn doctor(spec: &str, reg: RegArg, device: Option<&str>, json: bool) -> anyhow::Result<()> {
+async fn doctor(
+    spec: &str,
+    reg: peermem::plan::RegChoice,
+    device: Option<&str>,
+    json: bool,
+) -> anyhow::Result<()> {
     use peermem::plan::{decide, P2pPolicy, PathKind};
     let parsed: bridge::RegionSpec = format!("doctor={spec}").parse().map_err(|e: String| {
         anyhow::anyhow!("--region {spec}: {}", e.replace("region 'doctor': ", ""))
@@ -681,7 +649,7 @@ async fn doctor(spec: &str, reg: RegArg, device: Option<&str>, json: bool) -> an
     let pd = verbs::ProtectionDomain::new(&ctx)?;
     let len = provider.len();
     let window = parsed.options.window.map_or(len, |w| w.min(len));
-    let planned = decide(&pd, &provider, 0..window, reg.into(), P2pPolicy::Preferred)
+    let planned = decide(&pd, &provider, 0..window, reg, P2pPolicy::Preferred)
         .await
         .map_err(|r| anyhow::anyhow!("{r}"))?;
     let d = &planned.decision;

@@ -3,7 +3,7 @@
 //! the library or the `p2p-rdma` binary.
 
 mod common;
-use common::{data, init_tracing, lab_ip};
+use common::{code_of, data, lab_ip, raw, start, TOKEN};
 
 use std::io::Write as _;
 use std::net::SocketAddr;
@@ -11,42 +11,8 @@ use std::process::Command;
 use std::time::Duration;
 
 use p2p_rdma::bridge::protocol::{encode, ErrorCode, Msg};
-use p2p_rdma::bridge::{Client, ClientConfig, Error, RegionSpec, Server, ServerConfig};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-const TOKEN: &str = "lab-token-0123456789";
-
-struct Running {
-    addr: SocketAddr,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<p2p_rdma::bridge::Result<()>>,
-}
-
-impl Running {
-    async fn stop(mut self) {
-        let _ = self.stop.take().unwrap().send(());
-        self.task.await.unwrap().unwrap();
-    }
-}
-
-async fn start(regions: &[&str], tweak: impl FnOnce(&mut ServerConfig)) -> Running {
-    init_tracing();
-    let ip = lab_ip();
-    let specs: Vec<RegionSpec> = regions.iter().map(|s| s.parse().unwrap()).collect();
-    let mut cfg = ServerConfig::new(format!("{ip}:0").parse().unwrap(), TOKEN.into(), specs);
-    tweak(&mut cfg);
-    let server = Server::bind(cfg).await.unwrap();
-    let addr = server.local_addr().unwrap();
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(server.run(async {
-        let _ = rx.await;
-    }));
-    Running {
-        addr,
-        stop: Some(tx),
-        task,
-    }
-}
+use p2p_rdma::bridge::{Client, ClientConfig, Error};
+use tokio::io::AsyncReadExt;
 
 fn cfg(addr: SocketAddr) -> ClientConfig {
     let mut c = ClientConfig::new(addr.to_string(), TOKEN);
@@ -240,31 +206,6 @@ async fn lab_bridge_killed_client_is_cleaned_up_and_others_keep_going() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     s.stop().await;
-}
-
-async fn raw(addr: SocketAddr, bytes: &[u8]) -> Vec<Msg> {
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(bytes).await.unwrap();
-    s.shutdown().await.unwrap();
-    let mut buf = Vec::new();
-    tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut buf))
-        .await
-        .unwrap()
-        .unwrap();
-    let mut d = p2p_rdma::bridge::protocol::Decoder::new();
-    d.feed(&buf);
-    let mut out = Vec::new();
-    while let Ok(Some(m)) = d.next_msg() {
-        out.push(m);
-    }
-    out
-}
-
-fn code_of(msgs: &[Msg]) -> Option<ErrorCode> {
-    msgs.iter().find_map(|m| match m {
-        Msg::Error { code, .. } => Some(*code),
-        _ => None,
-    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -3,61 +3,22 @@
 //! `lab_nvme_*` tests need a lab topology with NVMe controllers: `switch` or `iommu`).
 
 mod common;
-use common::{data, init_tracing, lab_ip, LAB};
+use common::{bind, data, raw, run, start, LAB, TOKEN};
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use p2p_rdma::bridge::protocol::{DataPath, ErrorCode};
-use p2p_rdma::bridge::{
-    Client, ClientConfig, Error, RegionSpec, Server, ServerConfig, ServerHandle,
-};
-
-const TOKEN: &str = "lab-token-peermem-0123";
+use p2p_rdma::bridge::protocol::{encode, DataPath, ErrorCode, Msg, VERSION};
+use p2p_rdma::bridge::{Client, ClientConfig, Error};
 
 fn kernel() -> String {
     std::env::var("P2P_LAB_KERNEL").unwrap_or_else(|_| panic!("P2P_LAB_KERNEL is not set. {LAB}"))
 }
 
-struct Running {
-    addr: SocketAddr,
-    handle: ServerHandle,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<p2p_rdma::bridge::Result<()>>,
-}
-
-impl Running {
-    async fn stop(mut self) {
-        let _ = self.stop.take().unwrap().send(());
-        self.task.await.unwrap().unwrap();
-    }
-}
-
-async fn bind(regions: &[&str], tweak: impl FnOnce(&mut ServerConfig)) -> Result<Server, Error> {
-    init_tracing();
-    let ip = lab_ip();
-    let specs: Vec<RegionSpec> = regions.iter().map(|s| s.parse().unwrap()).collect();
-    let mut cfg = ServerConfig::new(format!("{ip}:0").parse().unwrap(), TOKEN.into(), specs);
-    cfg.bounce_chunk = 128 << 10;
-    cfg.bounce_depth = 4;
-    tweak(&mut cfg);
-    Server::bind(cfg).await
-}
-
-async fn start(regions: &[&str]) -> Running {
-    let server = bind(regions, |_| {}).await.unwrap();
-    let addr = server.local_addr().unwrap();
-    let handle = server.handle();
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(server.run(async {
-        let _ = rx.await;
-    }));
-    Running {
-        addr,
-        handle,
-        stop: Some(tx),
-        task,
-    }
+/// Small bounce buffers, so that transfers cross many of them.
+fn small_bounce(c: &mut p2p_rdma::bridge::ServerConfig) {
+    c.bounce_chunk = 128 << 10;
+    c.bounce_depth = 4;
 }
 
 fn cfg(addr: SocketAddr) -> ClientConfig {
@@ -110,12 +71,15 @@ async fn round_trip(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "lab"]
 async fn lab_bounce_mixed_and_dmabuf_regions_move_every_byte_and_attribute_it() {
-    let s = start(&[
-        "direct=host:2M",
-        "bounce=host:2M,p2p=disabled",
-        "mixed=host:3M,window=1M",
-        "dmabuf=dmabuf:2M",
-    ])
+    let s = start(
+        &[
+            "direct=host:2M",
+            "bounce=host:2M,p2p=disabled",
+            "mixed=host:3M,window=1M",
+            "dmabuf=dmabuf:2M",
+        ],
+        small_bounce,
+    )
     .await;
     let mut c = Client::connect(cfg(s.addr)).await.unwrap();
     let list = c.list().await.unwrap();
@@ -173,8 +137,80 @@ async fn lab_bounce_mixed_and_dmabuf_regions_move_every_byte_and_attribute_it() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "lab"]
+async fn lab_bad_bounce_requests_get_clear_errors_in_order() {
+    let dir = std::env::temp_dir().join("lab-peermem-bounce");
+    std::fs::create_dir_all(&dir).unwrap();
+    let ro = dir.join("ro.bin");
+    std::fs::write(&ro, data(300_000, 4)).unwrap();
+    let ro_spec = format!("ro=file:{}:ro,p2p=disabled", ro.display());
+    let s = start(&["mixed=host:1M,window=64K", &ro_spec], small_bounce).await;
+    let bounce = |handle, offset, len, to_region| Msg::Bounce {
+        handle,
+        offset,
+        len,
+        to_region,
+        addr: 0x1000,
+        rkey: 1,
+    };
+    let mut bytes = Vec::new();
+    for m in [
+        Msg::Hello {
+            version: VERSION,
+            token: TOKEN.into(),
+            client: "raw".into(),
+        },
+        Msg::Open {
+            region: "mixed".into(),
+            write: true,
+        },
+        // the first 64 KiB are direct: use the rkey
+        bounce(0, 0, 100, false),
+        Msg::Open {
+            region: "ro".into(),
+            write: false,
+        },
+        // larger than one staging buffer (128 KiB here)
+        bounce(0, 64 << 10, (128 << 10) + 1, false),
+        // a put into a read-only region
+        bounce(1, 0, 100, true),
+        // a valid request, but no QP to move the bytes with
+        bounce(1, 0, 100, false),
+        bounce(9, 0, 100, false),
+        Msg::Bye,
+    ] {
+        bytes.extend(encode(&m));
+    }
+    let replies = raw(s.addr, &bytes).await;
+    let errors: Vec<(ErrorCode, String)> = replies
+        .iter()
+        .filter_map(|m| match m {
+            Msg::Error { code, message } => Some((*code, message.clone())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(replies.len(), 8, "{replies:?}");
+    assert!(matches!(replies[0], Msg::Welcome { .. }), "{replies:?}");
+    assert!(matches!(replies[1], Msg::Opened { .. }), "{replies:?}");
+    assert!(matches!(replies[3], Msg::Opened { .. }), "{replies:?}");
+    let want = [
+        (ErrorCode::NotBounce, "served direct: use one-sided RDMA"),
+        (ErrorCode::BadRequest, "moves 1 to 131072 bytes"),
+        (ErrorCode::ReadOnly, "read-only"),
+        (ErrorCode::BadRequest, "connect a QP"),
+        (ErrorCode::NotOpen, "handle 9 is not open"),
+    ];
+    assert_eq!(errors.len(), want.len(), "{errors:?}");
+    for ((code, msg), (wcode, wtext)) in errors.iter().zip(want) {
+        assert_eq!(*code, wcode, "{msg}");
+        assert!(msg.contains(wtext), "{msg} (wanted '{wtext}')");
+    }
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
 async fn lab_p2p_required_refuses_what_cannot_go_direct_and_says_why() {
-    let e = bind(&["d=dmabuf:1M,p2p=required"], |_| {})
+    let e = bind(&["d=dmabuf:1M,p2p=required"], small_bounce)
         .await
         .unwrap_err()
         .to_string();
@@ -189,6 +225,7 @@ async fn lab_p2p_required_refuses_what_cannot_go_direct_and_says_why() {
     );
     // the server-wide policy applies to regions without their own
     let e = bind(&["d=dmabuf:1M"], |c| {
+        small_bounce(c);
         c.p2p = p2p_rdma::peermem::plan::P2pPolicy::Required
     })
     .await
@@ -196,14 +233,20 @@ async fn lab_p2p_required_refuses_what_cannot_go_direct_and_says_why() {
     .to_string();
     assert!(e.contains("--p2p required"), "{e}");
     // host memory goes direct under `required`
-    let s = bind(&["h=host:1M,p2p=required"], |_| {}).await.unwrap();
+    let s = bind(&["h=host:1M,p2p=required"], small_bounce)
+        .await
+        .unwrap();
     assert_eq!(s.regions()[0].path, DataPath::Direct);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "lab"]
 async fn lab_removing_regions_during_transfers_never_hangs_and_the_rest_keeps_serving() {
-    let s = start(&["d=host:4M", "b=host:4M,p2p=disabled", "keep=host:1M"]).await;
+    let s = start(
+        &["d=host:4M", "b=host:4M,p2p=disabled", "keep=host:1M"],
+        small_bounce,
+    )
+    .await;
     let addr = s.addr;
     let mut workers = Vec::new();
     for region in ["d", "b"] {
@@ -320,17 +363,17 @@ async fn lab_nvme_cmb_region_is_served_or_refused_with_the_kernel_reason() {
     let nvme = nvme_behind_switch();
     let spec = format!("cmb=cmb:{nvme}:4M");
     if kernel() == "6.12" {
-        let e = bind(&[&spec], |_| {}).await.unwrap_err().to_string();
+        let e = bind(&[&spec], small_bounce).await.unwrap_err().to_string();
         assert!(e.contains("kernel lacks CONFIG_PCI_P2PDMA"), "{e}");
         // and a dma-buf region on the same kernel still serves, through bounce
-        let s = start(&["d=dmabuf:1M"]).await;
+        let s = start(&["d=dmabuf:1M"], small_bounce).await;
         let bytes = data(700_001, 11);
         let (put, _) = round_trip(s.addr, "d", 99, &bytes).await;
         assert_eq!(put.bounce_bytes, bytes.len() as u64);
         s.stop().await;
         return;
     }
-    let server = bind(&[&spec], |_| {}).await.unwrap();
+    let server = bind(&[&spec], small_bounce).await.unwrap();
     let rep = server.reports().remove(0);
     let att: Vec<(String, String, Option<i64>)> = rep
         .attempts
@@ -369,14 +412,10 @@ async fn lab_nvme_cmb_region_is_served_or_refused_with_the_kernel_reason() {
     };
     assert_eq!(rep.info.path, want, "{}", rep.info.reason);
     assert_eq!(rep.info.kind, "cmb");
-    let addr = server.local_addr().unwrap();
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(server.run(async {
-        let _ = rx.await;
-    }));
+    let s = run(server);
     // whatever the path, the bytes are right
     let bytes = data((2 << 20) + 4321, 5);
-    let (put, fetch) = round_trip(addr, "cmb", 777, &bytes).await;
+    let (put, fetch) = round_trip(s.addr, "cmb", 777, &bytes).await;
     let path_bytes = if want == DataPath::Direct {
         put.direct_bytes
     } else {
@@ -384,8 +423,7 @@ async fn lab_nvme_cmb_region_is_served_or_refused_with_the_kernel_reason() {
     };
     assert_eq!(path_bytes, bytes.len() as u64);
     assert_eq!(fetch.bytes, bytes.len() as u64);
-    let _ = tx.send(());
-    task.await.unwrap().unwrap();
+    s.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -394,7 +432,7 @@ async fn lab_nvme_cmb_forced_strategies_report_what_the_kernel_did() {
     let nvme = nvme_behind_switch();
     if kernel() == "6.12" {
         // nothing to register: the allocation itself is refused (see the test above)
-        let e = bind(&[&format!("c=cmb:{nvme}:1M")], |_| {})
+        let e = bind(&[&format!("c=cmb:{nvme}:1M")], small_bounce)
             .await
             .unwrap_err()
             .to_string();
@@ -404,15 +442,15 @@ async fn lab_nvme_cmb_forced_strategies_report_what_the_kernel_did() {
     // --reg pinned: EFAULT, and with --p2p required the region is refused saying so
     let e = bind(
         &[&format!("c=cmb:{nvme}:1M,reg=pinned,p2p=required")],
-        |_| {},
+        small_bounce,
     )
     .await
     .unwrap_err()
     .to_string();
     assert!(e.contains("errno 14"), "{e}");
     // --p2p disabled: bounce without any attempt, bytes right
-    let s = {
-        let server = bind(&[&format!("c=cmb:{nvme}:1M,p2p=disabled")], |_| {})
+    let s = run({
+        let server = bind(&[&format!("c=cmb:{nvme}:1M,p2p=disabled")], small_bounce)
             .await
             .unwrap();
         let info = server.regions().remove(0);
@@ -423,15 +461,9 @@ async fn lab_nvme_cmb_forced_strategies_report_what_the_kernel_did() {
             info.reason
         );
         server
-    };
-    let addr = s.local_addr().unwrap();
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(s.run(async {
-        let _ = rx.await;
-    }));
+    });
     let bytes = data(600_000, 9);
-    let (put, _) = round_trip(addr, "c", 1, &bytes).await;
+    let (put, _) = round_trip(s.addr, "c", 1, &bytes).await;
     assert_eq!(put.bounce_bytes, bytes.len() as u64);
-    let _ = tx.send(());
-    task.await.unwrap().unwrap();
+    s.stop().await;
 }

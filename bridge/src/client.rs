@@ -284,43 +284,59 @@ impl Client {
         self.cfg.depth.min(self.max_outstanding.max(1) as usize)
     }
 
-    /// Create our QP and have the server connect its own to it (once per client).
-    async fn rdma(&mut self) -> Result<&mut Rdma> {
-        if self.rdma.is_none() {
-            let ctx = Context::open(self.cfg.device.as_deref())?;
-            let pd = ProtectionDomain::new(&ctx)?;
-            let depth = self.depth();
-            let qp = QueuePair::new(
-                &pd,
-                QpOptions {
-                    max_send_wr: depth as u32,
-                    max_recv_wr: 1,
-                    max_rd_atomic: depth.min(255) as u8,
-                    ..QpOptions::default()
-                },
-            )?;
-            let ep = qp.endpoint();
-            let m = Msg::Connect {
-                endpoint: ep.into(),
-            };
-            let remote = match self.request(&m, "connected").await? {
-                Msg::Connected { endpoint } => verbs::Endpoint::from(endpoint),
-                other => return Err(reply_err(&self.conn.peer, other, "connected")),
-            };
-            qp.connect(&remote)?;
+    /// Take the RDMA state out of `self` so that it and the control connection can be used
+    /// together ([`Client::put_back`] returns it). The first call creates our QP and has the
+    /// server connect its own to it; every call makes sure there is one staging buffer per slot
+    /// in flight (an earlier transfer that stalled or failed may have left some with the CQ).
+    async fn take_rdma(&mut self) -> Result<Rdma> {
+        let depth = self.depth();
+        let mut rdma = match self.rdma.take() {
+            Some(r) => r,
+            None => {
+                let ctx = Context::open(self.cfg.device.as_deref())?;
+                let pd = ProtectionDomain::new(&ctx)?;
+                let qp = QueuePair::new(
+                    &pd,
+                    QpOptions {
+                        max_send_wr: depth as u32,
+                        max_recv_wr: 1,
+                        max_rd_atomic: depth.min(255) as u8,
+                        ..QpOptions::default()
+                    },
+                )?;
+                let ep = qp.endpoint();
+                let m = Msg::Connect {
+                    endpoint: ep.into(),
+                };
+                let remote = match self.request(&m, "connected").await? {
+                    Msg::Connected { endpoint } => verbs::Endpoint::from(endpoint),
+                    other => return Err(reply_err(&self.conn.peer, other, "connected")),
+                };
+                qp.connect(&remote)?;
+                Rdma {
+                    spare: Vec::with_capacity(depth),
+                    qp,
+                }
+            }
+        };
+        while rdma.spare.len() < depth {
             // the server RDMA-writes into (fetch) or reads from (put) these buffers on the
             // bounce path; only this connection's QP can reach them
-            let mut spare = Vec::with_capacity(depth);
-            for _ in 0..depth {
-                spare.push(pd.register(
-                    HostBuffer::new(self.cfg.chunk)?,
+            match HostBuffer::new(self.cfg.chunk).and_then(|b| {
+                rdma.qp.pd().register(
+                    b,
                     Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
                     RegMode::Pinned,
-                )?);
+                )
+            }) {
+                Ok(b) => rdma.spare.push(b),
+                Err(e) => {
+                    self.rdma = Some(rdma);
+                    return Err(e.into());
+                }
             }
-            self.rdma = Some(Rdma { spare, qp });
         }
-        Ok(self.rdma.as_mut().expect("just set"))
+        Ok(rdma)
     }
 
     fn check_range(r: &OpenRegion, offset: u64, len: u64) -> Result<()> {
@@ -334,13 +350,6 @@ impl Client {
                 ),
             }),
         }
-    }
-
-    /// Take the RDMA state out of `self` (created on first use) so that it and the control
-    /// connection can be used together; [`Client::put_back`] returns it.
-    async fn take_rdma(&mut self) -> Result<Rdma> {
-        self.rdma().await?;
-        Ok(self.rdma.take().expect("just created"))
     }
 
     fn put_back(&mut self, rdma: Rdma) {
@@ -376,35 +385,10 @@ impl Client {
         let result: Result<()> = async {
             loop {
                 while window.len() < depth && next < len {
-                    let pos = offset + next;
-                    let (path, n) = piece(&extents, pos, len - next, chunk, r.bounce_chunk)?;
+                    let p = piece(&extents, offset + next, len - next, chunk, r.bounce_chunk)?;
                     let buf = rdma.spare.pop().expect("one staging buffer per slot");
-                    window.push_back(match path {
-                        DataPath::Direct => {
-                            let wr = SendWr {
-                                op: SendOp::Read(r.remote.slice(pos, n)?),
-                                local: Local::owned_range(buf, 0..n as usize)?,
-                            };
-                            Slot::Rdma(rdma.qp.post_send(vec![wr])?, n)
-                        }
-                        _ => {
-                            let m = Msg::Bounce {
-                                handle: r.handle,
-                                offset: pos,
-                                len: n,
-                                to_region: false,
-                                addr: buf.addr(),
-                                rkey: buf.mr().rkey(),
-                            };
-                            let slot = Slot::Bounce(buf, n);
-                            if let Err(e) = self.conn.send(&m).await {
-                                window.push_back(slot);
-                                return Err(e);
-                            }
-                            slot
-                        }
-                    });
-                    next += n;
+                    window.push_back(issue(&rdma.qp, &mut self.conn, r, p, buf, false).await?);
+                    next += p.len;
                 }
                 let Some(slot) = window.pop_front() else {
                     break;
@@ -485,9 +469,14 @@ impl Client {
         let result: Result<()> = async {
             loop {
                 while window.len() < depth && !eof && posted < max {
-                    let pos = offset + posted;
-                    let (path, want) = piece(&extents, pos, max - posted, chunk, r.bounce_chunk)?;
-                    let want = want as usize;
+                    let mut p = piece(
+                        &extents,
+                        offset + posted,
+                        max - posted,
+                        chunk,
+                        r.bounce_chunk,
+                    )?;
+                    let want = p.len as usize;
                     let mut buf = rdma.spare.pop().expect("one staging buffer per slot");
                     let n = match read_full(source, &mut buf.as_mut_slice()[..want]) {
                         Ok(n) => n,
@@ -504,31 +493,8 @@ impl Client {
                         break;
                     }
                     crc = crc32c::crc32c_append(crc, &buf.as_slice()[..n]);
-                    window.push_back(match path {
-                        DataPath::Direct => {
-                            let wr = SendWr {
-                                op: SendOp::Write(r.remote.slice(pos, n as u64)?),
-                                local: Local::owned_range(buf, 0..n)?,
-                            };
-                            Slot::Rdma(rdma.qp.post_send(vec![wr])?, n as u64)
-                        }
-                        _ => {
-                            let m = Msg::Bounce {
-                                handle: r.handle,
-                                offset: pos,
-                                len: n as u64,
-                                to_region: true,
-                                addr: buf.addr(),
-                                rkey: buf.mr().rkey(),
-                            };
-                            let slot = Slot::Bounce(buf, n as u64);
-                            if let Err(e) = self.conn.send(&m).await {
-                                window.push_back(slot);
-                                return Err(e);
-                            }
-                            slot
-                        }
-                    });
+                    p.len = n as u64;
+                    window.push_back(issue(&rdma.qp, &mut self.conn, r, p, buf, true).await?);
                     posted += n as u64;
                 }
                 if !eof && posted >= max && limit.is_none() {
@@ -596,15 +562,23 @@ enum Slot {
     Bounce(RegisteredBuffer, u64),
 }
 
-/// The path and length of the next piece at `pos`: at most `chunk` (and `bounce_chunk` for
-/// bounce extents), never across an extent boundary.
+/// A piece of a transfer: at most one chunk, within one extent.
+#[derive(Debug, Clone, Copy)]
+struct Piece {
+    path: DataPath,
+    pos: u64,
+    len: u64,
+}
+
+/// The next piece at `pos`: at most `chunk` (and `bounce_chunk` for bounce extents), never
+/// across an extent boundary.
 fn piece(
     extents: &[Extent],
     pos: u64,
     remaining: u64,
     chunk: u64,
     bounce_chunk: u64,
-) -> Result<(DataPath, u64)> {
+) -> Result<Piece> {
     let e = extents
         .iter()
         .find(|e| e.offset <= pos && pos < e.offset + e.len)
@@ -613,11 +587,51 @@ fn piece(
                 "the server's extents do not cover offset {pos} of the region"
             ))
         })?;
-    let mut n = remaining.min(chunk).min(e.offset + e.len - pos);
+    let mut len = remaining.min(chunk).min(e.offset + e.len - pos);
     if e.path != DataPath::Direct {
-        n = n.min(bounce_chunk);
+        len = len.min(bounce_chunk);
     }
-    Ok((e.path, n))
+    Ok(Piece {
+        path: e.path,
+        pos,
+        len,
+    })
+}
+
+/// Start moving `buf[..p.len]` to (`to_region`) or from the region at `p.pos`: a one-sided RDMA
+/// WRITE or READ on a direct extent, a bounce request on a bounce extent.
+async fn issue(
+    qp: &QueuePair,
+    conn: &mut Conn,
+    r: &OpenRegion,
+    p: Piece,
+    buf: RegisteredBuffer,
+    to_region: bool,
+) -> Result<Slot> {
+    if p.path == DataPath::Direct {
+        let remote = r.remote.slice(p.pos, p.len)?;
+        let wr = SendWr {
+            op: if to_region {
+                SendOp::Write(remote)
+            } else {
+                SendOp::Read(remote)
+            },
+            local: Local::owned_range(buf, 0..p.len as usize)?,
+        };
+        return Ok(Slot::Rdma(qp.post_send(vec![wr])?, p.len));
+    }
+    let m = Msg::Bounce {
+        handle: r.handle,
+        offset: p.pos,
+        len: p.len,
+        to_region,
+        addr: buf.addr(),
+        rkey: buf.mr().rkey(),
+    };
+    // on failure the buffer is dropped (deregistered before it is unmapped): the next transfer
+    // registers a replacement
+    conn.send(&m).await?;
+    Ok(Slot::Bounce(buf, p.len))
 }
 
 /// The server's answer to one bounce request.
@@ -722,4 +736,33 @@ fn read_full(src: &mut (dyn Read + Send), buf: &mut [u8]) -> std::io::Result<usi
         }
     }
     Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pieces_respect_chunks_and_never_cross_an_extent() {
+        let ext = [
+            Extent {
+                offset: 0,
+                len: 1000,
+                path: DataPath::Direct,
+            },
+            Extent {
+                offset: 1000,
+                len: 9000,
+                path: DataPath::Bounce,
+            },
+        ];
+        let p = piece(&ext, 900, 5000, 512, 64).unwrap();
+        assert_eq!((p.path, p.pos, p.len), (DataPath::Direct, 900, 100));
+        let p = piece(&ext, 1000, 5000, 512, 64).unwrap();
+        assert_eq!((p.path, p.len), (DataPath::Bounce, 64));
+        let p = piece(&ext, 0, 10, 512, 64).unwrap();
+        assert_eq!(p.len, 10);
+        let e = piece(&ext, 10_000, 1, 512, 64).unwrap_err().to_string();
+        assert!(e.contains("do not cover offset 10000"), "{e}");
+    }
 }

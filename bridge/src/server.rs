@@ -723,9 +723,8 @@ impl Drop for ActiveGuard<'_> {
 
 struct OpenHandle {
     idx: usize,
-    /// The direct part's MR (None: bounce only, or revoked).
+    /// The direct part's MR (None: bounce only, or the region was removed).
     lease: Option<Lease<DeviceMr>>,
-    revoked: bool,
 }
 
 type Completion = verbs::Result<Vec<Local>>;
@@ -974,14 +973,12 @@ impl ConnState {
     fn revoke_removed(&mut self, shared: &Shared) {
         let gone = |idx: &usize| shared.regions[*idx].removed.load(Ordering::SeqCst);
         for (handle, h) in self.open.iter_mut() {
-            if gone(&h.idx) && !h.revoked {
+            if gone(&h.idx) && h.lease.take().is_some() {
                 tracing::info!(
                     handle,
                     region = shared.regions[h.idx].info.name,
-                    "revoking a removed region"
+                    "revoked the MR of a removed region"
                 );
-                h.lease = None;
-                h.revoked = true;
             }
         }
         if let Some(c) = &self.cache {
@@ -1062,7 +1059,7 @@ impl ConnState {
             None => return Ok(Err(not_open(req.handle))),
         };
         let r = &shared.regions[h.idx];
-        if h.revoked || r.removed.load(Ordering::SeqCst) {
+        if r.removed.load(Ordering::SeqCst) {
             return Ok(Err(removed(&r.info.name)));
         }
         if let Err(e) = range_check(&r.info, req.offset, req.len) {
@@ -1293,14 +1290,7 @@ async fn handle(shared: &Shared, st: &mut ConnState, msg: Msg) -> Reply {
                 bounce_chunk: shared.cfg.bounce_chunk as u64,
             };
             tracing::info!(region, handle, write, path = %r.info.path, "region opened");
-            st.open.insert(
-                handle,
-                OpenHandle {
-                    idx,
-                    lease,
-                    revoked: false,
-                },
-            );
+            st.open.insert(handle, OpenHandle { idx, lease });
             Ok(reply)
         }
         Msg::Checksum {

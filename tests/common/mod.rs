@@ -29,3 +29,92 @@ pub(crate) fn data(len: usize, seed: u32) -> Vec<u8> {
         })
         .collect()
 }
+
+pub(crate) const TOKEN: &str = "lab-token-0123456789";
+
+/// A server running in this process on the lab address.
+pub(crate) struct Running {
+    pub(crate) addr: std::net::SocketAddr,
+    pub(crate) handle: p2p_rdma::bridge::ServerHandle,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<p2p_rdma::bridge::Result<()>>,
+}
+
+impl Running {
+    /// Shut down and check that the server ended cleanly.
+    pub(crate) async fn stop(mut self) {
+        let _ = self.stop.take().unwrap().send(());
+        self.task.await.unwrap().unwrap();
+    }
+}
+
+/// Bind a server for `regions` on the lab address (any port), with [`TOKEN`].
+pub(crate) async fn bind(
+    regions: &[&str],
+    tweak: impl FnOnce(&mut p2p_rdma::bridge::ServerConfig),
+) -> p2p_rdma::bridge::Result<p2p_rdma::bridge::Server> {
+    use p2p_rdma::bridge::{RegionSpec, Server, ServerConfig};
+    init_tracing();
+    let ip = lab_ip();
+    let specs: Vec<RegionSpec> = regions.iter().map(|s| s.parse().unwrap()).collect();
+    let mut cfg = ServerConfig::new(format!("{ip}:0").parse().unwrap(), TOKEN.into(), specs);
+    tweak(&mut cfg);
+    Server::bind(cfg).await
+}
+
+/// Run a bound server until [`Running::stop`].
+pub(crate) fn run(server: p2p_rdma::bridge::Server) -> Running {
+    let addr = server.local_addr().unwrap();
+    let handle = server.handle();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(server.run(async {
+        let _ = rx.await;
+    }));
+    Running {
+        addr,
+        handle,
+        stop: Some(tx),
+        task,
+    }
+}
+
+/// Bind and run.
+pub(crate) async fn start(
+    regions: &[&str],
+    tweak: impl FnOnce(&mut p2p_rdma::bridge::ServerConfig),
+) -> Running {
+    run(bind(regions, tweak).await.unwrap())
+}
+
+/// Send raw bytes on a fresh control connection, close our side, and decode every reply.
+pub(crate) async fn raw(
+    addr: std::net::SocketAddr,
+    bytes: &[u8],
+) -> Vec<p2p_rdma::bridge::protocol::Msg> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(bytes).await.unwrap();
+    s.shutdown().await.unwrap();
+    let mut buf = Vec::new();
+    tokio::time::timeout(std::time::Duration::from_secs(20), s.read_to_end(&mut buf))
+        .await
+        .unwrap()
+        .unwrap();
+    let mut d = p2p_rdma::bridge::protocol::Decoder::new();
+    d.feed(&buf);
+    let mut out = Vec::new();
+    while let Ok(Some(m)) = d.next_msg() {
+        out.push(m);
+    }
+    out
+}
+
+/// The code of the first error among `msgs`.
+pub(crate) fn code_of(
+    msgs: &[p2p_rdma::bridge::protocol::Msg],
+) -> Option<p2p_rdma::bridge::protocol::ErrorCode> {
+    msgs.iter().find_map(|m| match m {
+        p2p_rdma::bridge::protocol::Msg::Error { code, .. } => Some(*code),
+        _ => None,
+    })
+}
