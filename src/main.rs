@@ -56,7 +56,7 @@ enum Cmd {
     /// client closes it or goes away. SIGINT/SIGTERM stop accepting, let connections finish
     /// (10 s at most) and release everything.
     #[command(
-        after_help = "Region specs (NAME=KIND:ARGS[,OPTION=VALUE]...):\n  NAME=host:SIZE          zeroed RAM (K/M/G suffixes)\n  NAME=host:SIZE:huge     from huge pages (vm.nr_hugepages must be set)\n  NAME=file:PATH          a file, mapped shared: puts change the file (it must not shrink while served)\n  NAME=file:PATH:ro       read-only: registered without remote write, so the NIC itself refuses puts\n  NAME=cmb:DEV:SIZE       peer memory of a PCI device through P2PDMA (an NVMe CMB): DEV is a PCI\n                          address (0000:03:00.0) or a controller (nvme0); needs Linux >= 6.2 with\n                          CONFIG_PCI_P2PDMA, as root\n  NAME=dmabuf:SIZE        a dma-buf from the built-in exporter (memfd + /dev/udmabuf)\n  options: ,p2p=required|preferred|disabled  ,reg=auto|pinned|odp|dmabuf  ,window=SIZE (only the\n           first SIZE bytes direct, the rest through bounce buffers)\n\nPaths: for each region the server tries dma-buf, pinned and ODP registration (or the one --reg\nnames) and proves the first that registers with a canary transfer (RDMA WRITE + READ compared\nbyte for byte). A region that no strategy serves goes through bounce buffers: the server copies\nwith the memory's copy engine into registered host staging buffers and RDMA-writes them to the\nclient (or reads the client's for a put). --p2p required refuses such a region (and says why);\n--p2p disabled forces bounce. The path and its reason are printed at start and shown by `ls`.\n\nExample:\n  head -c 32 /dev/urandom | base64 > token\n  p2p-rdma serve --listen 0.0.0.0:7471 --token-file token --region ram=host:1G --region img=file:/data/img.bin:ro --region cmb=cmb:nvme0:16M"
+        after_help = "Region specs (NAME=KIND:ARGS[,OPTION=VALUE]...):\n  NAME=host:SIZE          zeroed RAM (K/M/G suffixes)\n  NAME=host:SIZE:huge     from huge pages (vm.nr_hugepages must be set)\n  NAME=file:PATH          a file, mapped shared: puts change the file (it must not shrink while served)\n  NAME=file:PATH:ro       read-only: registered without remote write, so the NIC itself refuses puts\n  NAME=cmb:DEV:SIZE       peer memory of a PCI device through P2PDMA (an NVMe CMB): DEV is a PCI\n                          address (0000:03:00.0) or a controller (nvme0); needs Linux >= 6.2 with\n                          CONFIG_PCI_P2PDMA, as root\n  NAME=dmabuf:SIZE        a dma-buf from the built-in exporter (memfd + /dev/udmabuf)\n  NAME=cuda:GPU:SIZE      memory of CUDA GPU number GPU (build with --features cuda; libcuda.so.1 is\n                          loaded at run time), registered through its dma-buf export (needs NVIDIA's\n                          open kernel modules) and otherwise served by cuMemcpy through bounce buffers\n  options: ,p2p=required|preferred|disabled  ,reg=auto|pinned|odp|dmabuf  ,window=SIZE (only the\n           first SIZE bytes direct, the rest through bounce buffers)\n\nPaths: for each region the server tries dma-buf, pinned and ODP registration (or the one --reg\nnames) and proves the first that registers with a canary transfer (RDMA WRITE + READ compared\nbyte for byte). A region that no strategy serves goes through bounce buffers: the server copies\nwith the memory's copy engine into registered host staging buffers and RDMA-writes them to the\nclient (or reads the client's for a put). --p2p required refuses such a region (and says why);\n--p2p disabled forces bounce. The path and its reason are printed at start and shown by `ls`.\n\nExample:\n  head -c 32 /dev/urandom | base64 > token\n  p2p-rdma serve --listen 0.0.0.0:7471 --token-file token --region ram=host:1G --region img=file:/data/img.bin:ro --region cmb=cmb:nvme0:16M"
     )]
     Serve {
         /// RDMA device (default: the first one with an active port).
@@ -68,7 +68,7 @@ enum Cmd {
         #[command(flatten)]
         token: TokenArgs,
         /// A region to serve (repeatable): NAME=host:SIZE[:huge], NAME=file:PATH[:ro],
-        /// NAME=cmb:DEV:SIZE or NAME=dmabuf:SIZE (see below).
+        /// NAME=cmb:DEV:SIZE, NAME=dmabuf:SIZE or NAME=cuda:GPU:SIZE (see below).
         #[arg(long = "region", short = 'r', required = true, value_name = "SPEC")]
         regions: Vec<bridge::RegionSpec>,
         /// Peer-to-peer policy: required (refuse regions that cannot go direct), preferred
@@ -173,7 +173,7 @@ enum Cmd {
     )]
     Doctor {
         /// Memory to try, as in `serve` without the name: host:SIZE, file:PATH, cmb:DEV:SIZE,
-        /// dmabuf:SIZE.
+        /// dmabuf:SIZE, cuda:GPU:SIZE.
         #[arg(long, value_name = "SPEC")]
         region: String,
         /// Registration strategy: auto tries dma-buf, pinned, then ODP; pinned, odp or dmabuf

@@ -85,3 +85,24 @@ fn help_teaches() {
     let h = String::from_utf8_lossy(&out.stdout);
     assert!(h.contains("Examples:") && h.contains("--verify"), "{h}");
 }
+
+#[test]
+fn gpu_memory_without_a_driver_says_why() {
+    let out = bin()
+        .args(["doctor", "--region", "cuda:0:1M"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let e = String::from_utf8_lossy(&out.stderr);
+    if std::path::Path::new("/dev/nvidiactl").exists() && cfg!(feature = "cuda") {
+        // A machine with the NVIDIA driver: the driver must load; what fails is elsewhere.
+        assert!(!e.contains("no CUDA driver"), "{e}");
+        return;
+    }
+    assert!(
+        e.contains("no CUDA driver: dlopen(libcuda.so.1) failed")
+            || e.contains("no CUDA support (cargo feature `cuda`)"),
+        "{e}"
+    );
+    assert!(e.contains("fix:"), "{e}");
+}

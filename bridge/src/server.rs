@@ -75,6 +75,13 @@ pub enum RegionSource {
         /// Bytes.
         size: u64,
     },
+    /// Device memory of a GPU (CUDA ordinal), exported as a dma-buf where the driver can.
+    Cuda {
+        /// CUDA ordinal.
+        gpu: u32,
+        /// Bytes.
+        size: u64,
+    },
 }
 
 /// Per-region settings that override the server's.
@@ -102,7 +109,7 @@ pub struct RegionSpec {
 
 impl RegionSpec {
     /// The accepted forms, for messages.
-    pub const FORMS: &'static str = "NAME=host:SIZE[:huge], NAME=file:PATH[:ro], NAME=cmb:BDF|nvmeN:SIZE or NAME=dmabuf:SIZE, \
+    pub const FORMS: &'static str = "NAME=host:SIZE[:huge], NAME=file:PATH[:ro], NAME=cmb:BDF|nvmeN:SIZE, NAME=dmabuf:SIZE or NAME=cuda:GPU:SIZE, \
          optionally followed by ,p2p=required|preferred|disabled ,reg=auto|pinned|odp|dmabuf ,window=SIZE";
 }
 
@@ -201,6 +208,16 @@ impl FromStr for RegionSpec {
             "dmabuf" => RegionSource::DmaBuf {
                 size: size_of(arg)?,
             },
+            "cuda" => {
+                let bad = || {
+                    format!("region '{name}': expected cuda:GPU:SIZE (GPU: a CUDA device number such as 0)")
+                };
+                let (gpu, size) = arg.split_once(':').ok_or_else(bad)?;
+                RegionSource::Cuda {
+                    gpu: gpu.parse().map_err(|_| bad())?,
+                    size: size_of(size)?,
+                }
+            }
             other => {
                 return Err(format!(
                     "region '{name}': unknown kind '{other}': expected {forms}"
@@ -465,6 +482,16 @@ impl RegionSpec {
                 Arc::new(DmaBufMemory::udmabuf(*size).map_err(cfg_err)?),
                 false,
             ),
+            RegionSource::Cuda { gpu, size } => {
+                let driver = peermem::cuda::load().map_err(cfg_err)?;
+                (
+                    Arc::new(
+                        peermem::cuda::CudaMemory::allocate(driver, *gpu, *size)
+                            .map_err(cfg_err)?,
+                    ),
+                    false,
+                )
+            }
         })
     }
 }
@@ -1390,6 +1417,9 @@ mod tests {
             ("r=cmb:4M", "expected cmb:BDF:SIZE"),
             ("r=cmb::4M", "expected cmb:BDF:SIZE"),
             ("r=dmabuf:0", "at least 1 byte"),
+            ("r=cuda:1G", "expected cuda:GPU:SIZE"),
+            ("r=cuda:x:1G", "expected cuda:GPU:SIZE"),
+            ("r=cuda:0:0", "at least 1 byte"),
             ("r=host:1M,p2p=maybe", "unknown P2P policy 'maybe'"),
             ("r=host:1M,reg=fast", "unknown registration strategy"),
             ("r=host:1M,window=0", "window must be at least 1 byte"),
@@ -1418,6 +1448,15 @@ mod tests {
                 size: 1 << 20
             }
         );
+        let s: RegionSpec = "g=cuda:1:256M,reg=dmabuf".parse().unwrap();
+        assert_eq!(
+            s.source,
+            RegionSource::Cuda {
+                gpu: 1,
+                size: 256 << 20
+            }
+        );
+        assert_eq!(s.options.reg, Some(RegChoice::Only(RegMode::DmaBuf)));
         let s: RegionSpec = "d=dmabuf:2M,window=64K,reg=odp".parse().unwrap();
         assert_eq!(s.source, RegionSource::DmaBuf { size: 2 << 20 });
         assert_eq!(s.options.window, Some(64 << 10));

@@ -247,15 +247,19 @@ pub fn register_mode(
     let inner = match mode {
         RegMode::DmaBuf => {
             let Some((fd, off)) = provider.dmabuf() else {
-                return Err(Refusal::NotApplicable(format!(
-                    "{} memory is not exported as a dma-buf",
-                    provider.kind()
-                )));
+                return Err(Refusal::NotApplicable(
+                    provider.no_dmabuf_reason().unwrap_or_else(|| {
+                        format!("{} memory is not exported as a dma-buf", provider.kind())
+                    }),
+                ));
             };
             MrInner::DmaBuf(pd.register_dmabuf(fd, off + range.start, len, 0, access)?)
         }
         RegMode::Pinned | RegMode::OnDemand => {
             let Some((mem, base)) = provider.mapping() else {
+                if let Some(why) = provider.no_mapping_reason() {
+                    return Err(Refusal::NotApplicable(why));
+                }
                 return Err(Refusal::NotApplicable(format!(
                     "{} memory has no CPU mapping a NIC could register (only {})",
                     provider.kind(),

@@ -35,6 +35,15 @@ pub enum Error {
     /// The memory was freed, moved or removed: it must not be touched again.
     #[error("{0}: the memory is no longer valid (freed, moved or removed); register it again")]
     Invalidated(String),
+    /// A CUDA driver call failed.
+    #[error("{what}: {source}")]
+    Cuda {
+        /// What was being done.
+        what: String,
+        /// The driver's error.
+        #[source]
+        source: crate::cuda::CuError,
+    },
     /// A verbs call failed.
     #[error(transparent)]
     Verbs(#[from] verbs::Error),

@@ -1,7 +1,8 @@
 //! Where memory comes from and how a NIC may reach it.
 //!
 //! - [`provider`]: host RAM and files, NVMe CMB through P2PDMA ([`cmb`]), dma-bufs (the
-//!   built-in [`udmabuf`] exporter or an application's fd); each with a copy engine;
+//!   built-in [`udmabuf`] exporter or an application's fd), GPU memory ([`cuda`], driver loaded
+//!   at run time with the `cuda` feature); each with a copy engine;
 //! - [`canary`]: registration attempts (dma-buf, pinned, ODP) proved by a byte-comparing
 //!   canary transfer;
 //! - [`plan`]: the user's policy (`--p2p required|preferred|disabled`) applied to those
@@ -12,6 +13,7 @@
 
 pub mod canary;
 pub mod cmb;
+pub mod cuda;
 pub mod error;
 pub mod plan;
 pub mod provider;

@@ -18,7 +18,7 @@ use crate::udmabuf::Udmabuf;
 
 /// One kind of memory a region may live in.
 pub trait Provider: Send + Sync + fmt::Debug {
-    /// Short name: "host", "host-huge", "file", "cmb", "dmabuf".
+    /// Short name: "host", "host-huge", "file", "cmb", "dmabuf", "cuda".
     fn kind(&self) -> &'static str;
     /// One line for humans: what and where.
     fn describe(&self) -> String;
@@ -34,8 +34,16 @@ pub trait Provider: Send + Sync + fmt::Debug {
     /// offset of byte 0 of this provider inside it. `None` when the memory has no such mapping
     /// (a dma-buf exporter's memory, device-private memory).
     fn mapping(&self) -> Option<(&Arc<SharedMemory>, u64)>;
+    /// Why [`Provider::mapping`] is `None`, when the provider knows better than "no CPU mapping".
+    fn no_mapping_reason(&self) -> Option<String> {
+        None
+    }
     /// A dma-buf of this memory and the offset of byte 0 in it, for `ibv_reg_dmabuf_mr`.
     fn dmabuf(&self) -> Option<(BorrowedFd<'_>, u64)>;
+    /// Why [`Provider::dmabuf`] is `None`, when the provider knows (an export the driver refused).
+    fn no_dmabuf_reason(&self) -> Option<String> {
+        None
+    }
     /// How [`Provider::copy_out`] / [`Provider::copy_in`] move bytes (for reports).
     fn copy_engine(&self) -> &'static str;
     /// Copy `out.len()` bytes at `offset` out of the memory.
