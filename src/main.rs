@@ -187,6 +187,34 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Explain, for every RDMA NIC and every memory device (NVMe, GPU, accelerator), whether
+    /// peer-to-peer DMA can work and why not.
+    ///
+    /// Reads the PCIe tree from sysfs: the path between the two (SAME, PIX one switch, PXB
+    /// several bridges, PHB through a host bridge, SYS across sockets), ACS on every bridge of
+    /// the path, the IOMMU groups and ATS, the kernel's P2PDMA host-bridge whitelist and CPU
+    /// rule, CONFIG_PCI_P2PDMA, and (live only) what the RDMA driver accepts: ODP and dma-buf
+    /// MRs. The verdict follows the kernel's own rule (calc_map_type_and_dist in
+    /// drivers/pci/p2pdma.c): direct (by bus address below a common bridge),
+    /// through_host_bridge, not_supported, or unknown; each reason has a stable code, a
+    /// message and the fix. Run it as root: ACS and ATS live in the extended configuration
+    /// space, which only root can read.
+    #[command(
+        after_help = "Examples:\n  p2p-rdma topo\n  p2p-rdma topo --json | jq '.pairs[] | {rdma_device, device_pci, path, verdict}'\n  p2p-rdma topo --capture /tmp/topo        # attach /tmp/topo to a bug report\n  p2p-rdma topo --sysfs-root /tmp/topo     # replay someone's machine\n\nThe RDMA device of software RDMA (rxe, siw) is shown with its netdev's PCI device; its \"DMA\" is\nCPU copies in the kernel. A replayed tree reports the driver probes its capture recorded."
+    )]
+    Topo {
+        /// Read sysfs from this directory instead of /sys (a fixture, or a --capture).
+        #[arg(long, value_name = "DIR", default_value = "/sys")]
+        sysfs_root: std::path::PathBuf,
+        /// Print JSON: {"system", "rdma_devices", "memory_devices", "pairs": [{"rdma_device",
+        /// "nic_pci", "device_pci", "path", "verdict", "reasons": [{"code", "message", "fix"}]}]}.
+        #[arg(long)]
+        json: bool,
+        /// Copy exactly the sysfs files and links this report reads into DIR (which must not
+        /// exist or be empty), with the live driver probes, for replay with --sysfs-root DIR.
+        #[arg(long, value_name = "DIR", conflicts_with = "json")]
+        capture: Option<std::path::PathBuf>,
+    },
     /// List RDMA devices with their ports, GID tables and capabilities.
     #[command(
         after_help = "Examples:\n  p2p-rdma devices\n  p2p-rdma devices --json | jq '.[0].ports[0].gids'"
@@ -382,6 +410,11 @@ fn render_chain(e: &anyhow::Error) -> String {
 async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.cmd {
         Cmd::Devices { json } => devices(json),
+        Cmd::Topo {
+            sysfs_root,
+            json,
+            capture,
+        } => topo(&sysfs_root, json, capture.as_deref()),
         Cmd::Doctor {
             region,
             reg,
@@ -634,6 +667,134 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
+/// The topology doctor's verdict for the pair (RDMA device, the memory's PCI device), when the
+/// memory lives on a PCI device.
+fn topology_plan(provider: &dyn peermem::Provider, rdma: &str) -> Option<peermem::topology::Pair> {
+    use peermem::topology::{Extra, Sysfs, Topology};
+    let bdf = provider.pci_device()?;
+    let extra = Extra {
+        probes: driver_probes()
+            .into_iter()
+            .filter(|(n, _)| n == rdma)
+            .collect(),
+        kernel_config_p2pdma: Extra::read_kernel_config(),
+    };
+    let topo = Topology::read(&Sysfs::new("/sys"), &extra);
+    let r = topo.rdma.iter().find(|r| r.name == rdma)?;
+    Some(topo.pair(r, topo.device(&bdf)?))
+}
+
+/// Driver probes for every RDMA device the live system has (ODP caps, dma-buf MR probe).
+fn driver_probes() -> std::collections::BTreeMap<String, peermem::topology::DriverProbe> {
+    use peermem::topology::{DriverProbe, Support};
+    let mut out = std::collections::BTreeMap::new();
+    let Ok(names) = verbs::device_names() else {
+        return out;
+    };
+    for name in names {
+        let probe = match verbs::Context::open(Some(&name)) {
+            Ok(ctx) => {
+                let odp = ctx.info().caps.odp;
+                let (dmabuf_mr, why) = match verbs::ProtectionDomain::new(&ctx) {
+                    Ok(pd) => match pd.probe_dmabuf_mr() {
+                        verbs::DmabufSupport::Supported => (
+                            Support::Supported,
+                            "ibv_reg_dmabuf_mr(fd=-1): EBADF".to_string(),
+                        ),
+                        verbs::DmabufSupport::Unsupported => (
+                            Support::Unsupported,
+                            "ibv_reg_dmabuf_mr(fd=-1): EOPNOTSUPP".to_string(),
+                        ),
+                        verbs::DmabufSupport::Unknown(d) => (Support::Unknown, d),
+                    },
+                    Err(e) => (Support::Unknown, format!("no protection domain: {e}")),
+                };
+                DriverProbe {
+                    odp: if odp.rc_rdma() {
+                        Support::Supported
+                    } else {
+                        Support::Unsupported
+                    },
+                    dmabuf_mr,
+                    detail: format!(
+                        "odp general_caps {:#x} rc_odp_caps {:#x}; {why}",
+                        odp.general_caps, odp.rc_odp_caps
+                    ),
+                }
+            }
+            Err(e) => DriverProbe {
+                odp: Support::Unknown,
+                dmabuf_mr: Support::Unknown,
+                detail: format!("cannot open {name}: {e}"),
+            },
+        };
+        out.insert(name, probe);
+    }
+    out
+}
+
+fn topo(
+    root: &std::path::Path,
+    json: bool,
+    capture: Option<&std::path::Path>,
+) -> anyhow::Result<()> {
+    use peermem::topology::{Extra, Sysfs, Topology, CAPTURE_FILE};
+    if !root.is_dir() {
+        anyhow::bail!(
+            "--sysfs-root {}: not a directory (give /sys, a fixture, or a directory made by --capture)",
+            root.display()
+        );
+    }
+    let fs = if capture.is_some() {
+        Sysfs::recording(root)
+    } else {
+        Sysfs::new(root)
+    };
+    let extra = if fs.is_live() {
+        Extra {
+            probes: driver_probes(),
+            kernel_config_p2pdma: Extra::read_kernel_config(),
+        }
+    } else {
+        Extra::load(root).map_err(|e| anyhow::anyhow!("{e}"))?
+    };
+    let topo = Topology::read(&fs, &extra);
+    let report = topo.report();
+    if let Some(dir) = capture {
+        if dir.exists()
+            && std::fs::read_dir(dir)
+                .with_context(|| format!("--capture {}", dir.display()))?
+                .next()
+                .is_some()
+        {
+            anyhow::bail!(
+                "--capture {}: the directory is not empty (give a new directory)",
+                dir.display()
+            );
+        }
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let n = fs
+            .capture_into(dir)
+            .with_context(|| format!("copying sysfs into {}", dir.display()))?;
+        std::fs::write(dir.join(CAPTURE_FILE), serde_json::to_vec_pretty(&extra)?)
+            .with_context(|| format!("writing {}", dir.join(CAPTURE_FILE).display()))?;
+        emit(&format!(
+            "captured {n} sysfs entries ({} PCI functions, {} RDMA devices) and the driver probes into {}\nreplay: p2p-rdma topo --sysfs-root {}\n",
+            topo.devices().count(),
+            topo.rdma.len(),
+            dir.display(),
+            dir.display()
+        ))?;
+        return Ok(());
+    }
+    if json {
+        emit(&format!("{}\n", serde_json::to_string_pretty(&report)?))?;
+    } else {
+        emit(&report.render())?;
+    }
+    Ok(())
+}
+
 async fn doctor(
     spec: &str,
     reg: peermem::plan::RegChoice,
@@ -649,6 +810,7 @@ async fn doctor(
     let pd = verbs::ProtectionDomain::new(&ctx)?;
     let len = provider.len();
     let window = parsed.options.window.map_or(len, |w| w.min(len));
+    let plan = topology_plan(provider.as_ref(), ctx.name());
     let planned = decide(&pd, &provider, 0..window, reg, P2pPolicy::Preferred)
         .await
         .map_err(|r| anyhow::anyhow!("{r}"))?;
@@ -659,6 +821,7 @@ async fn doctor(
             "{}\n",
             serde_json::json!({
                 "device": ctx.name(),
+                "plan": plan,
                 "memory": provider.kind(),
                 "describe": provider.describe(),
                 "size": len,
@@ -671,6 +834,25 @@ async fn doctor(
         ))?;
     } else {
         let mut o = format!("{} on {}:\n", provider.describe(), ctx.name());
+        match &plan {
+            Some(p) => {
+                o.push_str(&format!(
+                    "  plan (PCIe topology): {} -> {}: {} {}\n",
+                    p.nic_pci.as_deref().unwrap_or("no PCI device"),
+                    p.device_pci,
+                    p.path.map(|c| c.as_str()).unwrap_or("-"),
+                    p.verdict.as_str()
+                ));
+                for r in p
+                    .reasons
+                    .iter()
+                    .filter(|r| r.severity != peermem::topology::Severity::Info)
+                {
+                    o.push_str(&format!("    [{}] {}\n", r.code, r.message));
+                }
+            }
+            None => o.push_str("  plan: host memory, no PCIe peer path involved\n"),
+        }
         for a in &d.attempts {
             o.push_str(&format!("  {a}\n"));
         }

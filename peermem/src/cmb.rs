@@ -279,6 +279,9 @@ impl Provider for CmbMemory {
     fn kind(&self) -> &'static str {
         "cmb"
     }
+    fn pci_device(&self) -> Option<String> {
+        Some(self.dev.bdf.clone())
+    }
     fn describe(&self) -> String {
         format!(
             "{} bytes of peer memory (P2PDMA) of {} ({} bytes in its pool)",

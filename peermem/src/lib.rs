@@ -7,6 +7,8 @@
 //!   canary transfer;
 //! - [`plan`]: the user's policy (`--p2p required|preferred|disabled`) applied to those
 //!   attempts: direct with one strategy, or bounce, and why;
+//! - [`topology`]: the PCIe tree from sysfs and, per NIC and device, whether peer-to-peer can
+//!   work (the kernel's own rule) and why not;
 //! - [`regcache`]: a registration cache with LRU limits and invalidation that waits for
 //!   in-flight users.
 #![deny(unsafe_code)]
@@ -18,6 +20,7 @@ pub mod error;
 pub mod plan;
 pub mod provider;
 pub mod regcache;
+pub mod topology;
 pub mod udmabuf;
 
 pub use error::Error;

@@ -34,6 +34,10 @@ pub trait Provider: Send + Sync + fmt::Debug {
     /// offset of byte 0 of this provider inside it. `None` when the memory has no such mapping
     /// (a dma-buf exporter's memory, device-private memory).
     fn mapping(&self) -> Option<(&Arc<SharedMemory>, u64)>;
+    /// The PCI function (`DDDD:BB:DD.F`) whose memory this is, for the topology doctor's plan.
+    fn pci_device(&self) -> Option<String> {
+        None
+    }
     /// Why [`Provider::mapping`] is `None`, when the provider knows better than "no CPU mapping".
     fn no_mapping_reason(&self) -> Option<String> {
         None

@@ -28,8 +28,8 @@ pub use device::{
 };
 pub use error::{meaning, Call, Error, Result, WcStatus};
 pub use mr::{
-    Access, HostBuffer, MemoryRegion, ProtectionDomain, RegMode, RegisteredBuffer, RemoteSlice,
-    SharedMemory, SharedRegion,
+    Access, DmabufSupport, HostBuffer, MemoryRegion, ProtectionDomain, RegMode, RegisteredBuffer,
+    RemoteSlice, SharedMemory, SharedRegion,
 };
 pub use qp::{
     negotiate_mtu, Endpoint, Local, Pending, PendingRecv, QpOptions, QpState, QueuePair, RawSendWr,

@@ -220,6 +220,31 @@ impl ProtectionDomain {
         })
     }
 
+    /// Whether the driver accepts dma-buf MRs, found without any dma-buf: `ibv_reg_dmabuf_mr`
+    /// with fd -1 fails with EBADF in a driver that would look the fd up (supported) and with
+    /// EOPNOTSUPP in one that refuses dma-bufs outright (the user-space provider or the kernel).
+    pub fn probe_dmabuf_mr(&self) -> DmabufSupport {
+        // SAFETY: fd -1 is never a valid file, so no memory is registered: the provider or the
+        // kernel fails before looking at any buffer. Should a driver nevertheless return an MR,
+        // sideway's MR owns it and deregisters it when dropped here.
+        let r = unsafe {
+            self.inner
+                .reg_dmabuf_mr(0, 4096, 0, -1, Access::LOCAL_WRITE.to_sideway())
+        };
+        match r {
+            Ok(_) => DmabufSupport::Unknown("a dma-buf MR on fd -1 was accepted".into()),
+            Err(e) => match io_of(&e).raw_os_error() {
+                Some(libc::EBADF) => DmabufSupport::Supported,
+                Some(libc::EOPNOTSUPP) => DmabufSupport::Unsupported,
+                Some(n) => DmabufSupport::Unknown(format!(
+                    "ibv_reg_dmabuf_mr(fd=-1) failed with errno {n} ({})",
+                    std::io::Error::from_raw_os_error(n)
+                )),
+                None => DmabufSupport::Unknown(format!("ibv_reg_dmabuf_mr(fd=-1): {e}")),
+            },
+        }
+    }
+
     /// Register `len` bytes at `offset` of a dma-buf; the region's addresses start at `iova`.
     /// The fd is duplicated and kept open for the life of the region.
     pub fn register_dmabuf(
@@ -687,4 +712,15 @@ impl RegisteredBuffer {
     pub fn addr(&self) -> u64 {
         self.mr.addr()
     }
+}
+/// What [`ProtectionDomain::probe_dmabuf_mr`] found.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "state", content = "detail", rename_all = "kebab-case")]
+pub enum DmabufSupport {
+    /// The driver looks dma-buf fds up (EBADF for fd -1).
+    Supported,
+    /// The driver refuses dma-buf MRs (EOPNOTSUPP).
+    Unsupported,
+    /// Something else happened.
+    Unknown(String),
 }

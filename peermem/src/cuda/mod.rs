@@ -401,6 +401,14 @@ impl Provider for CudaMemory {
     fn mapping(&self) -> Option<(&Arc<SharedMemory>, u64)> {
         None
     }
+    fn pci_device(&self) -> Option<String> {
+        // The driver may print an 8-digit domain ("00000000:41:00.0"); sysfs uses 4.
+        let id = &self.gpu.pci_bus_id;
+        match id.split_once(':') {
+            Some((dom, rest)) if dom.len() > 4 => Some(format!("{}:{rest}", &dom[dom.len() - 4..])),
+            _ => Some(id.clone()),
+        }
+    }
     fn no_mapping_reason(&self) -> Option<String> {
         Some("GPU memory has no CPU mapping; pinned or ODP registration of a CUDA pointer would need the nvidia-peermem kernel module, which p2p-rdma does not rely on (the dma-buf path replaces it)".into())
     }
