@@ -215,6 +215,78 @@ enum Cmd {
         #[arg(long, value_name = "DIR", conflicts_with = "json")]
         capture: Option<std::path::PathBuf>,
     },
+    /// Measure RDMA WRITE, READ or SEND bandwidth or latency between two hosts, like perftest.
+    ///
+    /// Without SERVER: wait for one client (like perftest's server side), serve its runs, exit.
+    /// With SERVER: run against it and print perftest's table plus the path (direct / bounce)
+    /// and registration strategy of the server's memory. Bandwidth runs keep --tx-depth work
+    /// requests in flight per QP and post every free slot in one batch (one doorbell); latency
+    /// runs ping-pong one message (WRITE with immediate / SEND, reported one way like
+    /// ib_write_lat / ib_send_lat) or time single READs (full round trip, like ib_read_lat).
+    #[command(
+        after_help = "Examples:\n  server$ p2p-rdma bench write\n  client$ p2p-rdma bench write 10.0.0.1 --size 1M --duration 5\n  server$ p2p-rdma bench read --mem cmb:nvme0:16M\n  client$ p2p-rdma bench read 10.0.0.1 --all --iters 1000 --validate --json\n  client$ p2p-rdma bench write 10.0.0.1 --lat --size 2\n\nThe server's --mem takes the region specs of `serve` (host:SIZE, file:PATH, cmb:DEV:SIZE,\ndmabuf:SIZE, cuda:GPU:SIZE). When that memory cannot be registered direct (the canary decides),\nthe server serves it through the bridge's bounce pipeline and the client measures put/fetch of\neach size on that path (bandwidth runs only). The client's buffers are host RAM.\n\nCompare with perftest on the same devices: soft-roce/compare (lab) prints the ratios."
+    )]
+    Bench {
+        /// write, read or send.
+        #[arg(value_enum)]
+        op: BenchOpArg,
+        /// The server to run against (HOST or HOST:PORT); none: be the server.
+        server: Option<String>,
+        /// TCP port of the control connection (perftest's default).
+        #[arg(long, short = 'p', default_value_t = 18515)]
+        port: u16,
+        /// Message size (K/M/G suffixes).
+        #[arg(long, short = 's', value_parser = parse_size_arg, conflicts_with = "all")]
+        size: Option<u64>,
+        /// Every size from 2 B to 8 MiB in powers of two.
+        #[arg(long, short = 'a')]
+        all: bool,
+        /// Messages per QP per size (default 5000, 1000 with --lat).
+        #[arg(long, short = 'n', conflicts_with = "duration")]
+        iters: Option<u64>,
+        /// Seconds per size instead of --iters.
+        #[arg(long, short = 'D')]
+        duration: Option<f64>,
+        /// Work requests in flight per QP.
+        #[arg(long, short = 't', default_value_t = 128)]
+        tx_depth: u32,
+        /// Queue pairs.
+        #[arg(long, short = 'q', default_value_t = 1)]
+        qps: u32,
+        /// Both directions at once (write and read).
+        #[arg(long, short = 'b')]
+        bidir: bool,
+        /// Latency instead of bandwidth.
+        #[arg(long)]
+        lat: bool,
+        /// Server: the memory to benchmark (a region spec of `serve`, without the name).
+        #[arg(long, value_name = "SPEC")]
+        mem: Option<String>,
+        /// Server: P2P policy for --mem.
+        #[arg(long, default_value = "preferred", value_name = "POLICY")]
+        p2p: peermem::plan::P2pPolicy,
+        /// Server: registration strategy for --mem.
+        #[arg(long = "reg", default_value = "auto", value_name = "STRATEGY")]
+        reg: peermem::plan::RegChoice,
+        /// Check the data at the end of each size (like perftest's --data_validation).
+        #[arg(long)]
+        validate: bool,
+        /// Bandwidth in Gb/s instead of MiB/s.
+        #[arg(long)]
+        report_gbits: bool,
+        /// One JSON object per line per size.
+        #[arg(long)]
+        json: bool,
+        /// RDMA device.
+        #[arg(long, short = 'd', env = "P2P_RDMA_DEVICE")]
+        device: Option<String>,
+        /// GID index (default: RoCE v2 with an IPv4-mapped address).
+        #[arg(long, short = 'x')]
+        gid_index: Option<u32>,
+        /// Device port.
+        #[arg(long, short = 'i')]
+        ib_port: Option<u8>,
+    },
     /// List RDMA devices with their ports, GID tables and capabilities.
     #[command(
         after_help = "Examples:\n  p2p-rdma devices\n  p2p-rdma devices --json | jq '.[0].ports[0].gids'"
@@ -288,6 +360,15 @@ impl TokenArgs {
 }
 
 #[derive(Debug)]
+struct BenchMismatch;
+impl std::fmt::Display for BenchMismatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("--validate: the data did not match (see the rows marked DATA MISMATCH)")
+    }
+}
+impl std::error::Error for BenchMismatch {}
+
+#[derive(Debug)]
 struct MissingToken;
 impl std::fmt::Display for MissingToken {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -319,6 +400,13 @@ struct ClientArgs {
 enum OpArg {
     Write,
     Read,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug)]
+enum BenchOpArg {
+    Write,
+    Read,
+    Send,
 }
 
 fn parse_size_arg(s: &str) -> Result<u64, String> {
@@ -359,6 +447,20 @@ fn exit_code(e: &anyhow::Error) -> u8 {
     for c in e.chain() {
         if c.downcast_ref::<MissingToken>().is_some() {
             return EXIT_AUTH;
+        }
+        if c.downcast_ref::<BenchMismatch>().is_some() {
+            return EXIT_MISMATCH;
+        }
+        if let Some(b) = c.downcast_ref::<p2p_rdma::bench::BenchError>() {
+            match b {
+                p2p_rdma::bench::BenchError::Verbs(
+                    verbs::Error::NoDevice { .. }
+                    | verbs::Error::LibraryMissing { .. }
+                    | verbs::Error::DeviceNotFound { .. },
+                ) => return EXIT_UNAVAILABLE,
+                p2p_rdma::bench::BenchError::Unreachable(_) => return EXIT_UNREACHABLE,
+                _ => {}
+            }
         }
         if let Some(v) = c.downcast_ref::<verbs::Error>() {
             if matches!(
@@ -602,6 +704,121 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 })
                 .await;
             finish_transfer(c, &r, rep, bar, json).await
+        }
+        Cmd::Bench {
+            op,
+            server,
+            port,
+            size,
+            all,
+            iters,
+            duration,
+            tx_depth,
+            qps,
+            bidir,
+            lat,
+            mem,
+            p2p,
+            reg,
+            validate,
+            report_gbits,
+            json,
+            device,
+            gid_index,
+            ib_port,
+        } => {
+            use p2p_rdma::bench::{self, BenchOp, BenchParams, Side};
+            let op = match op {
+                BenchOpArg::Write => BenchOp::Write,
+                BenchOpArg::Read => BenchOp::Read,
+                BenchOpArg::Send => BenchOp::Send,
+            };
+            let side = Side {
+                device,
+                gid_index,
+                ib_port,
+            };
+            let Some(server) = server else {
+                let listen: std::net::SocketAddr = ([0, 0, 0, 0], port).into();
+                if !json {
+                    eprintln!(
+                        "p2p-rdma bench: waiting for a client on port {port} ({} {})",
+                        op.perftest(lat),
+                        if lat {
+                            "style"
+                        } else {
+                            "style; run the client with the same op"
+                        }
+                    );
+                }
+                let mem = bench::ServerMem {
+                    spec: mem,
+                    p2p,
+                    reg,
+                };
+                return bench::serve_one(listen, &side, &mem)
+                    .await
+                    .map_err(Into::into);
+            };
+            if mem.as_deref().is_some_and(|m| !m.starts_with("host:")) {
+                anyhow::bail!(
+                    "--mem on the client: its buffers are host RAM; give --mem to the server (the memory the operations target)"
+                );
+            }
+            let sizes = if all {
+                bench::all_sizes()
+            } else {
+                vec![size.unwrap_or(if lat { 2 } else { 65536 })]
+            };
+            let params = BenchParams {
+                op,
+                sizes,
+                iters: if duration.is_some() {
+                    None
+                } else {
+                    Some(iters.unwrap_or(if lat { 1000 } else { 5000 }))
+                },
+                duration,
+                tx_depth,
+                qps,
+                bidir,
+                lat,
+                validate,
+            };
+            params.check().map_err(|e| anyhow::anyhow!("{e}"))?;
+            let server = if server.contains(':') {
+                server
+            } else {
+                format!("{server}:{port}")
+            };
+            if !json {
+                emit(&bench::header(lat, report_gbits))?;
+            }
+            let mut failed = false;
+            let results = bench::run_client(
+                &bench::ClientOpts {
+                    server,
+                    side,
+                    params,
+                },
+                &mut |r| {
+                    failed |= r.validated == Some(false);
+                    let line = if json {
+                        format!("{}\n", serde_json::to_string(r).unwrap_or_default())
+                    } else {
+                        bench::row(r, report_gbits)
+                    };
+                    let _ = emit(&line);
+                },
+            )
+            .await?;
+            if !json {
+                emit(&format!("{}\n", "-".repeat(100)))?;
+            }
+            if failed || results.iter().any(|r| r.validated == Some(false)) {
+                anyhow::bail!(BenchMismatch);
+            }
+            Ok(())
         }
         Cmd::Loopback {
             device,

@@ -106,3 +106,60 @@ fn gpu_memory_without_a_driver_says_why() {
     );
     assert!(e.contains("fix:"), "{e}");
 }
+
+#[test]
+fn bench_checks_its_arguments_before_touching_anything() {
+    for (args, why) in [
+        (
+            vec!["bench", "send", "127.0.0.1", "--bidir"],
+            "--bidir is for write and read",
+        ),
+        (
+            vec!["bench", "write", "127.0.0.1", "--lat", "--qps", "2"],
+            "latency runs use one QP",
+        ),
+        (
+            vec!["bench", "write", "127.0.0.1", "--tx-depth", "0"],
+            "--tx-depth must be",
+        ),
+        (
+            vec!["bench", "read", "127.0.0.1", "--duration", "0"],
+            "--duration must be",
+        ),
+        (
+            vec!["bench", "write", "127.0.0.1", "--mem", "cmb:nvme0:1M"],
+            "give --mem to the server",
+        ),
+    ] {
+        let out = bin().args(&args).output().unwrap();
+        let e = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {e}");
+        assert!(e.contains(why), "{args:?}: {e}");
+    }
+    let out = bin()
+        .args(["bench", "write", "127.0.0.1", "--size", "1M", "--all"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "--size and --all conflict");
+    let out = bin().args(["bench", "--help"]).output().unwrap();
+    let h = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        h.contains("Examples:") && h.contains("soft-roce/compare") && h.contains("--report-gbits"),
+        "{h}"
+    );
+}
+
+#[test]
+fn bench_says_when_no_server_listens() {
+    // Port 9 (discard) is not served here: refused, retried a few seconds, then exit 5.
+    let out = bin()
+        .args(["bench", "write", "127.0.0.1:9", "--iters", "1"])
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(5), "{e}");
+    assert!(
+        e.contains("cannot reach the bench server at 127.0.0.1:9"),
+        "{e}"
+    );
+}

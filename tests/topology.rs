@@ -262,6 +262,18 @@ fn a_gpu_with_a_large_bar_and_an_nvme_without_a_cmb() {
         &[],
     );
     assert_eq!(r.system.kernel_p2pdma, Some(true));
+    // rxe0 on a virtio-net NIC: the netdev's device is virtio0, below the PCI function.
+    let rxe = r.rdma_devices.iter().find(|d| d.name == "rxe0").unwrap();
+    assert_eq!(rxe.pci.as_deref(), Some("0000:06:00.0"));
+    check(
+        &r,
+        "rxe0",
+        "0000:03:00.0",
+        Some(PathClass::Phb),
+        Verdict::ThroughHostBridge,
+        &["software_rdma", "host_bridge_whitelisted", "large_bar"],
+        &[],
+    );
     let gpu = r
         .memory_devices
         .iter()

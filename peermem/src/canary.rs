@@ -326,7 +326,7 @@ pub async fn run_canary(pd: &ProtectionDomain, region: &DeviceMr) -> Result<Cana
         };
         let dst = pd.register(HostBuffer::new(n)?, Access::LOCAL_WRITE, RegMode::Pinned)?;
         let got = b.read(Local::owned(dst), target).await?;
-        let (read_wrong, read_first_wrong) = diff(got.bytes(), expect);
+        let (read_wrong, read_first_wrong) = diff(got.bytes().unwrap_or(&[]), expect);
         Ok::<_, Error>(CanaryReport {
             offset,
             len,

@@ -31,13 +31,48 @@ use crate::mr::{ProtectionDomain, RegisteredBuffer, RemoteSlice};
 /// A local buffer handed to a work request, with the byte range it covers.
 ///
 /// `Owned` buffers may be written by the device (RECV, READ destination); `Shared` ones only read
-/// (SEND, WRITE source), so several work requests may use one shared buffer at once.
+/// (SEND, WRITE source), so several work requests may use one shared buffer at once. `Sink`
+/// buffers may be written by several work requests at once (READ destinations of a benchmark,
+/// like perftest's): the CPU cannot see their bytes until every work request is done.
 #[derive(Debug)]
 pub enum Local {
     /// Exclusively owned.
     Owned(RegisteredBuffer, Range<usize>),
     /// Shared, read-only for the device.
     Shared(Arc<RegisteredBuffer>, Range<usize>),
+    /// Shared, written by the device, unreadable by the CPU while shared.
+    Sink(Arc<SinkBuffer>, Range<usize>),
+}
+
+/// A registered buffer that work requests may write concurrently. It offers no access to its
+/// bytes: only [`SinkBuffer::into_inner`], once no work request holds it any more, gives the
+/// buffer back, so the CPU never reads bytes the device may still be writing.
+#[derive(Debug)]
+pub struct SinkBuffer(RegisteredBuffer);
+
+impl SinkBuffer {
+    /// Wrap a buffer.
+    pub fn new(buf: RegisteredBuffer) -> Arc<SinkBuffer> {
+        Arc::new(SinkBuffer(buf))
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether empty.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The buffer back, when nothing else holds the sink (every work request that wrote it
+    /// completed and gave its reference back); the sink itself otherwise.
+    pub fn into_inner(
+        this: Arc<SinkBuffer>,
+    ) -> std::result::Result<RegisteredBuffer, Arc<SinkBuffer>> {
+        Arc::try_unwrap(this).map(|s| s.0)
+    }
 }
 
 impl Local {
@@ -59,18 +94,24 @@ impl Local {
         Ok(Local::Shared(buf, range))
     }
 
-    /// The buffer.
-    pub fn buffer(&self) -> &RegisteredBuffer {
+    /// `range` of a sink (see [`SinkBuffer`]).
+    pub fn sink(buf: Arc<SinkBuffer>, range: Range<usize>) -> Result<Local> {
+        check_range(&range, buf.len())?;
+        Ok(Local::Sink(buf, range))
+    }
+
+    fn registered(&self) -> &RegisteredBuffer {
         match self {
             Local::Owned(b, _) => b,
             Local::Shared(b, _) => b,
+            Local::Sink(b, _) => &b.0,
         }
     }
 
     /// The byte range.
     pub fn range(&self) -> Range<usize> {
         match self {
-            Local::Owned(_, r) | Local::Shared(_, r) => r.clone(),
+            Local::Owned(_, r) | Local::Shared(_, r) | Local::Sink(_, r) => r.clone(),
         }
     }
 
@@ -85,21 +126,24 @@ impl Local {
         self.len() == 0
     }
 
-    /// The bytes of the range.
-    pub fn bytes(&self) -> &[u8] {
-        &self.buffer().as_slice()[self.range()]
+    /// The bytes of the range (None for a sink, whose bytes the CPU may not see).
+    pub fn bytes(&self) -> Option<&[u8]> {
+        match self {
+            Local::Sink(..) => None,
+            _ => Some(&self.registered().as_slice()[self.range()]),
+        }
     }
 
-    /// Give back an owned buffer (None for a shared one).
+    /// Give back an owned buffer (None for a shared one or a sink).
     pub fn into_owned(self) -> Option<RegisteredBuffer> {
         match self {
             Local::Owned(b, _) => Some(b),
-            Local::Shared(..) => None,
+            Local::Shared(..) | Local::Sink(..) => None,
         }
     }
 
     fn sge(&self) -> Result<(u32, u64, u32)> {
-        let b = self.buffer();
+        let b = self.registered();
         let r = self.range();
         let len = u32::try_from(r.end - r.start).map_err(|_| {
             Error::InvalidArgument("one work request moves at most 4 GiB - 1".into())
@@ -926,6 +970,20 @@ impl Pending {
     /// Whether there are none.
     pub fn is_empty(&self) -> bool {
         self.rxs.is_empty()
+    }
+
+    /// One `Pending` per work request, in posting order: a batch posted with one doorbell can
+    /// then be awaited work request by work request (to refill a window as soon as a slot
+    /// frees).
+    pub fn split(self) -> Vec<Pending> {
+        let qp = self.qp;
+        self.rxs
+            .into_iter()
+            .map(|rx| Pending {
+                qp: qp.clone(),
+                rxs: vec![rx],
+            })
+            .collect()
     }
 
     /// Wait for all; the first failure is returned (after every work request has completed, so

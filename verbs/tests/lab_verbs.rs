@@ -167,7 +167,7 @@ async fn lab_send_recv_with_and_without_immediate() {
     let (r, info) = recv.await.unwrap().pop().unwrap();
     assert_eq!(info.byte_len, 3000);
     assert_eq!(info.imm, None);
-    assert_eq!(&r.bytes()[..3000], &expect[..]);
+    assert_eq!(&r.bytes().unwrap()[..3000], &expect[..]);
     // SEND with immediate
     let recv =
         p.b.post_recv(vec![Local::owned(r.into_owned().unwrap())])
@@ -254,7 +254,7 @@ async fn lab_many_outstanding_work_requests_in_batches() {
     for (i, pe) in pend.into_iter().enumerate().rev() {
         let d = pe.await.unwrap().pop().unwrap();
         assert_eq!(
-            d.bytes(),
+            d.bytes().unwrap(),
             &src.as_slice()[i * CHUNK..(i + 1) * CHUNK],
             "READ {i}"
         );
@@ -448,7 +448,7 @@ async fn lab_odp_registration_follows_device_caps() {
         .await
         .unwrap();
     assert_eq!(
-        first_diff(src.bytes(), &target.as_slice()[8192..8192 + mtu]),
+        first_diff(src.bytes().unwrap(), &target.as_slice()[8192..8192 + mtu]),
         None,
         "one-packet WRITE into an ODP MR"
     );
@@ -460,7 +460,7 @@ async fn lab_odp_registration_follows_device_caps() {
         .await
         .unwrap();
     assert_eq!(
-        d.bytes(),
+        d.bytes().unwrap(),
         &target.as_slice()[8192..8192 + mtu],
         "one-packet READ from an ODP MR"
     );
@@ -472,7 +472,7 @@ async fn lab_odp_registration_follows_device_caps() {
             .await
             .unwrap();
         assert_eq!(
-            first_diff(src.bytes(), target.as_slice()),
+            first_diff(src.bytes().unwrap(), target.as_slice()),
             None,
             "64 KiB WRITE into an ODP MR at MTU {mtu}"
         );
@@ -484,7 +484,7 @@ async fn lab_odp_registration_follows_device_caps() {
             .await
             .unwrap();
         assert_eq!(
-            first_diff(d.bytes(), src.bytes()),
+            first_diff(d.bytes().unwrap(), src.bytes().unwrap()),
             None,
             "64 KiB READ from an ODP MR at MTU {mtu}"
         );
@@ -535,7 +535,7 @@ async fn lab_bootstrap_over_tcp_then_transfer() {
             .await
             .unwrap();
         let (b, info) = recv.await.unwrap().pop().unwrap();
-        (b.bytes()[..info.byte_len as usize].to_vec(), qp)
+        (b.bytes().unwrap()[..info.byte_len as usize].to_vec(), qp)
     });
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
     let qp = QueuePair::new(&pd, QpOptions::default()).unwrap();
@@ -571,6 +571,6 @@ fn lab_polling_mode_works_without_events() {
             p.a.write(Local::owned(src), target.mr().remote(0..1 << 20).unwrap())
                 .await
                 .unwrap();
-        assert_eq!(first_diff(s.bytes(), target.as_slice()), None);
+        assert_eq!(first_diff(s.bytes().unwrap(), target.as_slice()), None);
     });
 }

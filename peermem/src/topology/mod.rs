@@ -406,6 +406,13 @@ fn last_name(p: &Path) -> Option<String> {
     p.file_name().map(|n| n.to_string_lossy().into_owned())
 }
 
+/// The PCI function a device path belongs to: the path itself or its nearest PCI ancestor
+/// (as the kernel's `find_parent_pci_dev`; a virtio-net netdev's device is `virtio0` below
+/// its PCI function).
+fn pci_ancestor(p: &Path) -> Option<String> {
+    p.ancestors().filter_map(last_name).find(|n| is_bdf(n))
+}
+
 impl Topology {
     /// Read everything from `fs`, with `extra` facts (driver probes, kernel configuration).
     pub fn read(fs: &Sysfs, extra: &Extra) -> Topology {
@@ -455,16 +462,14 @@ impl Topology {
             let base = PathBuf::from("class/infiniband").join(&name);
             let own = fs
                 .resolve(base.join("device"))
-                .and_then(|p| last_name(&p))
-                .filter(|n| is_bdf(n));
+                .and_then(|p| pci_ancestor(&p));
             let (software, netdev, pci) = match own {
                 Some(bdf) => (None, None, Some(bdf)),
                 None => {
                     let netdev = fs.text(base.join("parent")).filter(|s| !s.is_empty());
                     let pci = netdev.as_ref().and_then(|n| {
                         fs.resolve(PathBuf::from("class/net").join(n).join("device"))
-                            .and_then(|p| last_name(&p))
-                            .filter(|n| is_bdf(n))
+                            .and_then(|p| pci_ancestor(&p))
                     });
                     let kind = if name.starts_with("siw") {
                         "siw"
