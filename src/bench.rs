@@ -946,7 +946,9 @@ pub async fn run_client(
         Access::LOCAL_WRITE,
         RegMode::Pinned,
     )?));
-    let mine = pd.register(HostBuffer::new(max)?, Access::ALL, RegMode::Pinned)?;
+    // the server's READs (--bidir) fetch the pattern from here; its WRITEs land here
+    let mut mine = pd.register(HostBuffer::new(max)?, Access::ALL, RegMode::Pinned)?;
+    mine.as_mut_slice().copy_from_slice(&pat);
     let mine_keys = {
         let r = mine.mr().remote(0..max as u64)?;
         Keys {
@@ -1061,6 +1063,9 @@ pub async fn run_client(
                 BenchOp::Read => Lane::Sink(sink.take().expect("sink is back after each size")),
                 _ => Lane::Shared(Arc::clone(&src)),
             };
+            if p.bidir && p.op == BenchOp::Write {
+                mine.as_mut_slice()[..n].fill(0);
+            }
             let r = run_lanes(&qps, p.op, &lane, keys, n, p).await?;
             c.send(&Msg::Done { size }).await?;
             let Msg::Stats {
@@ -1071,6 +1076,10 @@ pub async fn run_client(
                 return Err(BenchError::Control("expected stats".into()));
             };
             let mut ok = validated;
+            if p.validate && p.bidir && p.op == BenchOp::Write {
+                // the server's WRITEs into this side are done when its stats arrive
+                ok = Some(ok.unwrap_or(true) && mine.as_slice()[..n] == pat[..n]);
+            }
             if let Lane::Sink(s) = lane {
                 let b = SinkBuffer::into_inner(s)
                     .map_err(|_| BenchError::Control("a READ is still in flight".into()))?;
@@ -1080,8 +1089,9 @@ pub async fn run_client(
                 sink = Some(SinkBuffer::new(b));
             }
             let iterations = match (p.op, p.bidir) {
-                // the receiver counts what arrived
-                (BenchOp::Send, _) => theirs,
+                // a completed RC SEND was received: count the sender's completions within the
+                // time (the receiver also sees what drains after the deadline)
+                (BenchOp::Send, _) => r.iterations,
                 (_, true) => r.iterations + theirs,
                 _ => r.iterations,
             };

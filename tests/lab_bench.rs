@@ -131,6 +131,14 @@ fn lab_bench_sweeps_sizes_qps_and_both_directions() {
         rows[0]
     );
     assert_eq!(rows[0]["validated"], true);
+    let rows = run(
+        "write",
+        19112,
+        &[],
+        &["--size", "256K", "--iters", "50", "--bidir", "--validate"],
+    );
+    assert_eq!(rows[0]["iterations"], 100, "{}", rows[0]);
+    assert_eq!(rows[0]["validated"], true, "{}", rows[0]);
 }
 
 #[test]
