@@ -43,66 +43,8 @@ impl Udmabuf {
                 "a udmabuf must be a non-zero multiple of the page size ({page} bytes), not {len}"
             )));
         }
-        // SAFETY: the name is a valid C string; memfd_create has no memory preconditions.
-        let fd = unsafe {
-            libc::memfd_create(
-                c"p2p-rdma-udmabuf".as_ptr(),
-                libc::MFD_ALLOW_SEALING | libc::MFD_CLOEXEC,
-            )
-        };
-        if fd < 0 {
-            return Err(sys(
-                "memfd_create",
-                format!("{len} bytes"),
-                "the kernel lacks memfd support",
-            ));
-        }
-        // SAFETY: `fd` was just returned by memfd_create and is owned by nobody else.
-        let memfd = unsafe { File::from_raw_fd(fd) };
-        memfd.set_len(len as u64).map_err(|e| Error::Sys {
-            call: "ftruncate",
-            context: format!("memfd of {len} bytes"),
-            hint: "out of memory?",
-            source: e,
-        })?;
-        // SAFETY: fcntl on a valid fd with an integer argument.
-        if unsafe { libc::fcntl(memfd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) } < 0 {
-            return Err(sys(
-                "fcntl(F_ADD_SEALS)",
-                "memfd",
-                "udmabuf needs a memfd sealed against shrinking",
-            ));
-        }
-        let dev_file = OpenOptions::new().read(true).write(true).open(dev).map_err(|e| Error::Sys {
-            call: "open",
-            context: dev.display().to_string(),
-            hint: "no udmabuf device: the kernel needs CONFIG_UDMABUF (module udmabuf), and the caller read/write access to it",
-            source: e,
-        })?;
-        let mut arg = UdmabufCreate {
-            memfd: memfd.as_raw_fd() as u32,
-            flags: UDMABUF_FLAGS_CLOEXEC,
-            offset: 0,
-            size: len as u64,
-        };
-        // SAFETY: UDMABUF_CREATE takes a pointer to a `struct udmabuf_create`, whose layout
-        // `UdmabufCreate` reproduces (repr(C), same field types); `arg` outlives the call.
-        let ret = unsafe {
-            libc::ioctl(
-                dev_file.as_raw_fd(),
-                UDMABUF_CREATE,
-                &mut arg as *mut UdmabufCreate,
-            )
-        };
-        if ret < 0 {
-            return Err(sys(
-                "ioctl(UDMABUF_CREATE)",
-                format!("{} for {len} bytes", dev.display()),
-                "the kernel refused to export the memfd (size over udmabuf's size_limit_mb?)",
-            ));
-        }
-        // SAFETY: on success the ioctl returns a new dma-buf fd that nobody else owns.
-        let dmabuf = unsafe { OwnedFd::from_raw_fd(ret) };
+        let memfd = sealed_memfd(len as u64)?;
+        let dmabuf = export_range(dev, &memfd, 0, len as u64)?;
         Ok(Udmabuf { dmabuf, memfd, len })
     }
 
@@ -163,6 +105,78 @@ impl Udmabuf {
     pub fn default_device() -> PathBuf {
         PathBuf::from("/dev/udmabuf")
     }
+}
+
+/// A memfd of `len` bytes sealed against shrinking (what udmabuf requires), never mapped by
+/// this process: device memory emulated by a file that only a copy engine (pread/pwrite) and
+/// dma-buf exports of its ranges reach.
+pub fn sealed_memfd(len: u64) -> Result<File, Error> {
+    // SAFETY: the name is a valid C string; memfd_create has no memory preconditions.
+    let fd = unsafe {
+        libc::memfd_create(
+            c"p2p-rdma-udmabuf".as_ptr(),
+            libc::MFD_ALLOW_SEALING | libc::MFD_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return Err(sys(
+            "memfd_create",
+            format!("{len} bytes"),
+            "the kernel lacks memfd support",
+        ));
+    }
+    // SAFETY: `fd` was just returned by memfd_create and is owned by nobody else.
+    let memfd = unsafe { File::from_raw_fd(fd) };
+    memfd.set_len(len).map_err(|e| Error::Sys {
+        call: "ftruncate",
+        context: format!("memfd of {len} bytes"),
+        hint: "out of memory?",
+        source: e,
+    })?;
+    // SAFETY: fcntl on a valid fd with an integer argument.
+    if unsafe { libc::fcntl(memfd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) } < 0 {
+        return Err(sys(
+            "fcntl(F_ADD_SEALS)",
+            "memfd",
+            "udmabuf needs a memfd sealed against shrinking",
+        ));
+    }
+    Ok(memfd)
+}
+
+/// Export `len` bytes at `offset` (both page-aligned) of a sealed memfd as a dma-buf through
+/// the udmabuf device at `dev`.
+pub fn export_range(dev: &Path, memfd: &File, offset: u64, len: u64) -> Result<OwnedFd, Error> {
+    let dev_file = OpenOptions::new().read(true).write(true).open(dev).map_err(|e| Error::Sys {
+        call: "open",
+        context: dev.display().to_string(),
+        hint: "no udmabuf device: the kernel needs CONFIG_UDMABUF (module udmabuf), and the caller read/write access to it",
+        source: e,
+    })?;
+    let mut arg = UdmabufCreate {
+        memfd: memfd.as_raw_fd() as u32,
+        flags: UDMABUF_FLAGS_CLOEXEC,
+        offset,
+        size: len,
+    };
+    // SAFETY: UDMABUF_CREATE takes a pointer to a `struct udmabuf_create`, whose layout
+    // `UdmabufCreate` reproduces (repr(C), same field types); `arg` outlives the call.
+    let ret = unsafe {
+        libc::ioctl(
+            dev_file.as_raw_fd(),
+            UDMABUF_CREATE,
+            &mut arg as *mut UdmabufCreate,
+        )
+    };
+    if ret < 0 {
+        return Err(sys(
+            "ioctl(UDMABUF_CREATE)",
+            format!("{} for {len} bytes at {offset}", dev.display()),
+            "the kernel refused to export the memfd range (unaligned, or over udmabuf's size_limit_mb?)",
+        ));
+    }
+    // SAFETY: on success the ioctl returns a new dma-buf fd that nobody else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(ret) })
 }
 
 pub(crate) fn page_size() -> usize {

@@ -1,0 +1,930 @@
+//! Device-private memory: memory a device owns, addressed in 64 KiB units, that the CPU cannot
+//! touch and a NIC reaches only through a limited peer-to-peer window.
+//!
+//! A [`DevicePrivate`] region keeps, per unit, where the bytes live:
+//!
+//! - on the device ([`Residency::Device`]): reachable through the P2P window when the unit is
+//!   mapped there (a limited aperture, like a GPU's BAR1, managed by the registration cache's
+//!   LRU: the coldest mappings are evicted once their in-flight users are done), or through
+//!   the device's copy engine (the bounce path);
+//! - migrated to host RAM ([`Residency::Host`]), what the kernel does today when a NIC faults
+//!   on device-private pages (the `migrate` policy);
+//! - freed by its owner ([`Residency::Freed`]): never touched again.
+//!
+//! [`DevicePrivate::plan`] splits any byte range into segments by path — window, host, bounce —
+//! so one remote descriptor can be served part direct, part bounced; executing a segment checks
+//! that its units were not invalidated in between. [`DevicePrivate::invalidate`] (the owner
+//! frees or moves units) revokes window mappings and waits for their in-flight users before
+//! returning.
+#![forbid(unsafe_code)]
+
+use std::fmt;
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::error::Error;
+use crate::provider::Provider;
+use crate::regcache::{CacheError, Lease, Limits, RegCache, StillInUse};
+
+/// The unit of residency and of window mappings (the registration cache's alignment).
+pub const UNIT: u64 = crate::regcache::ALIGN;
+
+/// What a device offers: its copy engine and, optionally, a P2P window.
+pub trait DeviceBacking: Send + Sync + fmt::Debug {
+    /// What it is, for reports.
+    fn describe(&self) -> String;
+    /// Bytes of device memory.
+    fn len(&self) -> u64;
+    /// Whether empty (never).
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Copy engine: device → host.
+    fn copy_out(&self, offset: u64, out: &mut [u8]) -> Result<(), Error>;
+    /// Copy engine: host → device.
+    fn copy_in(&self, offset: u64, data: &[u8]) -> Result<(), Error>;
+    /// Map `range` (unit-aligned) of device memory into the P2P window: a provider a NIC may
+    /// register (a BAR aperture, a dma-buf of the range). Errors when there is no window or the
+    /// device refuses.
+    fn map_window(&self, range: Range<u64>) -> Result<Arc<dyn Provider>, Error>;
+}
+
+/// Where a unit's bytes live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Residency {
+    /// On the device (mapped in the window or not).
+    Device,
+    /// Migrated to host RAM.
+    Host,
+    /// Freed by the owner.
+    Freed,
+}
+
+/// What to do with a unit that is not in the window and cannot be mapped there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Policy {
+    /// Migrate it to host RAM (what the kernel does on a NIC fault); later accesses hit RAM.
+    Migrate,
+    /// Copy through bounce buffers and leave it on the device.
+    Copy,
+}
+
+impl std::str::FromStr for Policy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Policy, String> {
+        match s {
+            "migrate" => Ok(Policy::Migrate),
+            "copy" => Ok(Policy::Copy),
+            o => Err(format!("unknown policy '{o}': expected migrate or copy")),
+        }
+    }
+}
+
+/// How the owner invalidated units.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Invalidation {
+    /// Freed: the bytes are gone; accesses fail.
+    Free,
+    /// Moved within the device: the bytes stay, mappings of the old location are revoked.
+    Move,
+}
+
+/// Counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct HmmStats {
+    /// Units migrated to host RAM.
+    pub migrations: u64,
+    /// Bytes moved by the device's copy engine for bounce segments.
+    pub bounce_bytes: u64,
+    /// Bytes served through the window.
+    pub window_bytes: u64,
+    /// Bytes served from migrated units in host RAM.
+    pub host_bytes: u64,
+    /// Window lookups that found the unit mapped.
+    pub window_hits: u64,
+    /// Units mapped into the window.
+    pub window_maps: u64,
+    /// Mappings that could not be made (window full of units in use, or refused).
+    pub window_fallbacks: u64,
+    /// Units invalidated by the owner.
+    pub invalidated_units: u64,
+}
+
+/// The path of one segment.
+#[derive(Debug)]
+pub enum SegmentPath {
+    /// Through the window: the mapping of the unit, and the offset of the segment in it.
+    Window(Lease<Arc<dyn Provider>>, u64),
+    /// From the unit's host copy.
+    Host,
+    /// Through the device's copy engine.
+    Bounce,
+}
+
+/// A piece of an access.
+#[derive(Debug)]
+pub struct Segment {
+    /// Bytes of the region.
+    pub range: Range<u64>,
+    /// How.
+    pub path: SegmentPath,
+    generation: u64,
+}
+
+impl Segment {
+    /// "window", "host" or "bounce".
+    pub fn kind(&self) -> &'static str {
+        match self.path {
+            SegmentPath::Window(..) => "window",
+            SegmentPath::Host => "host",
+            SegmentPath::Bounce => "bounce",
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Unit {
+    residency: Residency,
+    /// Bumped on every invalidation: a planned segment of an older generation is refused.
+    generation: u64,
+    /// The migrated bytes (Host).
+    host: Option<Vec<u8>>,
+}
+
+/// A device-private region.
+pub struct DevicePrivate {
+    dev: Arc<dyn DeviceBacking>,
+    policy: Policy,
+    units: Mutex<Vec<Unit>>,
+    window: RegCache<u64, Arc<dyn Provider>>,
+    window_bytes: u64,
+    stats: [AtomicU64; 8],
+}
+
+impl fmt::Debug for DevicePrivate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DevicePrivate")
+            .field("device", &self.dev.describe())
+            .field("policy", &self.policy)
+            .field("window_bytes", &self.window_bytes)
+            .finish()
+    }
+}
+
+const MIGRATIONS: usize = 0;
+const BOUNCE: usize = 1;
+const WINDOW: usize = 2;
+const HOST: usize = 3;
+const HITS: usize = 4;
+const MAPS: usize = 5;
+const FALLBACKS: usize = 6;
+const INVALIDATED: usize = 7;
+
+impl DevicePrivate {
+    /// A region over all of `dev`, with a P2P window of `window_bytes` (0: none).
+    pub fn new(dev: Arc<dyn DeviceBacking>, window_bytes: u64, policy: Policy) -> DevicePrivate {
+        let n = dev.len().div_ceil(UNIT) as usize;
+        DevicePrivate {
+            units: Mutex::new(
+                (0..n)
+                    .map(|_| Unit {
+                        residency: Residency::Device,
+                        generation: 0,
+                        host: None,
+                    })
+                    .collect(),
+            ),
+            window: RegCache::new(Limits {
+                max_bytes: window_bytes,
+                max_entries: usize::MAX,
+            }),
+            window_bytes,
+            dev,
+            policy,
+            stats: Default::default(),
+        }
+    }
+
+    /// Bytes.
+    pub fn len(&self) -> u64 {
+        self.dev.len()
+    }
+
+    /// Whether empty (never).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The policy.
+    pub fn policy(&self) -> Policy {
+        self.policy
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> HmmStats {
+        let g = |i: usize| self.stats[i].load(Ordering::Relaxed);
+        HmmStats {
+            migrations: g(MIGRATIONS),
+            bounce_bytes: g(BOUNCE),
+            window_bytes: g(WINDOW),
+            host_bytes: g(HOST),
+            window_hits: g(HITS),
+            window_maps: g(MAPS),
+            window_fallbacks: g(FALLBACKS),
+            invalidated_units: g(INVALIDATED),
+        }
+    }
+
+    /// Bytes of the window in use (mapped units, including those draining).
+    pub fn window_in_use(&self) -> u64 {
+        let s = self.window.stats();
+        s.cached_bytes + s.draining_bytes
+    }
+
+    /// Per-unit residency, for `ls` and `doctor`: (units on the device, of which mapped in the
+    /// window, migrated to host, freed).
+    pub fn residency(&self) -> (u64, u64, u64, u64) {
+        let units = self.lock();
+        let mut r = (0, 0, 0, 0);
+        for u in units.iter() {
+            match u.residency {
+                Residency::Device => r.0 += 1,
+                Residency::Host => r.2 += 1,
+                Residency::Freed => r.3 += 1,
+            }
+        }
+        r.1 = self.window.stats().entries;
+        r
+    }
+
+    /// The residency of the unit holding `offset`.
+    pub fn residency_at(&self, offset: u64) -> Option<Residency> {
+        self.lock()
+            .get((offset / UNIT) as usize)
+            .map(|u| u.residency)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Unit>> {
+        self.units.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn unit_range(&self, i: u64) -> Range<u64> {
+        i * UNIT..((i + 1) * UNIT).min(self.len())
+    }
+
+    /// Split `offset..offset+len` into segments by path, mapping units into the window (or
+    /// migrating them, by the policy) as needed. Fails if a unit was freed.
+    pub fn plan(&self, offset: u64, len: u64) -> Result<Vec<Segment>, Error> {
+        let end = offset
+            .checked_add(len)
+            .filter(|&e| e <= self.len())
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "range {offset}+{len} is outside the {}-byte device-private region",
+                    self.len()
+                ))
+            })?;
+        let mut out: Vec<Segment> = Vec::new();
+        let mut at = offset;
+        while at < end {
+            let i = at / UNIT;
+            let ur = self.unit_range(i);
+            let seg_end = end.min(ur.end);
+            let (residency, generation) = {
+                let u = &self.lock()[i as usize];
+                (u.residency, u.generation)
+            };
+            let path = match residency {
+                Residency::Freed => {
+                    return Err(Error::Invalidated(format!(
+                        "device-private unit at {} was freed by its owner",
+                        ur.start
+                    )))
+                }
+                Residency::Host => SegmentPath::Host,
+                Residency::Device => match self.map(i, ur.clone()) {
+                    Some(lease) => SegmentPath::Window(lease, at - ur.start),
+                    None => match self.policy {
+                        Policy::Copy => SegmentPath::Bounce,
+                        Policy::Migrate => {
+                            self.migrate(i, generation)?;
+                            SegmentPath::Host
+                        }
+                    },
+                },
+            };
+            // merge host or bounce segments that continue the previous one
+            match (out.last_mut(), &path) {
+                (Some(prev), SegmentPath::Host)
+                    if matches!(prev.path, SegmentPath::Host)
+                        && prev.range.end == at
+                        && prev.generation == generation =>
+                {
+                    prev.range.end = seg_end
+                }
+                (Some(prev), SegmentPath::Bounce)
+                    if matches!(prev.path, SegmentPath::Bounce)
+                        && prev.range.end == at
+                        && prev.generation == generation =>
+                {
+                    prev.range.end = seg_end
+                }
+                _ => out.push(Segment {
+                    range: at..seg_end,
+                    path,
+                    generation,
+                }),
+            }
+            at = seg_end;
+        }
+        Ok(out)
+    }
+
+    /// A window mapping of unit `i`, if the window has room (evicting cold unused ones).
+    fn map(&self, i: u64, ur: Range<u64>) -> Option<Lease<Arc<dyn Provider>>> {
+        if self.window_bytes == 0 {
+            return None;
+        }
+        let before = self.window.stats().hits;
+        let r = self.window.get(&i, ur.clone(), self.len(), |_| {
+            self.dev.map_window(ur.clone())
+        });
+        match r {
+            Ok(l) => {
+                if self.window.stats().hits > before {
+                    self.stats[HITS].fetch_add(1, Ordering::Relaxed);
+                } else {
+                    self.stats[MAPS].fetch_add(1, Ordering::Relaxed);
+                }
+                Some(l)
+            }
+            Err(CacheError::Full { .. } | CacheError::TooLarge { .. }) => {
+                self.stats[FALLBACKS].fetch_add(1, Ordering::Relaxed);
+                None
+            }
+            Err(CacheError::Register(e)) => {
+                tracing::debug!(unit = i, "no window mapping: {e}");
+                self.stats[FALLBACKS].fetch_add(1, Ordering::Relaxed);
+                None
+            }
+        }
+    }
+
+    /// Migrate unit `i` to host RAM (copy engine), unless it changed since `generation`.
+    fn migrate(&self, i: u64, generation: u64) -> Result<(), Error> {
+        let ur = self.unit_range(i);
+        let mut buf = vec![0u8; (ur.end - ur.start) as usize];
+        self.dev.copy_out(ur.start, &mut buf)?;
+        let mut units = self.lock();
+        let u = &mut units[i as usize];
+        if u.generation != generation || u.residency != Residency::Device {
+            return Err(Error::Invalidated(format!(
+                "device-private unit at {} changed while it was being migrated",
+                ur.start
+            )));
+        }
+        u.residency = Residency::Host;
+        u.host = Some(buf);
+        self.stats[MIGRATIONS].fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn check_generation(&self, seg: &Segment) -> Result<(), Error> {
+        let units = self.lock();
+        for i in seg.range.start / UNIT..seg.range.end.div_ceil(UNIT) {
+            let u = &units[i as usize];
+            if u.generation > seg.generation || u.residency == Residency::Freed {
+                return Err(Error::Invalidated(format!(
+                    "device-private unit at {} was invalidated after this transfer was planned",
+                    i * UNIT
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Read one planned segment into `out` (its length) with the CPU: the reference data path,
+    /// and what the bridge's bounce path does for host and bounce segments.
+    pub fn read_segment(&self, seg: &Segment, out: &mut [u8]) -> Result<(), Error> {
+        self.check_generation(seg)?;
+        let n = out.len() as u64;
+        match &seg.path {
+            SegmentPath::Window(lease, off) => {
+                lease.copy_out(*off, out)?;
+                self.stats[WINDOW].fetch_add(n, Ordering::Relaxed);
+            }
+            SegmentPath::Bounce => {
+                self.dev.copy_out(seg.range.start, out)?;
+                self.stats[BOUNCE].fetch_add(n, Ordering::Relaxed);
+            }
+            SegmentPath::Host => {
+                let units = self.lock();
+                let mut at = seg.range.start;
+                let mut done = 0usize;
+                while done < out.len() {
+                    let i = (at / UNIT) as usize;
+                    let u = &units[i];
+                    let host = u.host.as_ref().ok_or_else(|| {
+                        Error::Invalidated(format!("unit at {} is no longer in host RAM", at))
+                    })?;
+                    let off = (at - i as u64 * UNIT) as usize;
+                    let k = (host.len() - off).min(out.len() - done);
+                    out[done..done + k].copy_from_slice(&host[off..off + k]);
+                    done += k;
+                    at += k as u64;
+                }
+                self.stats[HOST].fetch_add(n, Ordering::Relaxed);
+            }
+        }
+        Ok(())
+    }
+
+    /// Write `data` (the segment's length) through one planned segment.
+    pub fn write_segment(&self, seg: &Segment, data: &[u8]) -> Result<(), Error> {
+        self.check_generation(seg)?;
+        let n = data.len() as u64;
+        match &seg.path {
+            SegmentPath::Window(lease, off) => {
+                lease.copy_in(*off, data)?;
+                self.stats[WINDOW].fetch_add(n, Ordering::Relaxed);
+            }
+            SegmentPath::Bounce => {
+                self.dev.copy_in(seg.range.start, data)?;
+                self.stats[BOUNCE].fetch_add(n, Ordering::Relaxed);
+            }
+            SegmentPath::Host => {
+                let mut units = self.lock();
+                let mut at = seg.range.start;
+                let mut done = 0usize;
+                while done < data.len() {
+                    let i = (at / UNIT) as usize;
+                    let host = units[i].host.as_mut().ok_or_else(|| {
+                        Error::Invalidated(format!("unit at {} is no longer in host RAM", at))
+                    })?;
+                    let off = (at - i as u64 * UNIT) as usize;
+                    let k = (host.len() - off).min(data.len() - done);
+                    host[off..off + k].copy_from_slice(&data[done..done + k]);
+                    done += k;
+                    at += k as u64;
+                }
+                self.stats[HOST].fetch_add(n, Ordering::Relaxed);
+            }
+        }
+        Ok(())
+    }
+
+    /// Read `out.len()` bytes at `offset`, segment by segment.
+    pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), Error> {
+        for seg in self.plan(offset, out.len() as u64)? {
+            let r = (seg.range.start - offset) as usize..(seg.range.end - offset) as usize;
+            self.read_segment(&seg, &mut out[r])?;
+        }
+        Ok(())
+    }
+
+    /// Write `data` at `offset`, segment by segment.
+    pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), Error> {
+        for seg in self.plan(offset, data.len() as u64)? {
+            let r = (seg.range.start - offset) as usize..(seg.range.end - offset) as usize;
+            self.write_segment(&seg, &data[r])?;
+        }
+        Ok(())
+    }
+
+    /// The owner freed or moved the units overlapping `range`: revoke their window mappings
+    /// and wait (at most `timeout`) for in-flight users; segments planned before fail from now
+    /// on. A moved unit that had migrated to host RAM keeps its bytes there; a freed unit's
+    /// bytes are gone.
+    pub fn invalidate(
+        &self,
+        range: Range<u64>,
+        how: Invalidation,
+        timeout: Duration,
+    ) -> Result<usize, StillInUse> {
+        let first = range.start / UNIT;
+        let last = range.end.div_ceil(UNIT).min(self.len().div_ceil(UNIT));
+        {
+            let mut units = self.lock();
+            for i in first..last {
+                let u = &mut units[i as usize];
+                u.generation += 1;
+                if how == Invalidation::Free {
+                    u.residency = Residency::Freed;
+                    u.host = None;
+                }
+            }
+        }
+        self.stats[INVALIDATED].fetch_add(last.saturating_sub(first), Ordering::Relaxed);
+        self.window
+            .invalidate(|k| (first..last).contains(k), timeout)
+    }
+
+    /// The owner allocated the freed units overlapping `range` again (zeroed on the device).
+    pub fn reallocate(&self, range: Range<u64>) -> Result<(), Error> {
+        let first = range.start / UNIT;
+        let last = range.end.div_ceil(UNIT).min(self.len().div_ceil(UNIT));
+        for i in first..last {
+            let ur = self.unit_range(i);
+            self.dev
+                .copy_in(ur.start, &vec![0; (ur.end - ur.start) as usize])?;
+            let mut units = self.lock();
+            let u = &mut units[i as usize];
+            if u.residency == Residency::Freed {
+                u.residency = Residency::Device;
+                u.generation += 1;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Device memory emulated by a memfd this process never maps: copy engine pread/pwrite, P2P
+/// window = dma-bufs of memfd ranges exported through `/dev/udmabuf` (on a NIC without dma-buf
+/// MRs, such as rxe, registering them fails and the unit falls back by the policy).
+#[derive(Debug)]
+pub struct MemfdDevice {
+    memfd: std::fs::File,
+    len: u64,
+    udmabuf: std::path::PathBuf,
+}
+
+impl MemfdDevice {
+    /// `len` bytes (rounded up to whole units), windows through `/dev/udmabuf`.
+    pub fn new(len: u64) -> Result<MemfdDevice, Error> {
+        if len == 0 {
+            return Err(Error::InvalidArgument("a device-private region needs at least 1 byte".into()));
+        }
+        let rounded = len.div_ceil(UNIT) * UNIT;
+        Ok(MemfdDevice {
+            memfd: crate::udmabuf::sealed_memfd(rounded)?,
+            len,
+            udmabuf: crate::udmabuf::Udmabuf::default_device(),
+        })
+    }
+}
+
+impl DeviceBacking for MemfdDevice {
+    fn describe(&self) -> String {
+        format!("{} bytes of emulated device memory (an unmapped memfd)", self.len)
+    }
+    fn len(&self) -> u64 {
+        self.len
+    }
+    fn copy_out(&self, offset: u64, out: &mut [u8]) -> Result<(), Error> {
+        use std::os::unix::fs::FileExt;
+        crate::provider::check_range("device memory", offset, out.len() as u64, self.len)?;
+        self.memfd.read_exact_at(out, offset).map_err(|e| Error::Sys {
+            call: "pread",
+            context: format!("device memfd at {offset}"),
+            hint: "I/O error on the memfd",
+            source: e,
+        })
+    }
+    fn copy_in(&self, offset: u64, data: &[u8]) -> Result<(), Error> {
+        use std::os::unix::fs::FileExt;
+        crate::provider::check_range("device memory", offset, data.len() as u64, self.len)?;
+        self.memfd.write_all_at(data, offset).map_err(|e| Error::Sys {
+            call: "pwrite",
+            context: format!("device memfd at {offset}"),
+            hint: "I/O error on the memfd",
+            source: e,
+        })
+    }
+    fn map_window(&self, range: Range<u64>) -> Result<Arc<dyn Provider>, Error> {
+        // export whole units (the memfd is sized in units)
+        let start = range.start / UNIT * UNIT;
+        let end = range.end.div_ceil(UNIT) * UNIT;
+        let fd = crate::udmabuf::export_range(&self.udmabuf, &self.memfd, start, end - start)?;
+        Ok(Arc::new(crate::provider::DmaBufMemory::from_fd(fd, end - start)?))
+    }
+}
+
+/// As a provider (what the bridge serves today): no mapping a NIC registers as a whole, the
+/// copy engine follows each unit's path (window mapping, host copy, or the device's engine).
+impl Provider for DevicePrivate {
+    fn kind(&self) -> &'static str {
+        "devpriv"
+    }
+    fn describe(&self) -> String {
+        let (device, mapped, host, freed) = self.residency();
+        format!(
+            "{}; {} units of {} KiB: {device} on the device ({mapped} mapped in a {} KiB window), {host} migrated to host RAM, {freed} freed; policy {:?}",
+            self.dev.describe(),
+            device + host + freed,
+            UNIT >> 10,
+            self.window_bytes >> 10,
+            self.policy
+        )
+    }
+    fn len(&self) -> u64 {
+        self.dev.len()
+    }
+    fn writable(&self) -> bool {
+        true
+    }
+    fn mapping(&self) -> Option<(&Arc<verbs::SharedMemory>, u64)> {
+        None
+    }
+    fn no_mapping_reason(&self) -> Option<String> {
+        Some("device-private memory has no CPU mapping; only units mapped in its P2P window are reachable by a NIC".into())
+    }
+    fn dmabuf(&self) -> Option<(std::os::fd::BorrowedFd<'_>, u64)> {
+        None
+    }
+    fn no_dmabuf_reason(&self) -> Option<String> {
+        Some("device-private memory is exported unit by unit through its P2P window, not as one dma-buf".into())
+    }
+    fn copy_engine(&self) -> &'static str {
+        "per unit: window mapping, host copy (migrated) or the device's copy engine"
+    }
+    fn copy_out(&self, offset: u64, out: &mut [u8]) -> Result<(), Error> {
+        self.read(offset, out)
+    }
+    fn copy_in(&self, offset: u64, data: &[u8]) -> Result<(), Error> {
+        self.write(offset, data)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::provider::HostMemory;
+    use verbs::SharedMemory;
+
+    /// A device whose memory is host RAM the test can see, with a window over it.
+    #[derive(Debug)]
+    struct FakeDevice {
+        mem: Arc<SharedMemory>,
+        window: bool,
+    }
+
+    impl FakeDevice {
+        fn new(len: usize, window: bool) -> Arc<FakeDevice> {
+            Arc::new(FakeDevice {
+                mem: Arc::new(SharedMemory::anonymous(len, false).unwrap()),
+                window,
+            })
+        }
+    }
+
+    impl DeviceBacking for FakeDevice {
+        fn describe(&self) -> String {
+            "fake device".into()
+        }
+        fn len(&self) -> u64 {
+            self.mem.len() as u64
+        }
+        fn copy_out(&self, offset: u64, out: &mut [u8]) -> Result<(), Error> {
+            Ok(self.mem.read_at(offset, out)?)
+        }
+        fn copy_in(&self, offset: u64, data: &[u8]) -> Result<(), Error> {
+            Ok(self.mem.write_at(offset, data)?)
+        }
+        fn map_window(&self, range: Range<u64>) -> Result<Arc<dyn Provider>, Error> {
+            if !self.window {
+                return Err(Error::Unavailable {
+                    what: "a P2P window".into(),
+                    reason: "this device has none".into(),
+                    fix: "-".into(),
+                });
+            }
+            Ok(Arc::new(HostMemory::window(
+                Arc::clone(&self.mem),
+                range.start,
+                range.end - range.start,
+                true,
+            )?))
+        }
+    }
+
+    fn kinds(segs: &[Segment]) -> Vec<(&'static str, Range<u64>)> {
+        segs.iter().map(|s| (s.kind(), s.range.clone())).collect()
+    }
+
+    #[test]
+    fn a_small_window_splits_a_range_into_window_and_bounce() {
+        let dev = FakeDevice::new(4 * UNIT as usize, true);
+        let r = DevicePrivate::new(dev, 2 * UNIT, Policy::Copy);
+        // the plan keeps its leases: the first two units fill the window
+        let segs = r.plan(100, 3 * UNIT).unwrap();
+        assert_eq!(
+            kinds(&segs),
+            vec![
+                ("window", 100..UNIT),
+                ("window", UNIT..2 * UNIT),
+                ("bounce", 2 * UNIT..3 * UNIT + 100)
+            ]
+        );
+        assert_eq!(r.window_in_use(), 2 * UNIT);
+        drop(segs);
+        // unused mappings are evicted, least recently used first
+        let segs = r.plan(3 * UNIT, 10).unwrap();
+        assert_eq!(kinds(&segs), vec![("window", 3 * UNIT..3 * UNIT + 10)]);
+        let s = r.stats();
+        // units 2 and 3 fell back in the first plan
+        assert_eq!((s.window_maps, s.window_fallbacks), (3, 2));
+        let (device, mapped, host, freed) = r.residency();
+        assert_eq!((device, host, freed), (4, 0, 0));
+        assert!((1..=2).contains(&mapped), "{mapped} units mapped");
+        assert!(r.window_in_use() <= 2 * UNIT);
+    }
+
+    #[test]
+    fn without_a_window_the_migrate_policy_moves_units_to_host_ram() {
+        let dev = FakeDevice::new(3 * UNIT as usize, false);
+        dev.copy_in(UNIT, b"device bytes").unwrap();
+        let r = DevicePrivate::new(
+            Arc::clone(&dev) as Arc<dyn DeviceBacking>,
+            0,
+            Policy::Migrate,
+        );
+        let mut b = [0u8; 12];
+        r.read(UNIT, &mut b).unwrap();
+        assert_eq!(&b, b"device bytes");
+        assert_eq!(r.residency_at(UNIT), Some(Residency::Host));
+        assert_eq!(r.residency_at(0), Some(Residency::Device));
+        // writes now go to host RAM, not the device
+        r.write(UNIT, b"HOST").unwrap();
+        let mut d = [0u8; 4];
+        dev.copy_out(UNIT, &mut d).unwrap();
+        assert_eq!(&d, b"devi");
+        r.read(UNIT, &mut d).unwrap();
+        assert_eq!(&d, b"HOST");
+        assert_eq!(r.stats().migrations, 1);
+    }
+
+    #[test]
+    fn a_freed_unit_is_never_touched_and_planned_segments_fail() {
+        let dev = FakeDevice::new(2 * UNIT as usize, true);
+        let r = DevicePrivate::new(dev, UNIT, Policy::Copy);
+        let segs = r.plan(0, 2 * UNIT).unwrap();
+        assert_eq!(kinds(&segs)[0].0, "window");
+        // the owner frees unit 1 while the transfer holds its plan; unit 0 is still leased,
+        // so invalidating it times out (unlinked, released when the lease ends)
+        assert_eq!(
+            r.invalidate(UNIT..2 * UNIT, Invalidation::Free, Duration::ZERO)
+                .unwrap(),
+            0
+        );
+        let mut b = vec![0u8; UNIT as usize];
+        let e = r.read_segment(&segs[1], &mut b).unwrap_err();
+        assert!(matches!(e, Error::Invalidated(_)), "{e}");
+        assert!(r.read_segment(&segs[0], &mut b).is_ok());
+        assert!(matches!(r.plan(UNIT, 1), Err(Error::Invalidated(_))));
+        let e = r
+            .invalidate(0..1, Invalidation::Move, Duration::from_millis(10))
+            .unwrap_err();
+        assert_eq!(e.entries, 1);
+        drop(segs);
+        assert_eq!(r.window_in_use(), 0, "released with its last lease");
+        r.reallocate(UNIT..2 * UNIT).unwrap();
+        let mut z = [1u8; 4];
+        r.read(UNIT, &mut z).unwrap();
+        assert_eq!(z, [0; 4]);
+    }
+
+    #[test]
+    fn the_memfd_device_is_reached_by_its_copy_engine_and_says_why_it_has_no_window() {
+        let dev = Arc::new(MemfdDevice::new(3 * UNIT - 5).unwrap());
+        let r = DevicePrivate::new(Arc::clone(&dev) as Arc<dyn DeviceBacking>, UNIT, Policy::Copy);
+        let data: Vec<u8> = (0..2 * UNIT).map(|i| (i % 251) as u8).collect();
+        r.write(UNIT / 2, &data).unwrap();
+        let mut back = vec![0; data.len()];
+        r.read(UNIT / 2, &mut back).unwrap();
+        assert_eq!(back, data);
+        let s = r.stats();
+        if std::path::Path::new("/dev/udmabuf").exists() {
+            assert!(s.window_maps > 0, "{s:?}");
+        } else {
+            // no udmabuf here: every unit fell back to the copy engine
+            assert_eq!(s.window_bytes, 0);
+            assert_eq!(s.bounce_bytes, 2 * data.len() as u64);
+            assert!(dev.map_window(0..UNIT).unwrap_err().to_string().contains("CONFIG_UDMABUF"));
+        }
+        assert!(r.describe().contains("3 units of 64 KiB"), "{}", r.describe());
+        assert!(MemfdDevice::new(0).is_err());
+    }
+
+    #[test]
+    fn bad_ranges_and_policies_are_refused() {
+        let r = DevicePrivate::new(FakeDevice::new(UNIT as usize, true), UNIT, Policy::Copy);
+        assert!(matches!(r.plan(UNIT, 1), Err(Error::InvalidArgument(_))));
+        assert!(matches!(
+            r.plan(u64::MAX, 2),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert_eq!("copy".parse::<Policy>(), Ok(Policy::Copy));
+        assert!("move"
+            .parse::<Policy>()
+            .unwrap_err()
+            .contains("migrate or copy"));
+    }
+
+    mod prop {
+        use super::*;
+        use proptest::prelude::*;
+
+        #[derive(Debug, Clone)]
+        enum Op {
+            Read(u64, u64),
+            Write(u64, u64, u8),
+            Move(u64, u64),
+            Free(u64),
+            Realloc(u64),
+        }
+
+        const LEN: u64 = 6 * UNIT + 1000;
+
+        fn op() -> impl Strategy<Value = Op> {
+            let range = (0..LEN).prop_flat_map(|o| (Just(o), 1..=(LEN - o).min(3 * UNIT)));
+            prop_oneof![
+                4 => range.clone().prop_map(|(o, l)| Op::Read(o, l)),
+                4 => (range.clone(), any::<u8>()).prop_map(|((o, l), v)| Op::Write(o, l, v)),
+                1 => range.prop_map(|(o, l)| Op::Move(o, l)),
+                1 => (0..LEN / UNIT + 1).prop_map(Op::Free),
+                1 => (0..LEN / UNIT + 1).prop_map(Op::Realloc),
+            ]
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(64))]
+            /// Random page states, offsets and lengths: every byte read equals a reference copy,
+            /// freed units fail instead of returning stale data, and the bytes by path add up.
+            #[test]
+            fn data_is_identical_to_a_reference(
+                ops in proptest::collection::vec(op(), 1..40),
+                window_units in 0u64..4,
+                migrate in any::<bool>(),
+                has_window in any::<bool>(),
+            ) {
+                let dev = FakeDevice::new(LEN as usize, has_window);
+                let policy = if migrate { Policy::Migrate } else { Policy::Copy };
+                let r = DevicePrivate::new(dev, window_units * UNIT, policy);
+                let mut reference = vec![0u8; LEN as usize];
+                let mut freed = vec![false; LEN.div_ceil(UNIT) as usize];
+                let mut moved_bytes = 0u64;
+                let touches_freed = |freed: &[bool], o: u64, l: u64| {
+                    (o / UNIT..(o + l).div_ceil(UNIT)).any(|i| freed[i as usize])
+                };
+                for op in ops {
+                    match op {
+                        Op::Read(o, l) => {
+                            let mut b = vec![0u8; l as usize];
+                            let res = r.read(o, &mut b);
+                            if touches_freed(&freed, o, l) {
+                                prop_assert!(matches!(res, Err(Error::Invalidated(_))));
+                            } else {
+                                prop_assert!(res.is_ok(), "{res:?}");
+                                prop_assert_eq!(&b[..], &reference[o as usize..(o + l) as usize]);
+                                moved_bytes += l;
+                            }
+                        }
+                        Op::Write(o, l, v) => {
+                            let data = vec![v; l as usize];
+                            let res = r.write(o, &data);
+                            if touches_freed(&freed, o, l) {
+                                prop_assert!(matches!(res, Err(Error::Invalidated(_))));
+                            } else {
+                                prop_assert!(res.is_ok(), "{res:?}");
+                                reference[o as usize..(o + l) as usize].copy_from_slice(&data);
+                                moved_bytes += l;
+                            }
+                        }
+                        Op::Move(o, l) => {
+                            prop_assert!(r.invalidate(o..o + l, Invalidation::Move, Duration::from_secs(1)).is_ok());
+                        }
+                        Op::Free(i) => {
+                            prop_assert!(r.invalidate(i * UNIT..(i + 1) * UNIT, Invalidation::Free, Duration::from_secs(1)).is_ok());
+                            freed[i as usize] = true;
+                        }
+                        Op::Realloc(i) => {
+                            if freed[i as usize] {
+                                let ur = i * UNIT..((i + 1) * UNIT).min(LEN);
+                                r.reallocate(ur.clone()).unwrap();
+                                reference[ur.start as usize..ur.end as usize].fill(0);
+                                freed[i as usize] = false;
+                            }
+                        }
+                    }
+                    prop_assert!(r.window_in_use() <= window_units * UNIT);
+                }
+                let s = r.stats();
+                prop_assert_eq!(s.window_bytes + s.host_bytes + s.bounce_bytes, moved_bytes);
+                if !has_window || window_units == 0 {
+                    prop_assert_eq!(s.window_bytes, 0);
+                }
+                if migrate {
+                    prop_assert_eq!(s.bounce_bytes, 0);
+                } else {
+                    prop_assert_eq!(s.migrations, 0);
+                }
+            }
+        }
+    }
+}
