@@ -137,6 +137,35 @@ async fn lab_bounce_mixed_and_dmabuf_regions_move_every_byte_and_attribute_it() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "lab"]
+async fn lab_device_private_regions_serve_every_byte_through_their_units_paths() {
+    // A window smaller than the region, both policies. rxe cannot register the window's
+    // dma-bufs, so the bridge serves these regions through bounce buffers; inside, each unit
+    // goes through its window mapping, its host copy (migrated) or the device's copy engine.
+    let s = start(
+        &[
+            "copy=devpriv:memfd:1M,window=256K,policy=copy",
+            "migrate=devpriv:memfd:1M,window=128K,policy=migrate",
+        ],
+        small_bounce,
+    )
+    .await;
+    let mut c = Client::connect(cfg(s.addr)).await.unwrap();
+    let list = c.list().await.unwrap();
+    c.bye().await.unwrap();
+    for name in ["copy", "migrate"] {
+        let i = list.iter().find(|r| r.name == name).unwrap();
+        assert_eq!(i.path, DataPath::Bounce, "{i:?}");
+        assert!(i.reason.contains("device-private"), "{}", i.reason);
+        let bytes = data((1 << 20) - 4321, 11);
+        let (put, fetch) = round_trip(s.addr, name, 4321, &bytes).await;
+        assert_eq!(put.bounce_bytes + put.direct_bytes, bytes.len() as u64);
+        assert_eq!(fetch.bounce_bytes, bytes.len() as u64, "{fetch:?}");
+    }
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
 async fn lab_bad_bounce_requests_get_clear_errors_in_order() {
     let dir = std::env::temp_dir().join("lab-peermem-bounce");
     std::fs::create_dir_all(&dir).unwrap();

@@ -75,6 +75,12 @@ pub enum RegionSource {
         /// Bytes.
         size: u64,
     },
+    /// Device-private memory emulated by an unmapped memfd (`devpriv:memfd:SIZE`): per-unit
+    /// residency, a P2P window of `,window=SIZE` (udmabuf exports), `,policy=migrate|copy`.
+    DevPriv {
+        /// Bytes.
+        size: u64,
+    },
     /// Device memory of a GPU (CUDA ordinal), exported as a dma-buf where the driver can.
     Cuda {
         /// CUDA ordinal.
@@ -92,8 +98,11 @@ pub struct RegionOptions {
     /// Registration strategies for this region.
     pub reg: Option<RegChoice>,
     /// Serve only the first this many bytes direct, the rest through bounce buffers (like a
-    /// device whose P2P window is smaller than its memory).
+    /// device whose P2P window is smaller than its memory). For `devpriv` regions: the size
+    /// of the device's P2P window.
     pub window: Option<u64>,
+    /// `devpriv` regions: migrate units to host RAM on access, or copy and leave them.
+    pub policy: Option<peermem::hmm::Policy>,
 }
 
 /// `NAME=KIND:ARGS[,OPTION=VALUE]...`, see [`RegionSpec::FORMS`].
@@ -109,8 +118,8 @@ pub struct RegionSpec {
 
 impl RegionSpec {
     /// The accepted forms, for messages.
-    pub const FORMS: &'static str = "NAME=host:SIZE[:huge], NAME=file:PATH[:ro], NAME=cmb:BDF|nvmeN:SIZE, NAME=dmabuf:SIZE or NAME=cuda:GPU:SIZE, \
-         optionally followed by ,p2p=required|preferred|disabled ,reg=auto|pinned|odp|dmabuf ,window=SIZE";
+    pub const FORMS: &'static str = "NAME=host:SIZE[:huge], NAME=file:PATH[:ro], NAME=cmb:BDF|nvmeN:SIZE, NAME=dmabuf:SIZE, NAME=devpriv:memfd:SIZE or NAME=cuda:GPU:SIZE, \
+         optionally followed by ,p2p=required|preferred|disabled ,reg=auto|pinned|odp|dmabuf ,window=SIZE ,policy=migrate|copy";
 }
 
 fn parse_options(name: &str, rest: &str) -> Result<(String, RegionOptions), String> {
@@ -124,6 +133,7 @@ fn parse_options(name: &str, rest: &str) -> Result<(String, RegionOptions), Stri
         match k {
             "p2p" => o.p2p = Some(v.parse().map_err(|e| format!("region '{name}': {e}"))?),
             "reg" => o.reg = Some(v.parse().map_err(|e| format!("region '{name}': {e}"))?),
+            "policy" => o.policy = Some(v.parse().map_err(|e| format!("region '{name}': {e}"))?),
             "window" => {
                 let w = parse_size(v).map_err(|e| format!("region '{name}': window: {e}"))?;
                 if w == 0 {
@@ -208,6 +218,14 @@ impl FromStr for RegionSpec {
             "dmabuf" => RegionSource::DmaBuf {
                 size: size_of(arg)?,
             },
+            "devpriv" => {
+                let size = arg.strip_prefix("memfd:").ok_or_else(|| {
+                    format!("region '{name}': expected devpriv:memfd:SIZE (the only device-private kind built in)")
+                })?;
+                RegionSource::DevPriv {
+                    size: size_of(size)?,
+                }
+            }
             "cuda" => {
                 let bad = || {
                     format!("region '{name}': expected cuda:GPU:SIZE (GPU: a CUDA device number such as 0)")
@@ -482,6 +500,17 @@ impl RegionSpec {
                 Arc::new(DmaBufMemory::udmabuf(*size).map_err(cfg_err)?),
                 false,
             ),
+            RegionSource::DevPriv { size } => {
+                let dev = peermem::hmm::MemfdDevice::new(*size).map_err(cfg_err)?;
+                (
+                    Arc::new(peermem::hmm::DevicePrivate::new(
+                        Arc::new(dev),
+                        self.options.window.unwrap_or(0),
+                        self.options.policy.unwrap_or(peermem::hmm::Policy::Copy),
+                    )),
+                    false,
+                )
+            }
             RegionSource::Cuda { gpu, size } => {
                 let driver = peermem::cuda::load().map_err(cfg_err)?;
                 (
@@ -1417,6 +1446,8 @@ mod tests {
             ("r=cmb:4M", "expected cmb:BDF:SIZE"),
             ("r=cmb::4M", "expected cmb:BDF:SIZE"),
             ("r=dmabuf:0", "at least 1 byte"),
+            ("r=devpriv:1M", "expected devpriv:memfd:SIZE"),
+            ("r=devpriv:memfd:1M,policy=move", "unknown policy 'move'"),
             ("r=cuda:1G", "expected cuda:GPU:SIZE"),
             ("r=cuda:x:1G", "expected cuda:GPU:SIZE"),
             ("r=cuda:0:0", "at least 1 byte"),
@@ -1448,6 +1479,12 @@ mod tests {
                 size: 1 << 20
             }
         );
+        let s: RegionSpec = "d=devpriv:memfd:4M,window=1M,policy=migrate"
+            .parse()
+            .unwrap();
+        assert_eq!(s.source, RegionSource::DevPriv { size: 4 << 20 });
+        assert_eq!(s.options.window, Some(1 << 20));
+        assert_eq!(s.options.policy, Some(peermem::hmm::Policy::Migrate));
         let s: RegionSpec = "g=cuda:1:256M,reg=dmabuf".parse().unwrap();
         assert_eq!(
             s.source,

@@ -558,7 +558,9 @@ impl MemfdDevice {
     /// `len` bytes (rounded up to whole units), windows through `/dev/udmabuf`.
     pub fn new(len: u64) -> Result<MemfdDevice, Error> {
         if len == 0 {
-            return Err(Error::InvalidArgument("a device-private region needs at least 1 byte".into()));
+            return Err(Error::InvalidArgument(
+                "a device-private region needs at least 1 byte".into(),
+            ));
         }
         let rounded = len.div_ceil(UNIT) * UNIT;
         Ok(MemfdDevice {
@@ -571,7 +573,10 @@ impl MemfdDevice {
 
 impl DeviceBacking for MemfdDevice {
     fn describe(&self) -> String {
-        format!("{} bytes of emulated device memory (an unmapped memfd)", self.len)
+        format!(
+            "{} bytes of emulated device memory (an unmapped memfd)",
+            self.len
+        )
     }
     fn len(&self) -> u64 {
         self.len
@@ -579,29 +584,36 @@ impl DeviceBacking for MemfdDevice {
     fn copy_out(&self, offset: u64, out: &mut [u8]) -> Result<(), Error> {
         use std::os::unix::fs::FileExt;
         crate::provider::check_range("device memory", offset, out.len() as u64, self.len)?;
-        self.memfd.read_exact_at(out, offset).map_err(|e| Error::Sys {
-            call: "pread",
-            context: format!("device memfd at {offset}"),
-            hint: "I/O error on the memfd",
-            source: e,
-        })
+        self.memfd
+            .read_exact_at(out, offset)
+            .map_err(|e| Error::Sys {
+                call: "pread",
+                context: format!("device memfd at {offset}"),
+                hint: "I/O error on the memfd",
+                source: e,
+            })
     }
     fn copy_in(&self, offset: u64, data: &[u8]) -> Result<(), Error> {
         use std::os::unix::fs::FileExt;
         crate::provider::check_range("device memory", offset, data.len() as u64, self.len)?;
-        self.memfd.write_all_at(data, offset).map_err(|e| Error::Sys {
-            call: "pwrite",
-            context: format!("device memfd at {offset}"),
-            hint: "I/O error on the memfd",
-            source: e,
-        })
+        self.memfd
+            .write_all_at(data, offset)
+            .map_err(|e| Error::Sys {
+                call: "pwrite",
+                context: format!("device memfd at {offset}"),
+                hint: "I/O error on the memfd",
+                source: e,
+            })
     }
     fn map_window(&self, range: Range<u64>) -> Result<Arc<dyn Provider>, Error> {
         // export whole units (the memfd is sized in units)
         let start = range.start / UNIT * UNIT;
         let end = range.end.div_ceil(UNIT) * UNIT;
         let fd = crate::udmabuf::export_range(&self.udmabuf, &self.memfd, start, end - start)?;
-        Ok(Arc::new(crate::provider::DmaBufMemory::from_fd(fd, end - start)?))
+        Ok(Arc::new(crate::provider::DmaBufMemory::from_fd(
+            fd,
+            end - start,
+        )?))
     }
 }
 
@@ -792,7 +804,11 @@ mod tests {
     #[test]
     fn the_memfd_device_is_reached_by_its_copy_engine_and_says_why_it_has_no_window() {
         let dev = Arc::new(MemfdDevice::new(3 * UNIT - 5).unwrap());
-        let r = DevicePrivate::new(Arc::clone(&dev) as Arc<dyn DeviceBacking>, UNIT, Policy::Copy);
+        let r = DevicePrivate::new(
+            Arc::clone(&dev) as Arc<dyn DeviceBacking>,
+            UNIT,
+            Policy::Copy,
+        );
         let data: Vec<u8> = (0..2 * UNIT).map(|i| (i % 251) as u8).collect();
         r.write(UNIT / 2, &data).unwrap();
         let mut back = vec![0; data.len()];
@@ -805,9 +821,17 @@ mod tests {
             // no udmabuf here: every unit fell back to the copy engine
             assert_eq!(s.window_bytes, 0);
             assert_eq!(s.bounce_bytes, 2 * data.len() as u64);
-            assert!(dev.map_window(0..UNIT).unwrap_err().to_string().contains("CONFIG_UDMABUF"));
+            assert!(dev
+                .map_window(0..UNIT)
+                .unwrap_err()
+                .to_string()
+                .contains("CONFIG_UDMABUF"));
         }
-        assert!(r.describe().contains("3 units of 64 KiB"), "{}", r.describe());
+        assert!(
+            r.describe().contains("3 units of 64 KiB"),
+            "{}",
+            r.describe()
+        );
         assert!(MemfdDevice::new(0).is_err());
     }
 
