@@ -582,28 +582,12 @@ impl DeviceBacking for MemfdDevice {
         self.len
     }
     fn copy_out(&self, offset: u64, out: &mut [u8]) -> Result<(), Error> {
-        use std::os::unix::fs::FileExt;
         crate::provider::check_range("device memory", offset, out.len() as u64, self.len)?;
-        self.memfd
-            .read_exact_at(out, offset)
-            .map_err(|e| Error::Sys {
-                call: "pread",
-                context: format!("device memfd at {offset}"),
-                hint: "I/O error on the memfd",
-                source: e,
-            })
+        crate::udmabuf::memfd_read(&self.memfd, offset, out, "device memfd")
     }
     fn copy_in(&self, offset: u64, data: &[u8]) -> Result<(), Error> {
-        use std::os::unix::fs::FileExt;
         crate::provider::check_range("device memory", offset, data.len() as u64, self.len)?;
-        self.memfd
-            .write_all_at(data, offset)
-            .map_err(|e| Error::Sys {
-                call: "pwrite",
-                context: format!("device memfd at {offset}"),
-                hint: "I/O error on the memfd",
-                source: e,
-            })
+        crate::udmabuf::memfd_write(&self.memfd, offset, data, "device memfd")
     }
     fn map_window(&self, range: Range<u64>) -> Result<Arc<dyn Provider>, Error> {
         // export whole units (the memfd is sized in units)

@@ -65,30 +65,14 @@ impl Udmabuf {
 
     /// Write `data` at `offset` through the memfd.
     pub fn write_at(&self, offset: u64, data: &[u8]) -> Result<(), Error> {
-        use std::os::unix::fs::FileExt;
         self.check(offset, data.len())?;
-        self.memfd
-            .write_all_at(data, offset)
-            .map_err(|e| Error::Sys {
-                call: "pwrite",
-                context: format!("udmabuf memfd at {offset}"),
-                hint: "I/O error on the memfd",
-                source: e,
-            })
+        memfd_write(&self.memfd, offset, data, "udmabuf memfd")
     }
 
     /// Read into `buf` from `offset` through the memfd.
     pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), Error> {
-        use std::os::unix::fs::FileExt;
         self.check(offset, buf.len())?;
-        self.memfd
-            .read_exact_at(buf, offset)
-            .map_err(|e| Error::Sys {
-                call: "pread",
-                context: format!("udmabuf memfd at {offset}"),
-                hint: "I/O error on the memfd",
-                source: e,
-            })
+        memfd_read(&self.memfd, offset, buf, "udmabuf memfd")
     }
 
     fn check(&self, offset: u64, len: usize) -> Result<(), Error> {
@@ -105,6 +89,28 @@ impl Udmabuf {
     pub fn default_device() -> PathBuf {
         PathBuf::from("/dev/udmabuf")
     }
+}
+
+/// `pread` of all of `buf` at `offset` of a memfd (a copy engine).
+pub(crate) fn memfd_read(f: &File, offset: u64, buf: &mut [u8], what: &str) -> Result<(), Error> {
+    use std::os::unix::fs::FileExt;
+    f.read_exact_at(buf, offset).map_err(|e| Error::Sys {
+        call: "pread",
+        context: format!("{what} at {offset}"),
+        hint: "I/O error on the memfd",
+        source: e,
+    })
+}
+
+/// `pwrite` of all of `data` at `offset` of a memfd.
+pub(crate) fn memfd_write(f: &File, offset: u64, data: &[u8], what: &str) -> Result<(), Error> {
+    use std::os::unix::fs::FileExt;
+    f.write_all_at(data, offset).map_err(|e| Error::Sys {
+        call: "pwrite",
+        context: format!("{what} at {offset}"),
+        hint: "I/O error on the memfd",
+        source: e,
+    })
 }
 
 /// A memfd of `len` bytes sealed against shrinking (what udmabuf requires), never mapped by
