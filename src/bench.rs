@@ -293,7 +293,12 @@ impl Control {
 
 /// The reproducible byte pattern both sides check against.
 pub fn pattern(len: usize) -> Vec<u8> {
-    let mut x: u32 = 0x9e37_79b9;
+    pattern_from(len, 0x9e37_79b9)
+}
+
+/// `len` pseudo-random bytes (xorshift), reproducible from `seed`.
+pub fn pattern_from(len: usize, seed: u32) -> Vec<u8> {
+    let mut x = seed | 1;
     (0..len)
         .map(|_| {
             x ^= x << 13;
@@ -1052,7 +1057,7 @@ pub async fn run_client(
             return Err(BenchError::Control("expected go".into()));
         };
         let res = if p.lat {
-            let times = lat_loop(&qps[0], p.op, &src, &mine, keys, n, p).await?;
+            let times = lat_loop(&qps[0], p.op, &src, keys, n, p).await?;
             c.send(&Msg::Done { size }).await?;
             let Msg::Stats { .. } = c.recv().await? else {
                 return Err(BenchError::Control("expected stats".into()));
@@ -1116,12 +1121,10 @@ async fn lat_loop(
     qp: &QueuePair,
     op: BenchOp,
     src: &Arc<RegisteredBuffer>,
-    mine: &RegisteredBuffer,
     keys: Keys,
     n: usize,
     p: &BenchParams,
 ) -> Result<Vec<f64>> {
-    let _ = mine;
     let rounds = p.iters.unwrap_or(u64::MAX);
     let deadline = p
         .duration

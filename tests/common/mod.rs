@@ -19,15 +19,7 @@ pub(crate) fn init_tracing() {
 
 /// `len` pseudo-random bytes (xorshift), reproducible from `seed`.
 pub(crate) fn data(len: usize, seed: u32) -> Vec<u8> {
-    let mut x = seed | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            x as u8
-        })
-        .collect()
+    p2p_rdma::bench::pattern_from(len, seed)
 }
 
 pub(crate) const TOKEN: &str = "lab-token-0123456789";
