@@ -409,6 +409,30 @@ impl DevicePrivate {
         Ok(())
     }
 
+    /// Walk the host copies of the migrated units holding `len` bytes from `at`: `f` gets each
+    /// piece and how many bytes came before it.
+    fn host_chunks(
+        &self,
+        mut at: u64,
+        len: usize,
+        mut f: impl FnMut(&mut [u8], usize),
+    ) -> Result<(), Error> {
+        let mut units = self.lock();
+        let mut done = 0usize;
+        while done < len {
+            let i = (at / UNIT) as usize;
+            let host = units[i].host.as_mut().ok_or_else(|| {
+                Error::Invalidated(format!("unit at {at} is no longer in host RAM"))
+            })?;
+            let off = (at - i as u64 * UNIT) as usize;
+            let k = (host.len() - off).min(len - done);
+            f(&mut host[off..off + k], done);
+            done += k;
+            at += k as u64;
+        }
+        Ok(())
+    }
+
     /// Read one planned segment into `out` (its length) with the CPU: the reference data path,
     /// and what the bridge's bounce path does for host and bounce segments.
     pub fn read_segment(&self, seg: &Segment, out: &mut [u8]) -> Result<(), Error> {
@@ -424,21 +448,9 @@ impl DevicePrivate {
                 self.stats[BOUNCE].fetch_add(n, Ordering::Relaxed);
             }
             SegmentPath::Host => {
-                let units = self.lock();
-                let mut at = seg.range.start;
-                let mut done = 0usize;
-                while done < out.len() {
-                    let i = (at / UNIT) as usize;
-                    let u = &units[i];
-                    let host = u.host.as_ref().ok_or_else(|| {
-                        Error::Invalidated(format!("unit at {} is no longer in host RAM", at))
-                    })?;
-                    let off = (at - i as u64 * UNIT) as usize;
-                    let k = (host.len() - off).min(out.len() - done);
-                    out[done..done + k].copy_from_slice(&host[off..off + k]);
-                    done += k;
-                    at += k as u64;
-                }
+                self.host_chunks(seg.range.start, out.len(), |host, done| {
+                    out[done..done + host.len()].copy_from_slice(host)
+                })?;
                 self.stats[HOST].fetch_add(n, Ordering::Relaxed);
             }
         }
@@ -459,20 +471,9 @@ impl DevicePrivate {
                 self.stats[BOUNCE].fetch_add(n, Ordering::Relaxed);
             }
             SegmentPath::Host => {
-                let mut units = self.lock();
-                let mut at = seg.range.start;
-                let mut done = 0usize;
-                while done < data.len() {
-                    let i = (at / UNIT) as usize;
-                    let host = units[i].host.as_mut().ok_or_else(|| {
-                        Error::Invalidated(format!("unit at {} is no longer in host RAM", at))
-                    })?;
-                    let off = (at - i as u64 * UNIT) as usize;
-                    let k = (host.len() - off).min(data.len() - done);
-                    host[off..off + k].copy_from_slice(&data[done..done + k]);
-                    done += k;
-                    at += k as u64;
-                }
+                self.host_chunks(seg.range.start, data.len(), |host, done| {
+                    host.copy_from_slice(&data[done..done + host.len()])
+                })?;
                 self.stats[HOST].fetch_add(n, Ordering::Relaxed);
             }
         }
