@@ -335,6 +335,31 @@ fn every_fixture_has_a_test() {
     }
 }
 
+#[test]
+fn no_fixture_directory_is_empty() {
+    // git does not store empty directories: a fresh clone would lack them and replay differently
+    // (a `driver` link would dangle, an `nvme/` listing would be missing).
+    fn walk(d: &std::path::Path, empty: &mut Vec<String>) {
+        let mut any = false;
+        for e in std::fs::read_dir(d).unwrap() {
+            let e = e.unwrap();
+            any = true;
+            if e.file_type().unwrap().is_dir() {
+                walk(&e.path(), empty);
+            }
+        }
+        if !any {
+            empty.push(d.display().to_string());
+        }
+    }
+    let mut empty = Vec::new();
+    walk(&fixture(""), &mut empty);
+    assert!(
+        empty.is_empty(),
+        "empty fixture directories (add a .keep, as build.py and `topo --capture` do): {empty:?}"
+    );
+}
+
 /// Replay a lab capture and compare with the JSON the guest printed live.
 fn replay_matches_live(name: &str) -> Report {
     let r = report(name);

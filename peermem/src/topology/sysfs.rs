@@ -18,6 +18,11 @@ enum Read {
     Entry(PathBuf),
 }
 
+/// The file a capture leaves in each directory that would otherwise be empty: version control
+/// and archives drop empty directories, and a replay must still find them. Sysfs itself has no
+/// names starting with a dot, so listings skip them.
+pub const KEEP_FILE: &str = ".keep";
+
 /// A sysfs tree at `root` (`/sys`, or a fixture or capture directory).
 #[derive(Debug)]
 pub struct Sysfs {
@@ -134,6 +139,7 @@ impl Sysfs {
         let mut names: Vec<String> = rd
             .flatten()
             .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| !n.starts_with('.'))
             .collect();
         names.sort();
         // Every entry, so that a capture lists the same names.
@@ -207,8 +213,26 @@ impl Sysfs {
             }
             n += 1;
         }
+        mark_empty_dirs(dir)?;
         Ok(n)
     }
+}
+
+/// Put a [`KEEP_FILE`] into every directory under `dir` that has no entries (links are not
+/// followed), so that the tree survives a round trip through git or tar.
+pub fn mark_empty_dirs(dir: &Path) -> io::Result<()> {
+    let mut empty = true;
+    for e in fs::read_dir(dir)? {
+        let e = e?;
+        empty = false;
+        if e.file_type()?.is_dir() {
+            mark_empty_dirs(&e.path())?;
+        }
+    }
+    if empty {
+        fs::write(dir.join(KEEP_FILE), b"")?;
+    }
+    Ok(())
 }
 
 /// Append the normal components of `p` (and `..`); `None` for absolute paths (a link that
@@ -296,6 +320,14 @@ mod tests {
         );
         // Not read, so not captured.
         assert!(r.text("devices/pci0000:00/0000:00:01.0/vendor").is_none());
+        // A directory that was listed but is empty keeps a marker that listings do not show.
+        fs::create_dir_all(d.join("class/iommu")).unwrap();
+        assert!(s.list("class/iommu").is_empty());
+        fs::remove_dir_all(&cap).unwrap();
+        s.capture_into(&cap).unwrap();
+        assert!(cap.join("class/iommu").join(KEEP_FILE).exists());
+        assert!(Sysfs::new(&cap).exists("class/iommu"));
+        assert!(Sysfs::new(&cap).list("class/iommu").is_empty());
         fs::remove_dir_all(d).unwrap();
         fs::remove_dir_all(cap).unwrap();
     }
