@@ -731,9 +731,15 @@ async fn serve_bounce(
         match c.recv().await? {
             Msg::Run { size } => {
                 if p.op == BenchOp::Read {
-                    provider
-                        .copy_in(0, &pat[..size as usize])
-                        .map_err(|e| BenchError::Config(e.to_string()))?;
+                    // every message the client may fetch in one pipelined span holds the pattern
+                    let span = bounce_span(size, p.tx_depth, provider.len());
+                    let mut off = 0;
+                    while off < span {
+                        provider
+                            .copy_in(off, &pat[..size as usize])
+                            .map_err(|e| BenchError::Config(e.to_string()))?;
+                        off += size;
+                    }
                 }
                 c.send(&Msg::Go).await?;
                 let Msg::Done { .. } = c.recv().await? else {
@@ -761,6 +767,13 @@ async fn serve_bounce(
     let _ = tx.send(());
     let _ = task.await;
     Ok(())
+}
+
+/// Bytes one pipelined bounce put/fetch moves: `depth` messages of `size`, or as many as the
+/// region holds (at least one).
+fn bounce_span(size: u64, depth: u32, region: u64) -> u64 {
+    let msgs = (u64::from(depth.max(1))).min(region / size.max(1)).max(1);
+    msgs * size
 }
 
 #[derive(Clone)]
@@ -992,6 +1005,17 @@ pub async fn run_client(
         let mut bc = bridge::Client::connect(cfg).await?;
         let r = bc.open("bench", p.op == BenchOp::Write).await?;
         for &size in &p.sizes {
+            // Like the direct path's `tx_depth` work requests in flight, keep `tx_depth` messages
+            // in flight: each put/fetch moves a span of up to `tx_depth` messages (as much of the
+            // region as fits), one bounce request per message, pipelined by the bridge client.
+            let span = bounce_span(size, p.tx_depth, r.info.size);
+            let per_call = span / size;
+            bc.set_chunk(size as usize)?;
+            let data: Vec<u8> = if p.op == BenchOp::Write {
+                pat[..size as usize].repeat(per_call as usize)
+            } else {
+                Vec::new()
+            };
             c.send(&Msg::Run { size }).await?;
             let Msg::Go = c.recv().await? else {
                 return Err(BenchError::Control("expected go".into()));
@@ -1001,18 +1025,25 @@ pub async fn run_client(
             let limit = p.iters.unwrap_or(u64::MAX);
             let (mut n, mut peak) = (0u64, 0.0f64);
             let mut fetched_ok = true;
+            let mut v = Vec::with_capacity(span as usize);
             while n < limit && deadline.is_none_or(|d| Instant::now() < d) {
+                // the last call of an --iters run moves only the messages left
+                let msgs = per_call.min(limit - n);
                 let t = Instant::now();
                 let rep = match p.op {
                     BenchOp::Write => {
-                        let mut cur = std::io::Cursor::new(&pat[..size as usize]);
-                        bc.put(&r, 0, &mut cur, Some(size), false, &mut |_| {})
+                        let mut cur = std::io::Cursor::new(&data[..(msgs * size) as usize]);
+                        bc.put(&r, 0, &mut cur, Some(msgs * size), false, &mut |_| {})
                             .await?
                     }
                     _ => {
-                        let mut v = Vec::with_capacity(size as usize);
-                        let rep = bc.fetch(&r, 0, size, &mut v, false, &mut |_| {}).await?;
-                        if p.validate && v != pat[..size as usize] {
+                        v.clear();
+                        let rep = bc
+                            .fetch(&r, 0, msgs * size, &mut v, false, &mut |_| {})
+                            .await?;
+                        if p.validate
+                            && !v.chunks(size as usize).all(|m| m == &pat[..size as usize])
+                        {
                             fetched_ok = false;
                         }
                         rep
@@ -1022,7 +1053,7 @@ pub async fn run_client(
                 if dt > 0.0 {
                     peak = peak.max(rep.bytes as f64 / dt / (1 << 20) as f64);
                 }
-                n += 1;
+                n += msgs;
             }
             let seconds = start.elapsed().as_secs_f64();
             c.send(&Msg::Done { size }).await?;

@@ -280,6 +280,23 @@ impl Client {
         Ok(())
     }
 
+    /// Bytes per work request or bounce request from now on (the transfer's message size). A
+    /// larger value than before replaces the staging buffers on the next transfer.
+    pub fn set_chunk(&mut self, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Err(Error::Config(
+                "the chunk size must be at least 1 byte".into(),
+            ));
+        }
+        if bytes > self.cfg.chunk {
+            if let Some(r) = &mut self.rdma {
+                r.spare.clear();
+            }
+        }
+        self.cfg.chunk = bytes;
+        Ok(())
+    }
+
     fn depth(&self) -> usize {
         self.cfg.depth.min(self.max_outstanding.max(1) as usize)
     }
