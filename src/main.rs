@@ -56,7 +56,7 @@ enum Cmd {
     /// client closes it or goes away. SIGINT/SIGTERM stop accepting, let connections finish
     /// (10 s at most) and release everything.
     #[command(
-        after_help = "Region specs (NAME=KIND:ARGS[,OPTION=VALUE]...):\n  NAME=host:SIZE          zeroed RAM (K/M/G suffixes)\n  NAME=host:SIZE:huge     from huge pages (vm.nr_hugepages must be set)\n  NAME=file:PATH          a file, mapped shared: puts change the file (it must not shrink while served)\n  NAME=file:PATH:ro       read-only: registered without remote write, so the NIC itself refuses puts\n  NAME=cmb:DEV:SIZE       peer memory of a PCI device through P2PDMA (an NVMe CMB): DEV is a PCI\n                          address (0000:03:00.0) or a controller (nvme0); needs Linux >= 6.2 with\n                          CONFIG_PCI_P2PDMA, as root\n  NAME=dmabuf:SIZE        a dma-buf from the built-in exporter (memfd + /dev/udmabuf)\n  NAME=cuda:GPU:SIZE      memory of CUDA GPU number GPU (build with --features cuda; libcuda.so.1 is\n                          loaded at run time), registered through its dma-buf export (needs NVIDIA's\n                          open kernel modules) and otherwise served by cuMemcpy through bounce buffers\n  options: ,p2p=required|preferred|disabled  ,reg=auto|pinned|odp|dmabuf  ,window=SIZE (only the\n           first SIZE bytes direct, the rest through bounce buffers)\n\nPaths: for each region the server tries dma-buf, pinned and ODP registration (or the one --reg\nnames) and proves the first that registers with a canary transfer (RDMA WRITE + READ compared\nbyte for byte). A region that no strategy serves goes through bounce buffers: the server copies\nwith the memory's copy engine into registered host staging buffers and RDMA-writes them to the\nclient (or reads the client's for a put). --p2p required refuses such a region (and says why);\n--p2p disabled forces bounce. The path and its reason are printed at start and shown by `ls`.\n\nExample:\n  head -c 32 /dev/urandom | base64 > token\n  p2p-rdma serve --listen 0.0.0.0:7471 --token-file token --region ram=host:1G --region img=file:/data/img.bin:ro --region cmb=cmb:nvme0:16M"
+        after_help = "Region specs (NAME=KIND:ARGS[,OPTION=VALUE]...):\n  NAME=host:SIZE          zeroed RAM (K/M/G suffixes)\n  NAME=host:SIZE:huge     from huge pages (vm.nr_hugepages must be set)\n  NAME=file:PATH          a file, mapped shared: puts change the file (it must not shrink while served)\n  NAME=file:PATH:ro       read-only: registered without remote write, so the NIC itself refuses puts\n  NAME=cmb:DEV:SIZE       peer memory of a PCI device through P2PDMA (an NVMe CMB): DEV is a PCI\n                          address (0000:03:00.0) or a controller (nvme0); needs Linux >= 6.2 with\n                          CONFIG_PCI_P2PDMA, as root\n  NAME=dmabuf:SIZE        a dma-buf from the built-in exporter (memfd + /dev/udmabuf)\n  NAME=devpriv:memfd:SIZE device-private memory emulated by a memfd this process never maps: copy\n                          engine pread/pwrite, a P2P window of udmabuf exports (,window=SIZE),\n                          ,policy=copy (bounce, stays on the device) or migrate (to host RAM)\n  NAME=devpriv:hmm:SIZE   real device-private pages of the kernel's HMM test driver (test_hmm,\n                          /dev/hmm_dmirror0): migrated to the device at start; ODP preferred\n  NAME=cuda:GPU:SIZE      memory of CUDA GPU number GPU (build with --features cuda; libcuda.so.1 is\n                          loaded at run time), registered through its dma-buf export (needs NVIDIA's\n                          open kernel modules) and otherwise served by cuMemcpy through bounce buffers\n  options: ,p2p=required|preferred|disabled  ,reg=auto|pinned|odp|dmabuf  ,window=SIZE (only the\n           first SIZE bytes direct, the rest through bounce buffers)\n\nPaths: for each region the server tries dma-buf, pinned and ODP registration (or the one --reg\nnames) and proves the first that registers with a canary transfer (RDMA WRITE + READ compared\nbyte for byte). A region that no strategy serves goes through bounce buffers: the server copies\nwith the memory's copy engine into registered host staging buffers and RDMA-writes them to the\nclient (or reads the client's for a put). --p2p required refuses such a region (and says why);\n--p2p disabled forces bounce. The path and its reason are printed at start and shown by `ls`.\n\nExample:\n  head -c 32 /dev/urandom | base64 > token\n  p2p-rdma serve --listen 0.0.0.0:7471 --token-file token --region ram=host:1G --region img=file:/data/img.bin:ro --region cmb=cmb:nvme0:16M"
     )]
     Serve {
         /// RDMA device (default: the first one with an active port).
@@ -615,6 +615,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     if !r.reason.is_empty() {
                         o.push_str(&format!("    why: {}\n", r.reason));
                     }
+                    if let Some(res) = &r.residency {
+                        o.push_str(&format!("    residency: {res}\n"));
+                    }
                 }
                 emit(&o)
             }
@@ -1028,9 +1031,11 @@ async fn doctor(
     let len = provider.len();
     let window = parsed.options.window.map_or(len, |w| w.min(len));
     let plan = topology_plan(provider.as_ref(), ctx.name());
+    let residency_before = provider.residency();
     let planned = decide(&pd, &provider, 0..window, reg, P2pPolicy::Preferred)
         .await
         .map_err(|r| anyhow::anyhow!("{r}"))?;
+    let residency_after = provider.residency();
     let d = &planned.decision;
     let direct = d.path == PathKind::Direct;
     if json {
@@ -1047,6 +1052,8 @@ async fn doctor(
                 "path": d.path,
                 "reason": d.reason,
                 "copy_engine": provider.copy_engine(),
+                "residency_before": residency_before,
+                "residency_after": residency_after,
             })
         ))?;
     } else {
@@ -1070,8 +1077,14 @@ async fn doctor(
             }
             None => o.push_str("  plan: host memory, no PCIe peer path involved\n"),
         }
+        if let Some(r) = &residency_before {
+            o.push_str(&format!("  residency before the attempts: {r}\n"));
+        }
         for a in &d.attempts {
             o.push_str(&format!("  {a}\n"));
+        }
+        if let Some(r) = &residency_after {
+            o.push_str(&format!("  residency after the attempts: {r}\n"));
         }
         o.push_str(&match d.mode {
             Some(m) if direct => format!("=> direct: {m} registration works\n"),

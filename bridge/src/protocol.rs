@@ -87,6 +87,10 @@ pub struct RegionInfo {
     /// The region split by path, in order, covering it exactly.
     #[serde(default)]
     pub extents: Vec<Extent>,
+    /// Where the pages are at the time of the listing (device-private memory: on the device,
+    /// migrated to host RAM, freed; P2P window use). Absent for memory that does not move.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub residency: Option<String>,
 }
 
 impl RegionInfo {
@@ -177,6 +181,9 @@ pub enum ErrorCode {
     ShuttingDown,
     /// The region was removed while the handle was open.
     Removed,
+    /// Part of the range was freed or moved by the memory's owner (device-private memory)
+    /// before or while it was being transferred: nothing of it was sent.
+    Invalidated,
 }
 
 impl fmt::Display for ErrorCode {
@@ -452,6 +459,7 @@ mod tests {
                     path: DataPath::Bounce,
                 },
             ],
+            residency: Some("3 of 16 pages device-private, 13 in host RAM".into()),
         };
         vec![
             Msg::Hello {
@@ -496,6 +504,7 @@ mod tests {
             reason: String::new(),
             strategy: None,
             extents: Vec::new(),
+            residency: None,
         };
         assert_eq!(
             r.extents(),
@@ -603,6 +612,7 @@ mod tests {
                         reason: String::new(),
                         strategy: None,
                         extents: Vec::new(),
+                        residency: None,
                     },
                     addr,
                     rkey,

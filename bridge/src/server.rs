@@ -81,6 +81,12 @@ pub enum RegionSource {
         /// Bytes.
         size: u64,
     },
+    /// Real device-private pages of the kernel's HMM test driver (`devpriv:hmm:SIZE`): anonymous
+    /// memory migrated to `/dev/hmm_dmirror0`'s device memory at start.
+    DevPrivHmm {
+        /// Bytes.
+        size: u64,
+    },
     /// Device memory of a GPU (CUDA ordinal), exported as a dma-buf where the driver can.
     Cuda {
         /// CUDA ordinal.
@@ -218,14 +224,19 @@ impl FromStr for RegionSpec {
             "dmabuf" => RegionSource::DmaBuf {
                 size: size_of(arg)?,
             },
-            "devpriv" => {
-                let size = arg.strip_prefix("memfd:").ok_or_else(|| {
-                    format!("region '{name}': expected devpriv:memfd:SIZE (the only device-private kind built in)")
-                })?;
-                RegionSource::DevPriv {
+            "devpriv" => match arg.split_once(':') {
+                Some(("memfd", size)) => RegionSource::DevPriv {
                     size: size_of(size)?,
+                },
+                Some(("hmm", size)) => RegionSource::DevPrivHmm {
+                    size: size_of(size)?,
+                },
+                _ => {
+                    return Err(format!(
+                        "region '{name}': expected devpriv:memfd:SIZE (emulated device memory) or devpriv:hmm:SIZE (the kernel's HMM test driver)"
+                    ))
                 }
-            }
+            },
             "cuda" => {
                 let bad = || {
                     format!("region '{name}': expected cuda:GPU:SIZE (GPU: a CUDA device number such as 0)")
@@ -511,6 +522,19 @@ impl RegionSpec {
                     false,
                 )
             }
+            RegionSource::DevPrivHmm { size } => {
+                let mem = peermem::dmirror::DmirrorMemory::new(None, *size).map_err(cfg_err)?;
+                // populate every page (zeros) so that all of them have something to migrate
+                mem.copy_in(0, &vec![0; *size as usize]).map_err(cfg_err)?;
+                let moved = mem.migrate_to_device(0..*size).map_err(cfg_err)?;
+                tracing::info!(
+                    region = %name,
+                    pages = moved,
+                    residency = %mem.residency().map_err(cfg_err)?,
+                    "migrated to HMM device-private memory"
+                );
+                (Arc::new(mem), false)
+            }
             RegionSource::Cuda { gpu, size } => {
                 let driver = peermem::cuda::load().map_err(cfg_err)?;
                 (
@@ -535,6 +559,7 @@ async fn build_regions(cfg: &ServerConfig, ctx: &Context) -> Result<Vec<Region>>
         let choice = opts.reg.unwrap_or(cfg.reg);
         let len = provider.len();
         let window = opts.window.map_or(len, |w| w.min(len));
+        let residency_before = provider.residency();
         let planned = decide(&pd, &provider, 0..window, choice, policy)
             .await
             .map_err(|r| {
@@ -571,6 +596,11 @@ async fn build_regions(cfg: &ServerConfig, ctx: &Context) -> Result<Vec<Region>>
             _ => DataPath::Mixed,
         };
         let mut reason = d.reason.clone();
+        if let (Some(before), Some(after)) = (residency_before, provider.residency()) {
+            reason.push_str(&format!(
+                "; pages before registration: {before}; after: {after}"
+            ));
+        }
         if direct_len > 0 && direct_len < len {
             reason.push_str(&format!(
                 "; bytes from {direct_len} on are beyond the {direct_len}-byte P2P window and go through bounce buffers"
@@ -593,6 +623,7 @@ async fn build_regions(cfg: &ServerConfig, ctx: &Context) -> Result<Vec<Region>>
                 reason,
                 strategy: d.mode.filter(|_| direct_len > 0).map(|m| m.to_string()),
                 extents,
+                residency: None,
             },
             provider: Mutex::new(Some(provider)),
             weak,
@@ -760,6 +791,49 @@ impl ServerHandle {
             released,
             seconds: start.elapsed().as_secs_f64(),
         })
+    }
+}
+
+impl ServerHandle {
+    /// The owner of a device-private region (`devpriv:memfd`) freed or moved the units
+    /// overlapping `range`: their window mappings are revoked (waiting at most `timeout` for
+    /// transfers using them), transfers planned before fail with [`ErrorCode::Invalidated`],
+    /// and a freed unit is never read or written again. Returns how many window mappings were
+    /// revoked.
+    pub fn invalidate(
+        &self,
+        name: &str,
+        range: std::ops::Range<u64>,
+        how: peermem::hmm::Invalidation,
+        timeout: Duration,
+    ) -> Result<usize> {
+        let r = self
+            .shared
+            .regions
+            .iter()
+            .find(|r| r.info.name == name && !r.removed.load(Ordering::SeqCst))
+            .ok_or_else(|| Error::Config(format!("no region '{name}' is being served")))?;
+        let p = r.provider().map_err(|(_, m)| Error::Config(m))?;
+        let d = p.as_device_private().ok_or_else(|| {
+            Error::Config(format!(
+                "region '{name}' ({}) is not device-private memory: its owner cannot invalidate units",
+                p.kind()
+            ))
+        })?;
+        let n = d.invalidate(range.clone(), how, timeout).map_err(|e| {
+            Error::Config(format!(
+                "region '{name}': units {}..{} are still in use after {timeout:?}: {e}",
+                range.start, range.end
+            ))
+        })?;
+        tracing::info!(
+            region = name,
+            ?range,
+            ?how,
+            revoked = n,
+            "units invalidated by their owner"
+        );
+        Ok(n)
     }
 }
 
@@ -1093,7 +1167,7 @@ impl ConnState {
         match res {
             Ok(()) => Msg::BounceDone { len: f.len },
             Err(e) => Msg::error(
-                ErrorCode::Internal,
+                copy_error_code(&e),
                 format!(
                     "copying {} bytes into the region at {}: {e}",
                     f.len, f.offset
@@ -1185,10 +1259,14 @@ impl ConnState {
         } else {
             if let Err(e) = provider.copy_out(req.offset, &mut buf.as_mut_slice()[..n]) {
                 self.ring.push(buf);
-                return Ok(Err(internal(format!(
-                    "copying {n} bytes out of region '{}' at {}: {e}",
-                    r.info.name, req.offset
-                ))));
+                let code = copy_error_code(&e);
+                return Ok(Err((
+                    code,
+                    format!(
+                        "copying {n} bytes out of region '{}' at {}: {e}",
+                        r.info.name, req.offset
+                    ),
+                )));
             }
             SendOp::Write(req.remote)
         };
@@ -1214,6 +1292,14 @@ impl ConnState {
 
     fn cache(&mut self, limits: Limits) -> &RegCache<usize, DeviceMr> {
         self.cache.get_or_insert_with(|| RegCache::new(limits))
+    }
+}
+
+/// The error code for a failed copy engine: the owner's invalidation, or a server failure.
+fn copy_error_code(e: &peermem::Error) -> ErrorCode {
+    match e {
+        peermem::Error::Invalidated(_) => ErrorCode::Invalidated,
+        _ => ErrorCode::Internal,
     }
 }
 
@@ -1245,7 +1331,11 @@ async fn handle(shared: &Shared, st: &mut ConnState, msg: Msg) -> Reply {
                 .regions
                 .iter()
                 .filter(|r| !r.removed.load(Ordering::SeqCst))
-                .map(|r| r.info.clone())
+                .map(|r| {
+                    let mut info = r.info.clone();
+                    info.residency = r.provider().ok().and_then(|p| p.residency());
+                    info
+                })
                 .collect(),
         }),
         Msg::Connect { endpoint } => {
@@ -1520,6 +1610,7 @@ mod tests {
             reason: String::new(),
             strategy: None,
             extents: Vec::new(),
+            residency: None,
         };
         assert!(range_check(&r, 0, 100).is_ok());
         assert!(range_check(&r, 100, 0).is_ok());

@@ -646,6 +646,25 @@ impl Provider for DevicePrivate {
     fn copy_in(&self, offset: u64, data: &[u8]) -> Result<(), Error> {
         self.write(offset, data)
     }
+    fn as_device_private(&self) -> Option<&DevicePrivate> {
+        Some(self)
+    }
+    fn residency(&self) -> Option<String> {
+        let (device, mapped, host, freed) = DevicePrivate::residency(self);
+        let s = self.stats();
+        Some(format!(
+            "{device} units of {} KiB on the device ({mapped} mapped in the window, {} of {} KiB in use), {host} migrated to host RAM, {freed} freed; {} migrations, {} window hits, {} window fallbacks, bytes: {} window, {} host, {} bounce",
+            UNIT >> 10,
+            self.window_in_use() >> 10,
+            self.window_bytes >> 10,
+            s.migrations,
+            s.window_hits,
+            s.window_fallbacks,
+            s.window_bytes,
+            s.host_bytes,
+            s.bounce_bytes
+        ))
+    }
 }
 
 #[cfg(test)]

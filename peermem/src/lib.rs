@@ -9,6 +9,7 @@
 //!   attempts: direct with one strategy, or bounce, and why;
 //! - [`hmm`]: device-private regions: per-unit residency, a limited P2P window, per-unit
 //!   fallback (migrate or bounce) and invalidation;
+//! - [`dmirror`]: real device-private pages of the kernel's HMM test driver (`test_hmm`);
 //! - [`topology`]: the PCIe tree from sysfs and, per NIC and device, whether peer-to-peer can
 //!   work (the kernel's own rule) and why not;
 //! - [`regcache`]: a registration cache with LRU limits and invalidation that waits for
@@ -18,6 +19,7 @@
 pub mod canary;
 pub mod cmb;
 pub mod cuda;
+pub mod dmirror;
 pub mod error;
 pub mod hmm;
 pub mod plan;

@@ -65,10 +65,19 @@ pub enum RegChoice {
 }
 
 impl RegChoice {
-    /// The strategies in order of preference.
+    /// The strategies in order of preference (for `Auto`, the general order; a provider may
+    /// prefer another, see [`RegChoice::modes_for`]).
     pub fn modes(self) -> Vec<RegMode> {
         match self {
             RegChoice::Auto => vec![RegMode::DmaBuf, RegMode::Pinned, RegMode::OnDemand],
+            RegChoice::Only(m) => vec![m],
+        }
+    }
+
+    /// The strategies to attempt for `provider`: its own order for `Auto`.
+    pub fn modes_for(self, provider: &dyn Provider) -> Vec<RegMode> {
+        match self {
+            RegChoice::Auto => provider.registration_order(),
             RegChoice::Only(m) => vec![m],
         }
     }
@@ -185,7 +194,7 @@ pub async fn decide(
             mr: None,
         });
     }
-    let reg = register_with_canary(pd, provider, range, &choice.modes()).await;
+    let reg = register_with_canary(pd, provider, range, &choice.modes_for(provider.as_ref())).await;
     match reg.region {
         Some(mr) => {
             let mode = mr.mode();

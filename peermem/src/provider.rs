@@ -11,7 +11,7 @@ use std::fs::File;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
 
-use verbs::SharedMemory;
+use verbs::{RegMode, SharedMemory};
 
 use crate::error::Error;
 use crate::udmabuf::Udmabuf;
@@ -58,6 +58,19 @@ pub trait Provider: Send + Sync + fmt::Debug {
     /// copies check this first and refuse to touch invalidated memory.
     fn check_valid(&self) -> Result<(), Error> {
         Ok(())
+    }
+    /// Registration strategies to attempt, best first, when the user did not force one.
+    fn registration_order(&self) -> Vec<RegMode> {
+        vec![RegMode::DmaBuf, RegMode::Pinned, RegMode::OnDemand]
+    }
+    /// Where the pages are now (device-private memory: on the device, migrated to host RAM,
+    /// freed; P2P window use), for `ls` and `doctor`. `None` for memory that does not move.
+    fn residency(&self) -> Option<String> {
+        None
+    }
+    /// This memory as a device-private region, whose owner may free or move its units.
+    fn as_device_private(&self) -> Option<&crate::hmm::DevicePrivate> {
+        None
     }
 }
 

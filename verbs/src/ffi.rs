@@ -276,6 +276,17 @@ impl Mapping {
         self.len
     }
 
+    /// Ask the kernel not to back this mapping with transparent huge pages.
+    pub(crate) fn no_huge_pages(&self) -> io::Result<()> {
+        // SAFETY: the range is exactly this mapping, which `self` owns; MADV_NOHUGEPAGE only
+        // changes how future faults are served and never discards or moves contents.
+        let r = unsafe { libc::madvise(self.ptr.as_ptr().cast(), self.len, libc::MADV_NOHUGEPAGE) };
+        if r != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
     pub(crate) fn as_slice(&self) -> &[u8] {
         // SAFETY: the mapping is `len` readable bytes, alive as long as `self`, and zero-filled
         // at creation, so it is initialised. Writers need `&mut self`.

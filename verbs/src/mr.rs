@@ -552,6 +552,26 @@ impl SharedMemory {
         })
     }
 
+    /// Zeroed anonymous memory in base pages only (no transparent huge pages): what drivers
+    /// that migrate memory page by page, such as HMM's, need.
+    pub fn anonymous_base_pages(len: usize) -> Result<SharedMemory> {
+        let m = SharedMemory::anonymous(len, false)?;
+        m.map.no_huge_pages().map_err(|e| {
+            Error::verbs(
+                Call::Mmap,
+                format!("madvise(MADV_NOHUGEPAGE) on {len} bytes of anonymous memory"),
+                e,
+            )
+        })?;
+        Ok(m)
+    }
+
+    /// The virtual address of byte 0 in this process, for drivers that mirror the process's
+    /// address space (HMM). Nothing may be dereferenced through it.
+    pub fn addr(&self) -> u64 {
+        self.map.as_ptr() as u64
+    }
+
     /// Length.
     pub fn len(&self) -> usize {
         self.map.len()
