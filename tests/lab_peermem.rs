@@ -597,6 +597,14 @@ async fn lab_invalidating_device_private_units_during_fetches_never_returns_stal
         failed.len()
     );
     assert!(ok > 0, "no fetch succeeded before the invalidations");
+    // a fetch fails only over the freed unit, or when a move raced with its copy
+    for m in &failed {
+        assert!(
+            m.contains("was freed by its owner")
+                || m.contains("invalidated after this transfer was planned"),
+            "{m}"
+        );
+    }
     assert!(
         failed.iter().any(|m| m.contains("freed")),
         "no fetch after the free said the unit was freed: {failed:?}"
