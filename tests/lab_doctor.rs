@@ -91,3 +91,46 @@ fn lab_doctor_odp_follows_the_kernel_and_the_canary_catches_the_rxe_odp_offset_b
         assert_eq!(a["outcome"], "works", "{a}");
     }
 }
+
+#[test]
+#[ignore = "lab"]
+fn lab_doctor_shows_hmm_page_residency_before_and_after_the_attempts() {
+    let kernel = std::env::var("P2P_LAB_KERNEL").unwrap_or_else(|_| {
+        panic!("P2P_LAB_KERNEL is not set. lab test: run it with soft-roce/lab")
+    });
+    let out = Command::new(env!("CARGO_BIN_EXE_p2p-rdma"))
+        .args([
+            "doctor",
+            "--region",
+            "devpriv:hmm:512K",
+            "--json",
+            "--device",
+            &device(),
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    if kernel != "7.3" {
+        // the 6.12 lab kernel has no CONFIG_DEVICE_PRIVATE, so no test_hmm
+        assert_ne!(out.status.code(), Some(0));
+        assert!(
+            err.contains("test_hmm") && err.contains("CONFIG_DEVICE_PRIVATE"),
+            "{err}"
+        );
+        return;
+    }
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let v: serde_json::Value =
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {err}"));
+    assert_eq!(v["memory"], "devpriv");
+    assert_eq!(v["attempts"][0]["mode"], "odp", "{v}");
+    let before = v["residency_before"].as_str().unwrap();
+    let after = v["residency_after"].as_str().unwrap();
+    assert!(
+        before.starts_with("128 of 128 pages device-private"),
+        "{before}"
+    );
+    // whichever strategy won, the pages it touched are back in host RAM
+    assert!(!after.starts_with("128 of 128"), "{after}");
+    assert_eq!(v["path"], "direct", "{v}");
+}

@@ -191,9 +191,14 @@ impl DmirrorMemory {
         first: u64,
         npages: u64,
     ) -> Result<(Cmd, Vec<u8>), Error> {
-        // the driver writes one byte per page (snapshot) or mirror data through `ptr`: give it
-        // a buffer big enough for either (a page of data per page)
-        let mut out = vec![0u8; (npages * self.page) as usize];
+        // a snapshot writes one byte per page through `ptr`; for the other requests, give the
+        // driver room for a page of data per page, whatever it does with `ptr`
+        let room = if req == SNAPSHOT {
+            npages
+        } else {
+            npages * self.page
+        };
+        let mut out = vec![0u8; room as usize];
         let mut c = Cmd {
             addr: self.mem.addr() + first * self.page,
             ptr: out.as_mut_ptr() as u64,
@@ -204,7 +209,7 @@ impl DmirrorMemory {
         // reproduces (repr(C), five u64). `addr..addr + npages pages` lies inside our own
         // mapping (checked by `pages`), which the driver only migrates (the memory stays
         // ours; its contents are preserved); `ptr` points to `out`, which is large enough for
-        // what any of these requests writes and outlives the call.
+        // what the request writes (a snapshot: one byte per page) and outlives the call.
         let r = unsafe { libc::ioctl(self.dev.as_raw_fd(), req as _, &mut c as *mut Cmd) };
         if r < 0 {
             return Err(crate::error::sys(
