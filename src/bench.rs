@@ -77,6 +77,10 @@ pub struct BenchParams {
     pub lat: bool,
     /// Check the data at the end of each size.
     pub validate: bool,
+    /// Ask for a completion every this many work requests (perftest's `--cq-mod`); 0: a
+    /// quarter of `tx_depth`, so that the window refills while the rest is in flight.
+    #[serde(default)]
+    pub cq_mod: u32,
 }
 
 impl BenchParams {
@@ -92,6 +96,12 @@ impl BenchParams {
             return Err(format!(
                 "--tx-depth must be 1..=4096, not {}",
                 self.tx_depth
+            ));
+        }
+        if self.cq_mod > self.tx_depth {
+            return Err(format!(
+                "--cq-mod {} is larger than --tx-depth {}: the window would never refill",
+                self.cq_mod, self.tx_depth
             ));
         }
         if self.qps == 0 || self.qps > 64 {
@@ -116,6 +126,14 @@ impl BenchParams {
 
     fn max_size(&self) -> usize {
         self.sizes.iter().copied().max().unwrap_or(1) as usize
+    }
+
+    /// Work requests per completion.
+    pub fn signal_every(&self) -> usize {
+        match self.cq_mod {
+            0 => (self.tx_depth as usize / 4).max(1),
+            n => n as usize,
+        }
     }
 }
 
@@ -801,6 +819,7 @@ async fn run_lanes(
     for qp in qps {
         let (qp, local) = (qp.clone(), local.clone());
         let (depth, iters, duration) = (p.tx_depth as usize, p.iters, p.duration);
+        let every = p.signal_every();
         set.spawn(async move {
             bw_loop(
                 &qp,
@@ -808,7 +827,7 @@ async fn run_lanes(
                 &local,
                 remote.slice(size as u64),
                 size,
-                depth,
+                (depth, every),
                 iters,
                 duration,
             )
@@ -836,7 +855,7 @@ async fn bw_loop(
     local: &Lane,
     remote: RemoteSlice,
     size: usize,
-    depth: usize,
+    (depth, every): (usize, usize),
     iters: Option<u64>,
     duration: Option<f64>,
 ) -> Result<LaneResult> {
@@ -856,7 +875,8 @@ async fn bw_loop(
     let start = Instant::now();
     let deadline = duration.map(|d| start + Duration::from_secs_f64(d));
     // One entry per work request; a refill posts every free slot in one batch (one doorbell),
-    // once at least a quarter of the window is free.
+    // once at least a quarter of the window is free; every `every`-th work request of a batch
+    // (and its last) asks for a completion, which completes those before it.
     let mut window: VecDeque<verbs::Pending> = VecDeque::new();
     let (mut posted, mut done) = (0u64, 0u64);
     let refill = (depth / 4).max(1);
@@ -868,7 +888,7 @@ async fn bw_loop(
         if (room >= refill || window.is_empty()) && room > 0 && posted < limit && !time_up {
             let n = room.min((limit - posted).min(256) as usize);
             let wrs = (0..n).map(|_| mk()).collect::<Result<Vec<_>>>()?;
-            window.extend(qp.post_send(wrs)?.split());
+            window.extend(qp.post_send_moderated(wrs, every)?.split());
             posted += n as u64;
         }
         let Some(pend) = window.pop_front() else {
@@ -1356,6 +1376,7 @@ mod tests {
             bidir: false,
             lat: false,
             validate: false,
+            cq_mod: 0,
         }
     }
 
@@ -1372,6 +1393,11 @@ mod tests {
         bad(&|p| p.sizes.clear(), "no message size");
         bad(&|p| p.tx_depth = 0, "--tx-depth");
         bad(&|p| p.qps = 0, "--qps");
+        bad(&|p| p.cq_mod = 129, "never refill");
+        assert_eq!(params().signal_every(), 32);
+        let mut p = params();
+        p.cq_mod = 1;
+        assert_eq!(p.signal_every(), 1);
         bad(&|p| p.iters = Some(0), "--iters");
         bad(
             &|p| {

@@ -250,6 +250,10 @@ enum Cmd {
         /// Work requests in flight per QP.
         #[arg(long, short = 't', default_value_t = 128)]
         tx_depth: u32,
+        /// Ask for a completion every N work requests (like perftest's --cq-mod); the ones
+        /// between complete with it. Default: a quarter of --tx-depth. 1: every one.
+        #[arg(long = "cq-mod", short = 'Q')]
+        cq_mod: Option<u32>,
         /// Queue pairs.
         #[arg(long, short = 'q', default_value_t = 1)]
         qps: u32,
@@ -717,6 +721,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             iters,
             duration,
             tx_depth,
+            cq_mod,
             qps,
             bidir,
             lat,
@@ -787,6 +792,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 bidir,
                 lat,
                 validate,
+                cq_mod: match cq_mod {
+                    Some(0) => anyhow::bail!("--cq-mod must be at least 1"),
+                    Some(n) => n,
+                    None => 0,
+                },
             };
             params.check().map_err(|e| anyhow::anyhow!("{e}"))?;
             let server = if server.contains(':') {

@@ -53,6 +53,8 @@ struct Pending {
     tx: Option<oneshot::Sender<Done>>,
     local: Option<Local>,
     queue: Queue,
+    /// Unsignaled work requests posted before this one, which complete when it does.
+    covers: Vec<u64>,
 }
 
 #[derive(Debug, Default)]
@@ -79,6 +81,7 @@ impl CqState {
                 tx: Some(tx),
                 local,
                 queue,
+                covers: Vec::new(),
             },
         );
         match queue {
@@ -86,6 +89,15 @@ impl CqState {
             Queue::Recv => self.recv_outstanding += 1,
         }
         (wr_id, rx)
+    }
+
+    /// Work request `signaled` is the only signaled one of `covered` and itself: on a send queue
+    /// of an RC QP work requests complete in order, so its successful completion completes them
+    /// too. (A failure produces a completion for each work request, signaled or not.)
+    pub(crate) fn cover(&mut self, signaled: u64, covered: Vec<u64>) {
+        if let Some(p) = self.pending.get_mut(&signaled) {
+            p.covers = covered;
+        }
     }
 
     /// Forget entries whose post failed (nothing was handed to the device), returning the buffers.
@@ -108,6 +120,22 @@ impl CqState {
             tracing::warn!(wr_id, "completion for an unknown work request");
             return;
         };
+        // the unsignaled work requests before it are done too (those that failed or were
+        // flushed had completions of their own, and are no longer pending)
+        for id in std::mem::take(&mut p.covers) {
+            if self.pending.contains_key(&id) {
+                self.complete(
+                    id,
+                    Done {
+                        status: done.status,
+                        vendor_err: done.vendor_err,
+                        byte_len: 0,
+                        imm: None,
+                        local: None,
+                    },
+                );
+            }
+        }
         match p.queue {
             Queue::Send => self.send_outstanding -= 1,
             Queue::Recv => self.recv_outstanding -= 1,
@@ -340,5 +368,54 @@ mod tests {
             },
         );
         assert!(s.pending.is_empty());
+    }
+
+    fn ok(byte_len: u32) -> Done {
+        Done {
+            status: WcStatus::SUCCESS,
+            vendor_err: 0,
+            byte_len,
+            imm: None,
+            local: None,
+        }
+    }
+
+    #[test]
+    fn a_signaled_completion_completes_the_unsignaled_ones_before_it() {
+        let mut s = CqState::default();
+        let mut rx = Vec::new();
+        let mut ids = Vec::new();
+        for _ in 0..4 {
+            let (id, r) = s.register(None, Queue::Send);
+            ids.push(id);
+            rx.push(r);
+        }
+        s.cover(ids[3], ids[..3].to_vec());
+        s.complete(ids[3], ok(9));
+        for r in &mut rx[..3] {
+            assert_eq!(r.try_recv().unwrap().status, WcStatus::SUCCESS);
+        }
+        assert_eq!(rx[3].try_recv().unwrap().byte_len, 9);
+        assert_eq!(s.send_outstanding, 0);
+
+        // a failure: each work request has its own completion, in order; the signaled one's
+        // flush then covers nothing that is left
+        let (a, mut ra) = s.register(None, Queue::Send);
+        let (b, mut rb) = s.register(None, Queue::Send);
+        s.cover(b, vec![a]);
+        let mut err = ok(0);
+        err.status = WcStatus::WR_FLUSH_ERR;
+        s.complete(a, ok(0).with_status(WcStatus(12)));
+        s.complete(b, err);
+        assert_eq!(ra.try_recv().unwrap().status, WcStatus(12));
+        assert_eq!(rb.try_recv().unwrap().status, WcStatus::WR_FLUSH_ERR);
+        assert!(s.pending.is_empty());
+    }
+
+    impl Done {
+        fn with_status(mut self, s: WcStatus) -> Done {
+            self.status = s;
+            self
+        }
     }
 }
