@@ -77,8 +77,8 @@ pub struct BenchParams {
     pub lat: bool,
     /// Check the data at the end of each size.
     pub validate: bool,
-    /// Ask for a completion every this many work requests (perftest's `--cq-mod`); 0: a
-    /// quarter of `tx_depth`, so that the window refills while the rest is in flight.
+    /// Ask for a completion every this many work requests (perftest's `--cq-mod`); 0: by size
+    /// (see [`BenchParams::signal_every`]).
     #[serde(default)]
     pub cq_mod: u32,
 }
@@ -128,10 +128,16 @@ impl BenchParams {
         self.sizes.iter().copied().max().unwrap_or(1) as usize
     }
 
-    /// Work requests per completion.
-    pub fn signal_every(&self) -> usize {
+    /// Work requests per completion for messages of `size` bytes: `--cq-mod`, or by default
+    /// one completion per 256 KiB moved, at most a quarter of `tx_depth` work requests apart
+    /// (so the window refills while the rest is in flight). Large messages are each signaled:
+    /// their completion costs nothing next to their transfer, and a duration run counts only
+    /// completed messages, so coarser signals would under-count the last ones.
+    pub fn signal_every(&self, size: u64) -> usize {
         match self.cq_mod {
-            0 => (self.tx_depth as usize / 4).max(1),
+            0 => {
+                ((256 << 10) / size.max(1)).clamp(1, (u64::from(self.tx_depth) / 4).max(1)) as usize
+            }
             n => n as usize,
         }
     }
@@ -819,7 +825,7 @@ async fn run_lanes(
     for qp in qps {
         let (qp, local) = (qp.clone(), local.clone());
         let (depth, iters, duration) = (p.tx_depth as usize, p.iters, p.duration);
-        let every = p.signal_every();
+        let every = p.signal_every(size as u64);
         set.spawn(async move {
             bw_loop(
                 &qp,
@@ -1394,10 +1400,12 @@ mod tests {
         bad(&|p| p.tx_depth = 0, "--tx-depth");
         bad(&|p| p.qps = 0, "--qps");
         bad(&|p| p.cq_mod = 129, "never refill");
-        assert_eq!(params().signal_every(), 32);
+        assert_eq!(params().signal_every(2), 32);
+        assert_eq!(params().signal_every(65536), 4);
+        assert_eq!(params().signal_every(1 << 20), 1);
         let mut p = params();
-        p.cq_mod = 1;
-        assert_eq!(p.signal_every(), 1);
+        p.cq_mod = 3;
+        assert_eq!(p.signal_every(2), 3);
         bad(&|p| p.iters = Some(0), "--iters");
         bad(
             &|p| {

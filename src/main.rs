@@ -251,7 +251,8 @@ enum Cmd {
         #[arg(long, short = 't', default_value_t = 128)]
         tx_depth: u32,
         /// Ask for a completion every N work requests (like perftest's --cq-mod); the ones
-        /// between complete with it. Default: a quarter of --tx-depth. 1: every one.
+        /// between complete with it. Default: one per 256 KiB moved, at most --tx-depth/4
+        /// apart (messages of 256 KiB and more: each). 1: every one.
         #[arg(long = "cq-mod", short = 'Q')]
         cq_mod: Option<u32>,
         /// Queue pairs.
