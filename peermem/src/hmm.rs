@@ -653,11 +653,12 @@ impl Provider for DevicePrivate {
         let (device, mapped, host, freed) = DevicePrivate::residency(self);
         let s = self.stats();
         Some(format!(
-            "{device} units of {} KiB on the device ({mapped} mapped in the window, {} of {} KiB in use), {host} migrated to host RAM, {freed} freed; {} migrations, {} window hits, {} window fallbacks, bytes: {} window, {} host, {} bounce",
+            "{device} units of {} KiB on the device ({mapped} mapped in the window, {} of {} KiB in use), {host} migrated to host RAM, {freed} freed; {} migrations, {} window maps, {} window hits, {} window fallbacks, bytes: {} window, {} host, {} bounce",
             UNIT >> 10,
             self.window_in_use() >> 10,
             self.window_bytes >> 10,
             s.migrations,
+            s.window_maps,
             s.window_hits,
             s.window_fallbacks,
             s.window_bytes,
