@@ -26,8 +26,8 @@ use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use verbs::{
-    Access, Context, Endpoint, HostBuffer, Local, ProtectionDomain, QpOptions, QueuePair, RegMode,
-    RegisteredBuffer, RemoteSlice, SendOp, SendWr, SinkBuffer,
+    Access, Context, CqMode, Endpoint, HostBuffer, Local, ProtectionDomain, QpOptions, QueuePair,
+    RegMode, RegisteredBuffer, RemoteSlice, SendOp, SendWr, SinkBuffer,
 };
 
 /// What to measure.
@@ -81,6 +81,10 @@ pub struct BenchParams {
     /// (see [`BenchParams::signal_every`]).
     #[serde(default)]
     pub cq_mod: u32,
+    /// Busy-poll the completion queues on both sides (perftest's default) instead of sleeping
+    /// on completion events.
+    #[serde(default)]
+    pub poll: bool,
 }
 
 impl BenchParams {
@@ -174,6 +178,10 @@ pub struct SizeResult {
     pub qps: u32,
     /// Work requests in flight per QP.
     pub tx_depth: u32,
+    /// How completions were waited for: `events` (sleep on the completion channel) or
+    /// `polling` (busy-poll, --poll). The bounce path's pipeline always uses events.
+    #[serde(default)]
+    pub cq: String,
     /// Whether --validate ran and the data matched.
     pub validated: Option<bool>,
     /// Latency: minimum, µs (one way for write and send ping-pong, as perftest; full for read).
@@ -350,6 +358,11 @@ fn qp_options(side: &Side, p: &BenchParams, recv: u32) -> QpOptions {
         max_recv_wr: recv.max(2),
         port: side.ib_port,
         gid_index: side.gid_index,
+        cq_mode: if p.poll {
+            CqMode::Polling
+        } else {
+            CqMode::Events
+        },
         ..QpOptions::default()
     }
 }
@@ -1266,6 +1279,12 @@ fn result(
         strategy: strategy.into(),
         qps: p.qps,
         tx_depth: p.tx_depth,
+        cq: if p.poll && path != "bounce" {
+            "polling"
+        } else {
+            "events"
+        }
+        .into(),
         validated,
         t_min_us: None,
         t_median_us: None,
@@ -1383,6 +1402,7 @@ mod tests {
             lat: false,
             validate: false,
             cq_mod: 0,
+            poll: false,
         }
     }
 

@@ -56,7 +56,7 @@ enum Cmd {
     /// client closes it or goes away. SIGINT/SIGTERM stop accepting, let connections finish
     /// (10 s at most) and release everything.
     #[command(
-        after_help = "Region specs (NAME=KIND:ARGS[,OPTION=VALUE]...):\n  NAME=host:SIZE          zeroed RAM (K/M/G suffixes)\n  NAME=host:SIZE:huge     from huge pages (vm.nr_hugepages must be set)\n  NAME=file:PATH          a file, mapped shared: puts change the file (it must not shrink while served)\n  NAME=file:PATH:ro       read-only: registered without remote write, so the NIC itself refuses puts\n  NAME=cmb:DEV:SIZE       peer memory of a PCI device through P2PDMA (an NVMe CMB): DEV is a PCI\n                          address (0000:03:00.0) or a controller (nvme0); needs Linux >= 6.2 with\n                          CONFIG_PCI_P2PDMA, as root\n  NAME=dmabuf:SIZE        a dma-buf from the built-in exporter (memfd + /dev/udmabuf)\n  NAME=devpriv:memfd:SIZE device-private memory emulated by a memfd this process never maps: copy\n                          engine pread/pwrite, a P2P window of udmabuf exports (,window=SIZE),\n                          ,policy=copy (bounce, stays on the device) or migrate (to host RAM)\n  NAME=devpriv:hmm:SIZE   real device-private pages of the kernel's HMM test driver (test_hmm,\n                          /dev/hmm_dmirror0): migrated to the device at start; ODP preferred\n  NAME=cuda:GPU:SIZE      memory of CUDA GPU number GPU (build with --features cuda; libcuda.so.1 is\n                          loaded at run time), registered through its dma-buf export (needs NVIDIA's\n                          open kernel modules) and otherwise served by cuMemcpy through bounce buffers\n  options: ,p2p=required|preferred|disabled  ,reg=auto|pinned|odp|dmabuf  ,window=SIZE (only the\n           first SIZE bytes direct, the rest through bounce buffers)\n\nPaths: for each region the server tries dma-buf, pinned and ODP registration (or the one --reg\nnames) and proves the first that registers with a canary transfer (RDMA WRITE + READ compared\nbyte for byte). A region that no strategy serves goes through bounce buffers: the server copies\nwith the memory's copy engine into registered host staging buffers and RDMA-writes them to the\nclient (or reads the client's for a put). --p2p required refuses such a region (and says why);\n--p2p disabled forces bounce. The path and its reason are printed at start and shown by `ls`.\n\nExample:\n  head -c 32 /dev/urandom | base64 > token\n  p2p-rdma serve --listen 0.0.0.0:7471 --token-file token --region ram=host:1G --region img=file:/data/img.bin:ro --region cmb=cmb:nvme0:16M"
+        after_help = "Region specs (NAME=KIND:ARGS[,OPTION=VALUE]...):\n  NAME=host:SIZE          zeroed RAM (K/M/G suffixes)\n  NAME=host:SIZE:huge     from huge pages (vm.nr_hugepages must be set)\n  NAME=file:PATH          a file, mapped shared: puts change the file (it must not shrink while served)\n  NAME=file:PATH:ro       read-only: registered without remote write, so the NIC itself refuses puts\n  NAME=cmb:DEV:SIZE       peer memory of a PCI device through P2PDMA (an NVMe CMB): DEV is a PCI\n                          address (0000:03:00.0) or a controller (nvme0); needs Linux >= 6.2 with\n                          CONFIG_PCI_P2PDMA, as root\n  NAME=dmabuf:SIZE        a dma-buf from the built-in exporter (memfd + /dev/udmabuf)\n  NAME=devpriv:memfd:SIZE device-private memory emulated by a memfd this process never maps: copy\n                          engine pread/pwrite, a P2P window of udmabuf exports (,window=SIZE),\n                          ,policy=copy (bounce, stays on the device) or migrate (to host RAM)\n  NAME=devpriv:hmm:SIZE   real device-private pages of the kernel's HMM test driver (test_hmm,\n                          /dev/hmm_dmirror0): migrated to the device at start; ODP preferred\n  NAME=devpriv:cuda:GPU:SIZE  GPU memory as device-private memory (--features cuda): copy engine\n                          cuMemcpy, a P2P window of dma-buf exports of 64 KiB units (,window=SIZE)\n  NAME=cuda:GPU:SIZE      memory of CUDA GPU number GPU (build with --features cuda; libcuda.so.1 is\n                          loaded at run time), registered through its dma-buf export (needs NVIDIA's\n                          open kernel modules) and otherwise served by cuMemcpy through bounce buffers\n  options: ,p2p=required|preferred|disabled  ,reg=auto|pinned|odp|dmabuf  ,window=SIZE (only the\n           first SIZE bytes direct, the rest through bounce buffers)\n\nPaths: for each region the server tries dma-buf, pinned and ODP registration (or the one --reg\nnames) and proves the first that registers with a canary transfer (RDMA WRITE + READ compared\nbyte for byte). A region that no strategy serves goes through bounce buffers: the server copies\nwith the memory's copy engine into registered host staging buffers and RDMA-writes them to the\nclient (or reads the client's for a put). --p2p required refuses such a region (and says why);\n--p2p disabled forces bounce. The path and its reason are printed at start and shown by `ls`.\nDevice-private regions: units mapped in the P2P window move zero-copy (RDMA straight from or to\nMRs of their window mappings) when a canary on one mapped unit proves a strategy; `ls` says so\nafter \"window units:\", and fetch/put --json count them as zero_copy_bytes.\n\nExample:\n  head -c 32 /dev/urandom | base64 > token\n  p2p-rdma serve --listen 0.0.0.0:7471 --token-file token --region ram=host:1G --region img=file:/data/img.bin:ro --region cmb=cmb:nvme0:16M"
     )]
     Serve {
         /// RDMA device (default: the first one with an active port).
@@ -255,6 +255,11 @@ enum Cmd {
         /// apart (messages of 256 KiB and more: each). 1: every one.
         #[arg(long = "cq-mod", short = 'Q')]
         cq_mod: Option<u32>,
+        /// Busy-poll the completion queues on both sides, as perftest does by default, instead
+        /// of sleeping on completion events (perftest's --use_event): no interrupt and wake-up
+        /// per completion, but one core spins on each host while a run lasts.
+        #[arg(long)]
+        poll: bool,
         /// Queue pairs.
         #[arg(long, short = 'q', default_value_t = 1)]
         qps: u32,
@@ -723,6 +728,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             duration,
             tx_depth,
             cq_mod,
+            poll,
             qps,
             bidir,
             lat,
@@ -798,6 +804,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     Some(n) => n,
                     None => 0,
                 },
+                poll,
             };
             params.check().map_err(|e| anyhow::anyhow!("{e}"))?;
             let server = if server.contains(':') {
@@ -1047,6 +1054,12 @@ async fn doctor(
         .await
         .map_err(|r| anyhow::anyhow!("{r}"))?;
     let residency_after = provider.residency();
+    let window_proof = match provider.as_device_private() {
+        Some(dp) if dp.window_size() > 0 => {
+            Some(peermem::plan::prove_window(&pd, dp, reg, P2pPolicy::Preferred).await)
+        }
+        _ => None,
+    };
     let d = &planned.decision;
     let direct = d.path == PathKind::Direct;
     if json {
@@ -1065,6 +1078,7 @@ async fn doctor(
                 "copy_engine": provider.copy_engine(),
                 "residency_before": residency_before,
                 "residency_after": residency_after,
+                "window": window_proof,
             })
         ))?;
     } else {
@@ -1096,6 +1110,13 @@ async fn doctor(
         }
         if let Some(r) = &residency_after {
             o.push_str(&format!("  residency after the attempts: {r}\n"));
+        }
+        if let Some(w) = &window_proof {
+            o.push_str("  P2P window, on the mapping of one unit:\n");
+            for a in &w.attempts {
+                o.push_str(&format!("    {a}\n"));
+            }
+            o.push_str(&format!("  window units: {}\n", w.reason));
         }
         o.push_str(&match d.mode {
             Some(m) if direct => format!("=> direct: {m} registration works\n"),
@@ -1168,7 +1189,7 @@ fn print_report(r: &bridge::TransferReport, json: bool) -> anyhow::Result<()> {
         return emit(&format!("{}\n", serde_json::to_string(r)?));
     }
     eprintln!(
-        "p2p-rdma: {} {} of '{}' at offset {} in {:.3} s ({:.2} MiB/s; direct {}, bounce {}){}",
+        "p2p-rdma: {} {} of '{}' at offset {} in {:.3} s ({:.2} MiB/s; direct {}, bounce {}{}){}",
         r.op,
         human(r.bytes),
         r.region,
@@ -1177,6 +1198,14 @@ fn print_report(r: &bridge::TransferReport, json: bool) -> anyhow::Result<()> {
         r.mib_per_sec,
         human(r.direct_bytes),
         human(r.bounce_bytes),
+        if r.zero_copy_bytes > 0 {
+            format!(
+                " of which {} zero-copy from the device's P2P window",
+                human(r.zero_copy_bytes)
+            )
+        } else {
+            String::new()
+        },
         if r.verified {
             format!(", CRC-32C {:#010x} verified", r.crc32c)
         } else {

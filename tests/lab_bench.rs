@@ -85,6 +85,7 @@ fn lab_bench_bandwidth_of_every_operation_is_validated() {
         assert_eq!(r["iterations"], 300, "{r}");
         assert_eq!(r["validated"], true, "{r}");
         assert_eq!(r["path"], "direct");
+        assert_eq!(r["cq"], "events", "{r}");
         assert!(r["bw_avg_mib_s"].as_f64().unwrap() > 0.0, "{r}");
         assert!(
             r["bw_peak_mib_s"].as_f64().unwrap() >= r["bw_avg_mib_s"].as_f64().unwrap(),
@@ -139,6 +140,45 @@ fn lab_bench_sweeps_sizes_qps_and_both_directions() {
     );
     assert_eq!(rows[0]["iterations"], 100, "{}", rows[0]);
     assert_eq!(rows[0]["validated"], true, "{}", rows[0]);
+}
+
+#[test]
+#[ignore = "lab"]
+fn lab_bench_polling_completion_queues_move_validated_data() {
+    for (i, op) in ["write", "read", "send"].into_iter().enumerate() {
+        let rows = run(
+            op,
+            19130 + i as u16,
+            &[],
+            &[
+                "--size",
+                "64K",
+                "--iters",
+                "200",
+                "--tx-depth",
+                "16",
+                "--poll",
+                "--validate",
+            ],
+        );
+        let r = &rows[0];
+        assert_eq!(r["cq"], "polling", "{r}");
+        assert_eq!(r["iterations"], 200, "{r}");
+        assert_eq!(r["validated"], true, "{r}");
+    }
+    let rows = run(
+        "write",
+        19133,
+        &[],
+        &["--lat", "--size", "8", "--iters", "100", "--poll"],
+    );
+    let r = &rows[0];
+    assert_eq!(
+        (r["cq"].as_str(), r["iterations"].as_u64()),
+        (Some("polling"), Some(100)),
+        "{r}"
+    );
+    assert!(r["t_min_us"].as_f64().unwrap() > 0.0, "{r}");
 }
 
 #[test]

@@ -134,3 +134,50 @@ fn lab_doctor_shows_hmm_page_residency_before_and_after_the_attempts() {
     assert!(!after.starts_with("128 of 128"), "{after}");
     assert_eq!(v["path"], "direct", "{v}");
 }
+
+#[test]
+#[ignore = "lab"]
+fn lab_doctor_proves_how_the_nic_reaches_a_device_private_window() {
+    let out = Command::new(env!("CARGO_BIN_EXE_p2p-rdma"))
+        .args([
+            "doctor",
+            "--region",
+            "devpriv:memfd:1M,window=256K",
+            "--json",
+            "--device",
+            &device(),
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    let v: serde_json::Value =
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {err}"));
+    // the region as a whole has no CPU mapping or dma-buf: it is served through the bridge
+    assert_ne!(out.status.code(), Some(0), "{v}");
+    assert_eq!(v["path"], "bounce", "{v}");
+    // its window units are udmabuf dma-bufs: rxe refuses dma-buf MRs (EOPNOTSUPP), so the CPU
+    // copies them, and the doctor says which attempt failed how
+    let w = &v["window"];
+    assert!(w["mode"].is_null(), "{w}");
+    assert_eq!(w["attempts"][0]["mode"], "dma-buf", "{w}");
+    assert_eq!(w["attempts"][0]["outcome"], "registration-failed", "{w}");
+    assert_eq!(w["attempts"][0]["errno"], 95, "{w}");
+    assert!(
+        w["reason"].as_str().unwrap().contains("copied by the CPU"),
+        "{w}"
+    );
+    // and no window on a region without one
+    let out = Command::new(env!("CARGO_BIN_EXE_p2p-rdma"))
+        .args([
+            "doctor",
+            "--region",
+            "devpriv:memfd:1M",
+            "--json",
+            "--device",
+            &device(),
+        ])
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v["window"].is_null(), "{v}");
+}

@@ -79,6 +79,9 @@ pub struct TransferReport {
     pub direct_bytes: u64,
     /// Bytes that took the bounce path.
     pub bounce_bytes: u64,
+    /// Of the bounce bytes, those the server's NIC moved straight between our buffer and the
+    /// device's P2P window (device-private regions whose window MRs work): no staging copy.
+    pub zero_copy_bytes: u64,
     /// CRC-32C of the bytes moved.
     pub crc32c: u32,
     /// Whether the server's checksum of the range was compared and matched.
@@ -397,7 +400,7 @@ impl Client {
         let mut next = 0u64;
         let mut done = 0u64;
         let mut crc = 0u32;
-        let mut by_path = [0u64; 2];
+        let mut by_path = [0u64; 3];
         let extents = r.info.extents();
         let result: Result<()> = async {
             loop {
@@ -417,13 +420,16 @@ impl Client {
                         let l = back.pop().expect("one work request");
                         (l.into_owned().expect("owned buffer"), n, true)
                     }
-                    Slot::Bounce(buf, n) => {
-                        if let Err(e) = bounce_reply(&mut self.conn, stall, n).await {
+                    Slot::Bounce(buf, n) => match bounce_reply(&mut self.conn, stall, n).await {
+                        Ok(zero_copy) => {
+                            by_path[2] += zero_copy;
+                            (buf, n, false)
+                        }
+                        Err(e) => {
                             rdma.spare.push(buf);
                             return Err(e);
                         }
-                        (buf, n, false)
-                    }
+                    },
                 };
                 let bytes = &buf.as_slice()[..n as usize];
                 crc = crc32c::crc32c_append(crc, bytes);
@@ -481,7 +487,7 @@ impl Client {
         let mut crc = 0u32;
         let mut eof = false;
         let mut overflow = false;
-        let mut by_path = [0u64; 2];
+        let mut by_path = [0u64; 3];
         let extents = r.info.extents();
         let result: Result<()> = async {
             loop {
@@ -540,7 +546,7 @@ impl Client {
                     Slot::Bounce(buf, n) => {
                         let res = bounce_reply(&mut self.conn, stall, n).await;
                         rdma.spare.push(buf);
-                        res?;
+                        by_path[2] += res?;
                         by_path[1] += n;
                         done += n;
                     }
@@ -651,11 +657,12 @@ async fn issue(
     Ok(Slot::Bounce(buf, p.len))
 }
 
-/// The server's answer to one bounce request.
-async fn bounce_reply(conn: &mut Conn, limit: Duration, n: u64) -> Result<()> {
+/// The server's answer to one bounce request: how many of its bytes the server's NIC moved
+/// zero-copy.
+async fn bounce_reply(conn: &mut Conn, limit: Duration, n: u64) -> Result<u64> {
     match conn.recv(Some(limit), "bounce-done").await? {
-        Msg::BounceDone { len } if len == n => Ok(()),
-        Msg::BounceDone { len } => Err(Error::Unexpected {
+        Msg::BounceDone { len, zero_copy } if len == n => Ok(zero_copy.min(len)),
+        Msg::BounceDone { len, .. } => Err(Error::Unexpected {
             peer: conn.peer.clone(),
             got: if len < n {
                 "a short bounce-done"
@@ -699,7 +706,7 @@ fn report(
     seconds: f64,
     crc32c: u32,
     verified: bool,
-    by_path: [u64; 2],
+    by_path: [u64; 3],
 ) -> TransferReport {
     TransferReport {
         op,
@@ -710,6 +717,7 @@ fn report(
         mib_per_sec: mib_per_sec(bytes, seconds),
         direct_bytes: by_path[0],
         bounce_bytes: by_path[1],
+        zero_copy_bytes: by_path[2],
         crc32c,
         verified,
     }

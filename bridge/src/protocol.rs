@@ -292,6 +292,10 @@ pub enum Msg {
     BounceDone {
         /// Bytes moved.
         len: u64,
+        /// Of those, bytes the server's NIC moved straight between the client's buffer and the
+        /// device's P2P window (zero-copy: no staging copy on the server).
+        #[serde(default, skip_serializing_if = "is_zero")]
+        zero_copy: u64,
     },
     /// Client → server: release a handle (its MR and rkey).
     Close {
@@ -431,6 +435,10 @@ pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
         diff |= u64::from(x ^ y);
     }
     std::hint::black_box(diff) == 0
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 #[cfg(test)]

@@ -27,6 +27,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use peermem::canary::{register_mode, Attempt, DeviceMr};
+use peermem::hmm::{Segment, SegmentPath};
 use peermem::plan::{decide, P2pPolicy, PathKind, RegChoice};
 use peermem::regcache::{Lease, Limits, RegCache};
 use peermem::{DmaBufMemory, HostMemory, Provider};
@@ -35,8 +36,8 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tracing::Instrument as _;
 use verbs::{
-    Access, Context, HostBuffer, Local, ProtectionDomain, QpOptions, QueuePair, RegMode,
-    RegisteredBuffer, RemoteSlice, SendOp, SendWr, SharedMemory,
+    Access, Context, HostBuffer, Local, ProtectionDomain, QpOptions, QueuePair, RegMode, RegionRef,
+    RegisteredBuffer, RemoteSlice, SendOp, SendWr, SharedMemory, SinkBuffer,
 };
 
 use crate::conn::Conn;
@@ -87,6 +88,14 @@ pub enum RegionSource {
         /// Bytes.
         size: u64,
     },
+    /// Device memory of a GPU as device-private memory (`devpriv:cuda:GPU:SIZE`): copy engine
+    /// cuMemcpy, a P2P window of `,window=SIZE` (dma-buf exports of 64 KiB units).
+    DevPrivCuda {
+        /// CUDA ordinal.
+        gpu: u32,
+        /// Bytes.
+        size: u64,
+    },
     /// Device memory of a GPU (CUDA ordinal), exported as a dma-buf where the driver can.
     Cuda {
         /// CUDA ordinal.
@@ -124,7 +133,7 @@ pub struct RegionSpec {
 
 impl RegionSpec {
     /// The accepted forms, for messages.
-    pub const FORMS: &'static str = "NAME=host:SIZE[:huge], NAME=file:PATH[:ro], NAME=cmb:BDF|nvmeN:SIZE, NAME=dmabuf:SIZE, NAME=devpriv:memfd:SIZE or NAME=cuda:GPU:SIZE, \
+    pub const FORMS: &'static str = "NAME=host:SIZE[:huge], NAME=file:PATH[:ro], NAME=cmb:BDF|nvmeN:SIZE, NAME=dmabuf:SIZE, NAME=devpriv:memfd|hmm:SIZE, NAME=devpriv:cuda:GPU:SIZE or NAME=cuda:GPU:SIZE, \
          optionally followed by ,p2p=required|preferred|disabled ,reg=auto|pinned|odp|dmabuf ,window=SIZE ,policy=migrate|copy";
 }
 
@@ -231,9 +240,19 @@ impl FromStr for RegionSpec {
                 Some(("hmm", size)) => RegionSource::DevPrivHmm {
                     size: size_of(size)?,
                 },
+                Some(("cuda", rest)) => {
+                    let bad = || {
+                        format!("region '{name}': expected devpriv:cuda:GPU:SIZE (GPU: a CUDA device number such as 0)")
+                    };
+                    let (gpu, size) = rest.split_once(':').ok_or_else(bad)?;
+                    RegionSource::DevPrivCuda {
+                        gpu: gpu.parse().map_err(|_| bad())?,
+                        size: size_of(size)?,
+                    }
+                }
                 _ => {
                     return Err(format!(
-                        "region '{name}': expected devpriv:memfd:SIZE (emulated device memory) or devpriv:hmm:SIZE (the kernel's HMM test driver)"
+                        "region '{name}': expected devpriv:memfd:SIZE (emulated device memory), devpriv:hmm:SIZE (the kernel's HMM test driver) or devpriv:cuda:GPU:SIZE (GPU memory)"
                     ))
                 }
             },
@@ -368,6 +387,9 @@ struct Region {
     mode: Option<RegMode>,
     attempts: Vec<Attempt>,
     removed: AtomicBool,
+    /// Device-private regions: the strategy a canary proved for MRs of window mappings, so the
+    /// NIC moves windowed units straight to and from the client (None: the CPU copies them).
+    window_mode: Option<RegMode>,
 }
 
 impl fmt::Debug for Region {
@@ -535,6 +557,19 @@ impl RegionSpec {
                 );
                 (Arc::new(mem), false)
             }
+            RegionSource::DevPrivCuda { gpu, size } => {
+                let driver = peermem::cuda::load().map_err(cfg_err)?;
+                let dev =
+                    peermem::cuda::CudaDevice::allocate(driver, *gpu, *size).map_err(cfg_err)?;
+                (
+                    Arc::new(peermem::hmm::DevicePrivate::new(
+                        Arc::new(dev),
+                        self.options.window.unwrap_or(0),
+                        self.options.policy.unwrap_or(peermem::hmm::Policy::Copy),
+                    )),
+                    false,
+                )
+            }
             RegionSource::Cuda { gpu, size } => {
                 let driver = peermem::cuda::load().map_err(cfg_err)?;
                 (
@@ -606,6 +641,13 @@ async fn build_regions(cfg: &ServerConfig, ctx: &Context) -> Result<Vec<Region>>
                 "; bytes from {direct_len} on are beyond the {direct_len}-byte P2P window and go through bounce buffers"
             ));
         }
+        let mut window_mode = None;
+        if let Some(dp) = provider.as_device_private().filter(|d| d.window_size() > 0) {
+            let proof = peermem::plan::prove_window(&pd, dp, choice, policy).await;
+            tracing::info!(region = %name, mode = ?proof.mode, why = proof.reason, "P2P window units");
+            window_mode = proof.mode;
+            reason.push_str(&format!("; window units: {}", proof.reason));
+        }
         let access = if read_only {
             AccessMode::ReadOnly
         } else {
@@ -631,6 +673,7 @@ async fn build_regions(cfg: &ServerConfig, ctx: &Context) -> Result<Vec<Region>>
             mode: d.mode,
             attempts: d.attempts,
             removed: AtomicBool::new(false),
+            window_mode,
         });
     }
     Ok(out)
@@ -833,6 +876,8 @@ impl ServerHandle {
             revoked = n,
             "units invalidated by their owner"
         );
+        // connections drop their MRs of the revoked window mappings
+        self.shared.removals.send_modify(|g| *g += 1);
         Ok(n)
     }
 }
@@ -866,6 +911,31 @@ struct InFlight {
     offset: u64,
     len: u64,
     to_region: bool,
+    /// A device-private transfer with windowed units moved by the NIC itself.
+    window: Option<WindowXfer>,
+}
+
+/// The segments of a device-private bounce request, some moved by RDMA straight from or to
+/// their window MRs (their leases are held until the completion, so invalidation waits for
+/// it), the others through the staging buffer.
+struct WindowXfer {
+    segs: Vec<Segment>,
+    /// Per segment: moved by RDMA on a window MR.
+    rdma: Vec<bool>,
+    staging: Staging,
+}
+
+/// A window MR and the offset in it where a piece of a transfer starts.
+type WindowPiece = (Arc<DeviceMr>, u64);
+
+/// Where the staged part of a window transfer sits while the work requests hold it.
+enum Staging {
+    /// Nothing was staged: the buffer waits here.
+    Unused(RegisteredBuffer),
+    /// A fetch: the NIC reads the staged bytes.
+    Shared(Arc<RegisteredBuffer>),
+    /// A put: the NIC writes the staged bytes.
+    Sink(Arc<SinkBuffer>),
 }
 
 /// Per-connection RDMA state; dropping it destroys the MRs, the QP and the PD.
@@ -876,6 +946,10 @@ struct ConnState {
     inflight: VecDeque<InFlight>,
     cache: Option<RegCache<usize, DeviceMr>>,
     ring: Vec<RegisteredBuffer>,
+    /// MRs of device-private window mappings, by the mapping's address (the MR holds the
+    /// mapping, so the address is not reused while the entry exists). Entries whose mapping the
+    /// region gave up (evicted or invalidated: the MR holds the last reference) are dropped.
+    window_mrs: HashMap<usize, Arc<DeviceMr>>,
     qp: Option<QueuePair>,
     pd: Option<ProtectionDomain>,
     next_handle: u32,
@@ -1099,8 +1173,10 @@ impl ConnState {
             .ok_or_else(|| not_open(handle))
     }
 
-    /// Drop this connection's registrations of removed regions.
+    /// Drop this connection's registrations of removed regions, and its MRs of window mappings
+    /// that were evicted or invalidated.
     fn revoke_removed(&mut self, shared: &Shared) {
+        self.sweep_window_mrs();
         let gone = |idx: &usize| shared.regions[*idx].removed.load(Ordering::SeqCst);
         for (handle, h) in self.open.iter_mut() {
             if gone(&h.idx) && h.lease.take().is_some() {
@@ -1136,7 +1212,15 @@ impl ConnState {
         } else {
             "RDMA WRITE to the client's buffer"
         };
+        let window = f.window;
         let mut locals = match done {
+            Some(Ok(l)) if window.is_some() => {
+                // every work request's references to the staging buffer and the window MRs
+                // go back before the buffer is taken back
+                drop(l);
+                let w = window.expect("checked");
+                return self.finish_window(&f.provider, f.offset, f.len, f.to_region, w);
+            }
             Some(Ok(l)) => l,
             Some(Err(e)) => {
                 return Msg::error(ErrorCode::Internal, format!("bounce {op} failed: {e}"))
@@ -1165,7 +1249,10 @@ impl ConnState {
         };
         self.ring.push(buf);
         match res {
-            Ok(()) => Msg::BounceDone { len: f.len },
+            Ok(()) => Msg::BounceDone {
+                len: f.len,
+                zero_copy: 0,
+            },
             Err(e) => Msg::error(
                 copy_error_code(&e),
                 format!(
@@ -1174,6 +1261,233 @@ impl ConnState {
                 ),
             ),
         }
+    }
+
+    /// A completed device-private transfer: take the staging buffer back, write its staged
+    /// segments into the region (a put), count the segments the NIC moved on window MRs (they
+    /// fail if the owner invalidated their units meanwhile), release the leases.
+    fn finish_window(
+        &mut self,
+        provider: &Arc<dyn Provider>,
+        offset: u64,
+        len: u64,
+        to_region: bool,
+        w: WindowXfer,
+    ) -> Msg {
+        let WindowXfer {
+            segs,
+            rdma,
+            staging,
+        } = w;
+        let buf = match staging {
+            Staging::Unused(b) => Some(b),
+            Staging::Shared(a) => Arc::try_unwrap(a).ok(),
+            Staging::Sink(a) => SinkBuffer::into_inner(a).ok(),
+        };
+        let Some(buf) = buf else {
+            return Msg::error(
+                ErrorCode::Internal,
+                "bounce staging buffer still in use after its completion",
+            );
+        };
+        let Some(dp) = provider.as_device_private() else {
+            self.ring.push(buf);
+            return Msg::error(ErrorCode::Internal, "not a device-private region");
+        };
+        let mut zero_copy = 0;
+        let mut res = Ok(());
+        for (seg, &by_nic) in segs.iter().zip(&rdma) {
+            let at = (seg.range.start - offset) as usize;
+            let n = (seg.range.end - seg.range.start) as usize;
+            res = if by_nic {
+                zero_copy += n as u64;
+                dp.finish_window_rdma(seg)
+            } else if to_region {
+                dp.write_segment(seg, &buf.as_slice()[at..at + n])
+            } else {
+                Ok(())
+            };
+            if res.is_err() {
+                break;
+            }
+        }
+        self.ring.push(buf);
+        drop(segs);
+        match res {
+            Ok(()) => Msg::BounceDone { len, zero_copy },
+            Err(e) => Msg::error(
+                copy_error_code(&e),
+                format!(
+                    "{} {len} bytes of the region at {offset}: {e}",
+                    if to_region { "writing" } else { "reading" }
+                ),
+            ),
+        }
+    }
+
+    /// Drop MRs of window mappings the region no longer holds (evicted or invalidated).
+    fn sweep_window_mrs(&mut self) {
+        self.window_mrs
+            .retain(|_, mr| Arc::strong_count(mr.provider()) > 1);
+    }
+
+    /// This connection's MR of a window mapping, registered with the proved strategy on first
+    /// use; None when the registration fails (the segment is then copied by the CPU).
+    fn window_mr(
+        &mut self,
+        pd: &ProtectionDomain,
+        mapping: &Arc<dyn Provider>,
+        mode: RegMode,
+    ) -> Option<Arc<DeviceMr>> {
+        let key = Arc::as_ptr(mapping) as *const () as usize;
+        if let Some(mr) = self.window_mrs.get(&key) {
+            return Some(Arc::clone(mr));
+        }
+        match register_mode(pd, mapping, 0..mapping.len(), Access::LOCAL_WRITE, mode) {
+            Ok(mr) => {
+                let mr = Arc::new(mr);
+                self.window_mrs.insert(key, Arc::clone(&mr));
+                Some(mr)
+            }
+            Err(e) => {
+                tracing::warn!(mapping = %mapping.describe(), %mode, "no MR of a window mapping, the CPU copies it: {e}");
+                None
+            }
+        }
+    }
+
+    /// Start a bounce request of a device-private region whose window MRs work: windowed
+    /// segments go by RDMA straight from (fetch) or to (put) the window MR, the others through
+    /// `buf`. Consecutive staged segments share one work request.
+    fn start_window(
+        &mut self,
+        shared: &Shared,
+        req: &BounceReq,
+        provider: &Arc<dyn Provider>,
+        mode: RegMode,
+        mut buf: RegisteredBuffer,
+        name: &str,
+    ) -> std::result::Result<(), (ErrorCode, String)> {
+        let dp = provider.as_device_private().expect("checked by the caller");
+        let segs = match dp.plan(req.offset, req.len) {
+            Ok(s) => s,
+            Err(e) => {
+                self.ring.push(buf);
+                return Err((copy_error_code(&e), format!("region '{name}': {e}")));
+            }
+        };
+        let pd = match self.pd(&shared.ctx) {
+            Ok(p) => p,
+            Err(e) => {
+                self.ring.push(buf);
+                return Err(e);
+            }
+        };
+        self.sweep_window_mrs();
+        let qp = self.qp.clone().expect("checked by the caller");
+        // one work request per windowed segment and per run of staged ones, within the room
+        // left on the send queue (else everything is staged: one work request)
+        let room = (qp.max_send_wr() as usize).saturating_sub(qp.outstanding().0);
+        let windowed = segs
+            .iter()
+            .filter(|s| matches!(s.path, SegmentPath::Window(..)))
+            .count();
+        let mut mrs: Vec<Option<Arc<DeviceMr>>> = Vec::with_capacity(segs.len());
+        for seg in &segs {
+            mrs.push(match &seg.path {
+                SegmentPath::Window(lease, _) if 2 * windowed < room => {
+                    self.window_mr(&pd, lease, mode)
+                }
+                _ => None,
+            });
+        }
+        if !req.to_region {
+            for (seg, mr) in segs.iter().zip(&mrs) {
+                if mr.is_some() {
+                    continue;
+                }
+                let at = (seg.range.start - req.offset) as usize;
+                let n = (seg.range.end - seg.range.start) as usize;
+                if let Err(e) = dp.read_segment(seg, &mut buf.as_mut_slice()[at..at + n]) {
+                    self.ring.push(buf);
+                    return Err((
+                        copy_error_code(&e),
+                        format!(
+                            "copying {n} bytes out of region '{name}' at {}: {e}",
+                            seg.range.start
+                        ),
+                    ));
+                }
+            }
+        }
+        let staging = match (mrs.iter().any(Option::is_none), req.to_region) {
+            (false, _) => Staging::Unused(buf),
+            (true, false) => Staging::Shared(Arc::new(buf)),
+            (true, true) => Staging::Sink(SinkBuffer::new(buf)),
+        };
+        // pieces: (range in the request, window MR and offset in it)
+        let mut pieces: Vec<(std::ops::Range<u64>, Option<WindowPiece>)> = Vec::new();
+        for (seg, mr) in segs.iter().zip(&mrs) {
+            let r = seg.range.start - req.offset..seg.range.end - req.offset;
+            match (mr, &seg.path, pieces.last_mut()) {
+                (Some(mr), SegmentPath::Window(_, off), _) => {
+                    pieces.push((r, Some((Arc::clone(mr), off - mr.start()))))
+                }
+                (None, _, Some((prev, None))) if prev.end == r.start => prev.end = r.end,
+                _ => pieces.push((r, None)),
+            }
+        }
+        let mut wrs = Vec::with_capacity(pieces.len());
+        for (r, mr) in pieces {
+            let n = (r.end - r.start) as usize;
+            let remote = req
+                .remote
+                .slice(r.start, r.end - r.start)
+                .map_err(internal)?;
+            let local = match (mr, &staging) {
+                (Some((mr, off)), _) => {
+                    let mr: Arc<dyn RegionRef> = mr;
+                    Local::region(mr, off as usize..off as usize + n)
+                }
+                (None, Staging::Shared(b)) => {
+                    Local::shared(Arc::clone(b), r.start as usize..r.end as usize)
+                }
+                (None, Staging::Sink(b)) => {
+                    Local::sink(Arc::clone(b), r.start as usize..r.end as usize)
+                }
+                (None, Staging::Unused(_)) => unreachable!("a staged piece has a staging buffer"),
+            }
+            .map_err(internal)?;
+            wrs.push(SendWr {
+                op: if req.to_region {
+                    SendOp::Read(remote)
+                } else {
+                    SendOp::Write(remote)
+                },
+                local,
+            });
+        }
+        let pending = qp
+            .post_send(wrs)
+            .map_err(|e| internal(format!("posting the bounce transfer: {e}")))?;
+        let rdma = mrs.iter().map(Option::is_some).collect();
+        self.inflight.push_back(InFlight {
+            fut: Box::pin(async move {
+                tokio::time::timeout(BOUNCE_STALL, pending.wait())
+                    .await
+                    .ok()
+            }),
+            provider: Arc::clone(provider),
+            offset: req.offset,
+            len: req.len,
+            to_region: req.to_region,
+            window: Some(WindowXfer {
+                segs,
+                rdma,
+                staging,
+            }),
+        });
+        Ok(())
     }
 
     /// Validate and start one bounce request. The outer error is the connection's; the inner
@@ -1253,6 +1567,12 @@ impl ConnState {
             let reply = self.finish(f, done);
             conn.send(&reply).await?;
         };
+        if let Some(mode) = r
+            .window_mode
+            .filter(|_| provider.as_device_private().is_some())
+        {
+            return Ok(self.start_window(shared, &req, &provider, mode, buf, &r.info.name));
+        }
         let n = req.len as usize;
         let op = if req.to_region {
             SendOp::Read(req.remote)
@@ -1286,6 +1606,7 @@ impl ConnState {
             offset: req.offset,
             len: req.len,
             to_region: req.to_region,
+            window: None,
         });
         Ok(Ok(()))
     }
@@ -1349,7 +1670,16 @@ async fn handle(shared: &Shared, st: &mut ConnState, msg: Msg) -> Reply {
             let qp = QueuePair::new(
                 &pd,
                 QpOptions {
-                    max_send_wr: shared.cfg.bounce_depth as u32 + 1,
+                    // a device-private bounce request may take one work request per window
+                    // unit it covers, and one per run of staged units
+                    max_send_wr: (shared.cfg.bounce_depth
+                        * (shared
+                            .cfg
+                            .bounce_chunk
+                            .div_ceil(peermem::hmm::UNIT as usize)
+                            + 2)
+                        + 1)
+                    .min(4096) as u32,
                     max_recv_wr: 1,
                     max_rd_atomic: shared.cfg.max_outstanding.clamp(1, 255) as u8,
                     ..QpOptions::default()
@@ -1538,6 +1868,9 @@ mod tests {
             ("r=dmabuf:0", "at least 1 byte"),
             ("r=devpriv:1M", "expected devpriv:memfd:SIZE"),
             ("r=devpriv:memfd:1M,policy=move", "unknown policy 'move'"),
+            ("r=devpriv:cuda:1M", "expected devpriv:cuda:GPU:SIZE"),
+            ("r=devpriv:cuda:x:1M", "expected devpriv:cuda:GPU:SIZE"),
+            ("r=devpriv:cuda:0:0", "at least 1 byte"),
             ("r=cuda:1G", "expected cuda:GPU:SIZE"),
             ("r=cuda:x:1G", "expected cuda:GPU:SIZE"),
             ("r=cuda:0:0", "at least 1 byte"),
@@ -1575,6 +1908,15 @@ mod tests {
         assert_eq!(s.source, RegionSource::DevPriv { size: 4 << 20 });
         assert_eq!(s.options.window, Some(1 << 20));
         assert_eq!(s.options.policy, Some(peermem::hmm::Policy::Migrate));
+        let s: RegionSpec = "d=devpriv:cuda:1:64M,window=8M".parse().unwrap();
+        assert_eq!(
+            s.source,
+            RegionSource::DevPrivCuda {
+                gpu: 1,
+                size: 64 << 20
+            }
+        );
+        assert_eq!(s.options.window, Some(8 << 20));
         let s: RegionSpec = "g=cuda:1:256M,reg=dmabuf".parse().unwrap();
         assert_eq!(
             s.source,

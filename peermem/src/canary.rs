@@ -211,6 +211,14 @@ impl DeviceMr {
     }
 }
 
+/// Work requests may use the MR as their local memory ([`verbs::Local::region`]): the MR, and
+/// the memory behind it, live as long as the work request holds it.
+impl verbs::RegionRef for DeviceMr {
+    fn memory_region(&self) -> &MemoryRegion {
+        self.mr()
+    }
+}
+
 /// Why a strategy did not produce an MR.
 #[derive(Debug, thiserror::Error)]
 pub enum Refusal {

@@ -114,6 +114,9 @@ pub struct HmmStats {
     pub window_fallbacks: u64,
     /// Units invalidated by the owner.
     pub invalidated_units: u64,
+    /// Bytes the NIC moved straight from or to window mappings (zero-copy: registered window
+    /// MRs), a part of no other count.
+    pub window_rdma_bytes: u64,
 }
 
 /// The path of one segment.
@@ -164,7 +167,7 @@ pub struct DevicePrivate {
     units: Mutex<Vec<Unit>>,
     window: RegCache<u64, Arc<dyn Provider>>,
     window_bytes: u64,
-    stats: [AtomicU64; 8],
+    stats: [AtomicU64; 9],
 }
 
 impl fmt::Debug for DevicePrivate {
@@ -185,6 +188,7 @@ const HITS: usize = 4;
 const MAPS: usize = 5;
 const FALLBACKS: usize = 6;
 const INVALIDATED: usize = 7;
+const WINDOW_RDMA: usize = 8;
 
 impl DevicePrivate {
     /// A region over all of `dev`, with a P2P window of `window_bytes` (0: none).
@@ -238,6 +242,7 @@ impl DevicePrivate {
             window_maps: g(MAPS),
             window_fallbacks: g(FALLBACKS),
             invalidated_units: g(INVALIDATED),
+            window_rdma_bytes: g(WINDOW_RDMA),
         }
     }
 
@@ -245,6 +250,46 @@ impl DevicePrivate {
     pub fn window_in_use(&self) -> u64 {
         let s = self.window.stats();
         s.cached_bytes + s.draining_bytes
+    }
+
+    /// The size of the P2P window (0: none).
+    pub fn window_size(&self) -> u64 {
+        self.window_bytes
+    }
+
+    /// A window mapping of the first unit on the device, to prove how a NIC may register window
+    /// mappings (the canary runs on it). Fails when there is no window or nothing can be mapped.
+    pub fn window_sample(&self) -> Result<Lease<Arc<dyn Provider>>, Error> {
+        if self.window_bytes == 0 {
+            return Err(Error::InvalidArgument(
+                "this device-private region has no P2P window".into(),
+            ));
+        }
+        let first = self
+            .lock()
+            .iter()
+            .position(|u| u.residency == Residency::Device);
+        let i = first.ok_or_else(|| {
+            Error::InvalidArgument("no unit of the region is on the device".into())
+        })? as u64;
+        // straight to the device: a sample must not count as a window hit or map
+        self.window
+            .get(&i, self.unit_range(i), self.len(), |_| {
+                self.dev.map_window(self.unit_range(i))
+            })
+            .map_err(|e| match e {
+                CacheError::Register(e) => e,
+                other => Error::InvalidArgument(format!("no room in the window: {other}")),
+            })
+    }
+
+    /// A window segment the NIC moved straight from or to its mapping (no CPU copy) has
+    /// completed: count it, or fail like a copy would when its units were invalidated after it
+    /// was planned (a put's bytes may then have landed where the owner no longer looks).
+    pub fn finish_window_rdma(&self, seg: &Segment) -> Result<(), Error> {
+        self.check_generation(seg)?;
+        self.stats[WINDOW_RDMA].fetch_add(seg.range.end - seg.range.start, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Per-unit residency, for `ls` and `doctor`: (units on the device, of which mapped in the
@@ -653,7 +698,7 @@ impl Provider for DevicePrivate {
         let (device, mapped, host, freed) = DevicePrivate::residency(self);
         let s = self.stats();
         Some(format!(
-            "{device} units of {} KiB on the device ({mapped} mapped in the window, {} of {} KiB in use), {host} migrated to host RAM, {freed} freed; {} migrations, {} window maps, {} window hits, {} window fallbacks, bytes: {} window, {} host, {} bounce",
+            "{device} units of {} KiB on the device ({mapped} mapped in the window, {} of {} KiB in use), {host} migrated to host RAM, {freed} freed; {} migrations, {} window maps, {} window hits, {} window fallbacks, bytes: {} window RDMA (zero-copy), {} window copies, {} host, {} bounce",
             UNIT >> 10,
             self.window_in_use() >> 10,
             self.window_bytes >> 10,
@@ -661,6 +706,7 @@ impl Provider for DevicePrivate {
             s.window_maps,
             s.window_hits,
             s.window_fallbacks,
+            s.window_rdma_bytes,
             s.window_bytes,
             s.host_bytes,
             s.bounce_bytes

@@ -241,6 +241,66 @@ pub async fn decide(
     }
 }
 
+/// How a NIC may reach the window mappings of a device-private region.
+#[derive(Debug, Clone, Serialize)]
+pub struct WindowProof {
+    /// The strategy a canary proved on a mapped unit (None: window units are copied by the CPU
+    /// through their mappings).
+    pub mode: Option<RegMode>,
+    /// One line: why.
+    pub reason: String,
+    /// Every registration attempt on the mapped unit.
+    pub attempts: Vec<Attempt>,
+}
+
+/// Prove how window mappings of `dp` may be registered: attempts (by `choice`) and a canary on
+/// the mapping of one unit. `--p2p disabled` tries nothing.
+pub async fn prove_window(
+    pd: &ProtectionDomain,
+    dp: &crate::hmm::DevicePrivate,
+    choice: RegChoice,
+    policy: P2pPolicy,
+) -> WindowProof {
+    let copied = |why: String| WindowProof {
+        mode: None,
+        reason: why,
+        attempts: Vec::new(),
+    };
+    if policy == P2pPolicy::Disabled {
+        return copied("copied by the CPU through their mappings (--p2p disabled)".into());
+    }
+    let sample: Arc<dyn Provider> = match dp.window_sample() {
+        Ok(lease) => Arc::clone(&lease),
+        Err(e) => {
+            return copied(format!(
+                "no window mapping could be made ({e}); units go through the copy engine"
+            ))
+        }
+    };
+    let len = sample.len();
+    match decide(pd, &sample, 0..len, choice, P2pPolicy::Preferred).await {
+        Ok(p) => {
+            let d = p.decision;
+            let reason = match (d.path, d.mode) {
+                (PathKind::Direct, Some(m)) => format!(
+                    "the NIC moves them straight to and from the client (zero-copy, {m} MRs of the window mappings; {})",
+                    d.reason
+                ),
+                _ => format!(
+                    "copied by the CPU through their mappings, since no MR of a window mapping works ({})",
+                    d.reason
+                ),
+            };
+            WindowProof {
+                mode: d.mode.filter(|_| d.path == PathKind::Direct),
+                reason,
+                attempts: d.attempts,
+            }
+        }
+        Err(r) => copied(format!("copied by the CPU through their mappings ({r})")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -33,5 +33,5 @@ pub use mr::{
 };
 pub use qp::{
     negotiate_mtu, Endpoint, Local, Pending, PendingRecv, QpOptions, QpState, QueuePair, RawSendWr,
-    RecvInfo, SendOp, SendWr, SinkBuffer,
+    RecvInfo, RegionRef, SendOp, SendWr, SinkBuffer,
 };

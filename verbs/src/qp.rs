@@ -42,6 +42,17 @@ pub enum Local {
     Shared(Arc<RegisteredBuffer>, Range<usize>),
     /// Shared, written by the device, unreadable by the CPU while shared.
     Sink(Arc<SinkBuffer>, Range<usize>),
+    /// Memory registered elsewhere (a device's memory region: a P2P window, a dma-buf): the
+    /// device reads or writes it, the CPU never sees it through this handle. The region is kept
+    /// alive until the work request completes.
+    Region(Arc<dyn RegionRef>, Range<usize>),
+}
+
+/// Registered memory a work request may use that is not a [`RegisteredBuffer`]: a device's MR
+/// kept alive, with whatever backs it, by the implementor.
+pub trait RegionRef: Send + Sync + std::fmt::Debug {
+    /// The memory region; its byte 0 is the work request's range start 0.
+    fn memory_region(&self) -> &crate::mr::MemoryRegion;
 }
 
 /// A registered buffer that work requests may write concurrently. It offers no access to its
@@ -94,24 +105,33 @@ impl Local {
         Ok(Local::Shared(buf, range))
     }
 
+    /// `range` of memory registered elsewhere (see [`RegionRef`]).
+    pub fn region(mr: Arc<dyn RegionRef>, range: Range<usize>) -> Result<Local> {
+        check_range(&range, mr.memory_region().len())?;
+        Ok(Local::Region(mr, range))
+    }
+
     /// `range` of a sink (see [`SinkBuffer`]).
     pub fn sink(buf: Arc<SinkBuffer>, range: Range<usize>) -> Result<Local> {
         check_range(&range, buf.len())?;
         Ok(Local::Sink(buf, range))
     }
 
-    fn registered(&self) -> &RegisteredBuffer {
+    fn registered(&self) -> Option<&RegisteredBuffer> {
         match self {
-            Local::Owned(b, _) => b,
-            Local::Shared(b, _) => b,
-            Local::Sink(b, _) => &b.0,
+            Local::Owned(b, _) => Some(b),
+            Local::Shared(b, _) => Some(b),
+            Local::Sink(b, _) => Some(&b.0),
+            Local::Region(..) => None,
         }
     }
 
     /// The byte range.
     pub fn range(&self) -> Range<usize> {
         match self {
-            Local::Owned(_, r) | Local::Shared(_, r) | Local::Sink(_, r) => r.clone(),
+            Local::Owned(_, r) | Local::Shared(_, r) | Local::Sink(_, r) | Local::Region(_, r) => {
+                r.clone()
+            }
         }
     }
 
@@ -126,11 +146,12 @@ impl Local {
         self.len() == 0
     }
 
-    /// The bytes of the range (None for a sink, whose bytes the CPU may not see).
+    /// The bytes of the range (None for a sink or a device's region, whose bytes the CPU may
+    /// not see).
     pub fn bytes(&self) -> Option<&[u8]> {
         match self {
-            Local::Sink(..) => None,
-            _ => Some(&self.registered().as_slice()[self.range()]),
+            Local::Sink(..) | Local::Region(..) => None,
+            _ => Some(&self.registered()?.as_slice()[self.range()]),
         }
     }
 
@@ -138,17 +159,28 @@ impl Local {
     pub fn into_owned(self) -> Option<RegisteredBuffer> {
         match self {
             Local::Owned(b, _) => Some(b),
-            Local::Shared(..) | Local::Sink(..) => None,
+            Local::Shared(..) | Local::Sink(..) | Local::Region(..) => None,
         }
     }
 
     fn sge(&self) -> Result<(u32, u64, u32)> {
-        let b = self.registered();
         let r = self.range();
         let len = u32::try_from(r.end - r.start).map_err(|_| {
             Error::InvalidArgument("one work request moves at most 4 GiB - 1".into())
         })?;
-        Ok((b.mr().lkey(), b.addr() + r.start as u64, len))
+        let (lkey, addr) = match self {
+            Local::Region(m, _) => {
+                let mr = m.memory_region();
+                (mr.lkey(), mr.addr())
+            }
+            _ => {
+                let b = self
+                    .registered()
+                    .expect("host buffers are registered buffers");
+                (b.mr().lkey(), b.addr())
+            }
+        };
+        Ok((lkey, addr + r.start as u64, len))
     }
 }
 
@@ -581,6 +613,11 @@ impl QueuePair {
         })
     }
 
+    /// Send-queue capacity: work requests that may be outstanding at once.
+    pub fn max_send_wr(&self) -> u32 {
+        self.inner.opts.max_send_wr
+    }
+
     /// Work requests posted and not yet completed: (send queue, receive queue).
     pub fn outstanding(&self) -> (usize, usize) {
         let s = self.inner.cq.lock();
@@ -717,8 +754,9 @@ impl QueuePair {
                 SendOp::Send => h.setup_send(),
                 SendOp::SendImm(imm) => h.setup_send_imm(imm.to_be()),
             };
-            // SAFETY: for the safe API the range was checked against the registered buffer that
-            // the pending table now owns; for the raw API the caller guarantees it.
+            // SAFETY: for the safe API the range was checked against the registered buffer (or
+            // the device's memory region, for `Local::Region`) that the pending table now owns
+            // until the completion; for the raw API the caller guarantees it.
             unsafe { h.setup_sge(wr.lkey, wr.addr, wr.len) };
         }
         guard.post().map_err(|e| {
@@ -763,8 +801,8 @@ impl QueuePair {
             let mut guard = qp.start_post_recv();
             for (id, &(lkey, addr, len)) in ids.iter().zip(&sges) {
                 let h = guard.construct_wr(*id);
-                // SAFETY: the range was checked against the owned registered buffer, which the
-                // pending table keeps until the receive completes.
+                // SAFETY: the range was checked against the owned registered buffer (or region),
+                // which the pending table keeps until the receive completes.
                 unsafe { h.setup_sge(lkey, addr, len) };
             }
             guard.post()

@@ -23,8 +23,11 @@ use verbs::SharedMemory;
 use crate::error::Error;
 use crate::provider::{check_range, Provider};
 
+mod device_private;
 #[cfg(feature = "cuda")]
 mod dl;
+
+pub use device_private::{CudaDevice, CudaWindow};
 
 /// `CUresult` codes this module gives meaning to.
 pub mod code {
@@ -235,6 +238,16 @@ impl CudaMemory {
         ordinal: u32,
         len: u64,
     ) -> Result<CudaMemory, Error> {
+        CudaMemory::allocate_with(driver, ordinal, len, true)
+    }
+
+    /// [`CudaMemory::allocate`], exporting the whole allocation or not.
+    pub(crate) fn allocate_with(
+        driver: Arc<dyn CudaDriver>,
+        ordinal: u32,
+        len: u64,
+        export: bool,
+    ) -> Result<CudaMemory, Error> {
         if len == 0 {
             return Err(Error::InvalidArgument(
                 "a GPU region needs at least 1 byte".into(),
@@ -258,7 +271,7 @@ impl CudaMemory {
             dmabuf: None,
             dmabuf_refused: None,
         };
-        mem.prepare(alloc_len)?;
+        mem.prepare(if export { alloc_len } else { 0 })?;
         Ok(mem)
     }
 
@@ -466,6 +479,8 @@ mod tests {
         fail: HashMap<&'static str, i32>,
         log: Vec<String>,
         sync_memops: Vec<u64>,
+        /// dma-buf exports: (address, bytes)
+        exports: Vec<(u64, u64)>,
     }
 
     impl Fake {
@@ -582,7 +597,8 @@ mod tests {
             Ok(s.allocs[&base].0)
         }
         fn export_dmabuf(&self, _: u32, ptr: u64, size: u64) -> Result<OwnedFd, CuError> {
-            let s = self.step("cuMemGetHandleForAddressRange")?;
+            let mut s = self.step("cuMemGetHandleForAddressRange")?;
+            s.exports.push((ptr, size));
             Fake::find(&s, ptr, size as usize, "cuMemGetHandleForAddressRange")?;
             assert_eq!(ptr % HOST_PAGE, 0, "export of an unaligned address");
             assert_eq!(size % HOST_PAGE, 0, "export of an unaligned size");
@@ -792,6 +808,143 @@ mod tests {
                         "{s}"
                     );
                 }
+            }
+        }
+    }
+
+    mod device_private {
+        use super::*;
+        use crate::hmm::{DeviceBacking, DevicePrivate, Policy, UNIT};
+
+        fn region(fake: &Arc<Fake>, len: u64, window: u64) -> DevicePrivate {
+            let dev =
+                CudaDevice::allocate(Arc::clone(fake) as Arc<dyn CudaDriver>, 0, len).unwrap();
+            DevicePrivate::new(Arc::new(dev), window, Policy::Copy)
+        }
+
+        fn pattern(len: usize) -> Vec<u8> {
+            (0..len as u32)
+                .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+                .collect()
+        }
+
+        #[test]
+        fn gpu_units_go_through_dmabuf_window_exports_or_the_copy_engine() {
+            let fake = Fake::new(true);
+            let len = 10 * UNIT + 1000;
+            let dp = region(&fake, len, 3 * UNIT);
+            // the whole allocation is not exported: only window units are
+            assert!(fake.state.lock().unwrap().exports.is_empty());
+            let data = pattern(len as usize);
+            dp.write(0, &data).unwrap();
+            let mut back = vec![0; len as usize];
+            dp.read(0, &mut back).unwrap();
+            assert!(back == data, "data read back differs");
+            // an unaligned piece in the middle, across units
+            let mut mid = vec![0; 150_000];
+            dp.read(70_001, &mut mid).unwrap();
+            assert!(mid[..] == data[70_001..220_001]);
+            let st = dp.stats();
+            assert!(st.window_bytes > 0 && st.bounce_bytes > 0, "{st:?}");
+            assert_eq!(
+                st.window_bytes + st.bounce_bytes,
+                2 * len + 150_000,
+                "{st:?}"
+            );
+            assert!(dp.window_in_use() <= 3 * UNIT);
+            let s = fake.state.lock().unwrap();
+            let base = s.allocs.keys().copied().next().unwrap();
+            assert!(!s.exports.is_empty());
+            for &(ptr, size) in &s.exports {
+                assert_eq!(size, UNIT, "one unit per export");
+                assert_eq!((ptr - base) % UNIT, 0, "unit-aligned export at {ptr:#x}");
+                assert!(ptr - base < len, "export past the region at {ptr:#x}");
+            }
+        }
+
+        #[test]
+        fn a_window_unit_is_a_dmabuf_a_nic_can_register_and_the_cpu_reaches_by_copy() {
+            let fake = Fake::new(true);
+            let dev = CudaDevice::allocate(Arc::clone(&fake) as Arc<dyn CudaDriver>, 0, 4 * UNIT)
+                .unwrap();
+            dev.copy_in(UNIT + 10, b"hello").unwrap();
+            let w = dev.map_window(UNIT + 5..UNIT + 20).unwrap();
+            assert_eq!((w.kind(), w.len()), ("cuda-window", UNIT));
+            assert_eq!(w.dmabuf().map(|(_, off)| off), Some(0));
+            assert!(w.mapping().is_none() && w.no_mapping_reason().is_some());
+            assert_eq!(w.pci_device().as_deref(), Some("0000:41:00.0"));
+            let mut b = [0u8; 5];
+            w.copy_out(10, &mut b).unwrap();
+            assert_eq!(&b, b"hello");
+            assert!(matches!(
+                w.copy_out(UNIT - 2, &mut b),
+                Err(Error::InvalidArgument(_))
+            ));
+            let e = dev.map_window(4 * UNIT..5 * UNIT).unwrap_err();
+            assert!(e.to_string().contains("outside"), "{e}");
+        }
+
+        #[test]
+        fn without_dmabuf_export_every_unit_falls_back_to_the_copy_engine_and_says_why() {
+            let fake = Fake::new(false);
+            let len = 4 * UNIT;
+            let dev =
+                CudaDevice::allocate(Arc::clone(&fake) as Arc<dyn CudaDriver>, 0, len).unwrap();
+            let e = dev.map_window(0..UNIT).unwrap_err().to_string();
+            assert!(
+                e.contains("DMA_BUF_SUPPORTED = 0") && e.contains("open kernel modules"),
+                "{e}"
+            );
+            assert!(dev.describe().contains("unavailable"), "{}", dev.describe());
+            let dp = DevicePrivate::new(Arc::new(dev), 2 * UNIT, Policy::Copy);
+            let data = pattern(len as usize);
+            dp.write(0, &data).unwrap();
+            let mut back = vec![0; len as usize];
+            dp.read(0, &mut back).unwrap();
+            assert!(back == data);
+            let st = dp.stats();
+            assert_eq!((st.window_bytes, st.bounce_bytes), (0, 2 * len), "{st:?}");
+            assert!(st.window_fallbacks > 0, "{st:?}");
+            assert!(fake.state.lock().unwrap().exports.is_empty());
+        }
+
+        #[test]
+        fn gpu_memory_the_owner_freed_is_never_copied_nor_exported() {
+            for realloc in [false, true] {
+                let fake = Fake::new(true);
+                let dp = region(&fake, 4 * UNIT, 2 * UNIT);
+                dp.write(0, &pattern(4 * UNIT as usize)).unwrap();
+                let base = fake
+                    .state
+                    .lock()
+                    .unwrap()
+                    .allocs
+                    .keys()
+                    .copied()
+                    .next()
+                    .unwrap();
+                let exports = fake.state.lock().unwrap().exports.len();
+                fake.app_free(base, realloc);
+                let calls = fake.log().len();
+                let mut b = vec![0; 100];
+                // window hits and copy-engine units alike check the buffer id first
+                for at in [0, UNIT, 2 * UNIT + 7, 3 * UNIT] {
+                    let e = dp.read(at, &mut b).unwrap_err();
+                    assert!(matches!(e, Error::Invalidated(_)), "{e}");
+                    assert!(e.to_string().contains("freed"), "{e}");
+                }
+                assert!(dp.write(UNIT, &b).is_err());
+                let log = fake.log();
+                assert!(
+                    !log[calls..].iter().any(|c| c.starts_with("cuMemcpy")),
+                    "copied freed memory: {:?}",
+                    &log[calls..]
+                );
+                assert_eq!(
+                    fake.state.lock().unwrap().exports.len(),
+                    exports,
+                    "exported freed memory"
+                );
             }
         }
     }
