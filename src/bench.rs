@@ -1055,6 +1055,20 @@ pub async fn run_client(
             } else {
                 Vec::new()
             };
+            // One untimed span first, as the direct path sets its QPs and MRs up before its
+            // clock starts: it creates the bridge client's QP and staging buffers and fills the
+            // server's staging ring, so the timed loop measures transfers only.
+            match p.op {
+                BenchOp::Write => {
+                    let mut cur = std::io::Cursor::new(&data[..]);
+                    bc.put(&r, 0, &mut cur, Some(span), false, &mut |_| {})
+                        .await?;
+                }
+                _ => {
+                    bc.fetch(&r, 0, span, &mut std::io::sink(), false, &mut |_| {})
+                        .await?;
+                }
+            }
             c.send(&Msg::Run { size }).await?;
             let Msg::Go = c.recv().await? else {
                 return Err(BenchError::Control("expected go".into()));
