@@ -8,17 +8,15 @@ fn device() -> String {
 }
 
 fn doctor(reg: &str) -> (Option<i32>, serde_json::Value, String) {
+    doctor_region("host:1M", &["--reg", reg])
+}
+
+/// `doctor --region SPEC ARGS... --json` on the lab device: exit code, JSON, stderr.
+fn doctor_region(spec: &str, args: &[&str]) -> (Option<i32>, serde_json::Value, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_p2p-rdma"))
-        .args([
-            "doctor",
-            "--region",
-            "host:1M",
-            "--reg",
-            reg,
-            "--json",
-            "--device",
-            &device(),
-        ])
+        .args(["doctor", "--region", spec])
+        .args(args)
+        .args(["--json", "--device", &device()])
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr).into_owned();
@@ -138,22 +136,9 @@ fn lab_doctor_shows_hmm_page_residency_before_and_after_the_attempts() {
 #[test]
 #[ignore = "lab"]
 fn lab_doctor_proves_how_the_nic_reaches_a_device_private_window() {
-    let out = Command::new(env!("CARGO_BIN_EXE_p2p-rdma"))
-        .args([
-            "doctor",
-            "--region",
-            "devpriv:memfd:1M,window=256K",
-            "--json",
-            "--device",
-            &device(),
-        ])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr).into_owned();
-    let v: serde_json::Value =
-        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {err}"));
+    let (code, v, _) = doctor_region("devpriv:memfd:1M,window=256K", &[]);
     // the region as a whole has no CPU mapping or dma-buf: it is served through the bridge
-    assert_ne!(out.status.code(), Some(0), "{v}");
+    assert_ne!(code, Some(0), "{v}");
     assert_eq!(v["path"], "bounce", "{v}");
     // its window units are udmabuf dma-bufs: rxe refuses dma-buf MRs (EOPNOTSUPP), so the CPU
     // copies them, and the doctor says which attempt failed how
@@ -167,17 +152,6 @@ fn lab_doctor_proves_how_the_nic_reaches_a_device_private_window() {
         "{w}"
     );
     // and no window on a region without one
-    let out = Command::new(env!("CARGO_BIN_EXE_p2p-rdma"))
-        .args([
-            "doctor",
-            "--region",
-            "devpriv:memfd:1M",
-            "--json",
-            "--device",
-            &device(),
-        ])
-        .output()
-        .unwrap();
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let (_, v, _) = doctor_region("devpriv:memfd:1M", &[]);
     assert!(v["window"].is_null(), "{v}");
 }

@@ -165,6 +165,15 @@ fn parse_options(name: &str, rest: &str) -> Result<(String, RegionOptions), Stri
     Ok((parts.join(","), o))
 }
 
+/// `GPU:SIZE` of a `KIND:GPU:SIZE` spec: the CUDA ordinal, and the size text.
+fn gpu_and_size<'a>(name: &str, kind: &str, arg: &'a str) -> Result<(u32, &'a str), String> {
+    let bad = || {
+        format!("region '{name}': expected {kind}:GPU:SIZE (GPU: a CUDA device number such as 0)")
+    };
+    let (gpu, size) = arg.split_once(':').ok_or_else(bad)?;
+    Ok((gpu.parse().map_err(|_| bad())?, size))
+}
+
 impl FromStr for RegionSpec {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
@@ -241,12 +250,9 @@ impl FromStr for RegionSpec {
                     size: size_of(size)?,
                 },
                 Some(("cuda", rest)) => {
-                    let bad = || {
-                        format!("region '{name}': expected devpriv:cuda:GPU:SIZE (GPU: a CUDA device number such as 0)")
-                    };
-                    let (gpu, size) = rest.split_once(':').ok_or_else(bad)?;
+                    let (gpu, size) = gpu_and_size(name, "devpriv:cuda", rest)?;
                     RegionSource::DevPrivCuda {
-                        gpu: gpu.parse().map_err(|_| bad())?,
+                        gpu,
                         size: size_of(size)?,
                     }
                 }
@@ -257,12 +263,9 @@ impl FromStr for RegionSpec {
                 }
             },
             "cuda" => {
-                let bad = || {
-                    format!("region '{name}': expected cuda:GPU:SIZE (GPU: a CUDA device number such as 0)")
-                };
-                let (gpu, size) = arg.split_once(':').ok_or_else(bad)?;
+                let (gpu, size) = gpu_and_size(name, "cuda", arg)?;
                 RegionSource::Cuda {
-                    gpu: gpu.parse().map_err(|_| bad())?,
+                    gpu,
                     size: size_of(size)?,
                 }
             }
@@ -491,6 +494,16 @@ fn open_providers(cfg: &ServerConfig) -> Result<Vec<Opened>> {
 }
 
 impl RegionSpec {
+    /// A device-private region over `dev`, with this spec's window and policy (default: no
+    /// window, copy).
+    fn device_private(&self, dev: Arc<dyn peermem::hmm::DeviceBacking>) -> Arc<dyn Provider> {
+        Arc::new(peermem::hmm::DevicePrivate::new(
+            dev,
+            self.options.window.unwrap_or(0),
+            self.options.policy.unwrap_or(peermem::hmm::Policy::Copy),
+        ))
+    }
+
     /// Open the memory: allocate RAM, map the file, allocate CMB (P2PDMA, sysfs at `sysfs`),
     /// export a dma-buf. Returns the provider and whether the region is read-only.
     pub fn open(&self, sysfs: &std::path::Path) -> Result<(Arc<dyn Provider>, bool)> {
@@ -535,14 +548,7 @@ impl RegionSpec {
             ),
             RegionSource::DevPriv { size } => {
                 let dev = peermem::hmm::MemfdDevice::new(*size).map_err(cfg_err)?;
-                (
-                    Arc::new(peermem::hmm::DevicePrivate::new(
-                        Arc::new(dev),
-                        self.options.window.unwrap_or(0),
-                        self.options.policy.unwrap_or(peermem::hmm::Policy::Copy),
-                    )),
-                    false,
-                )
+                (self.device_private(Arc::new(dev)), false)
             }
             RegionSource::DevPrivHmm { size } => {
                 let mem = peermem::dmirror::DmirrorMemory::new(None, *size).map_err(cfg_err)?;
@@ -561,14 +567,7 @@ impl RegionSpec {
                 let driver = peermem::cuda::load().map_err(cfg_err)?;
                 let dev =
                     peermem::cuda::CudaDevice::allocate(driver, *gpu, *size).map_err(cfg_err)?;
-                (
-                    Arc::new(peermem::hmm::DevicePrivate::new(
-                        Arc::new(dev),
-                        self.options.window.unwrap_or(0),
-                        self.options.policy.unwrap_or(peermem::hmm::Policy::Copy),
-                    )),
-                    false,
-                )
+                (self.device_private(Arc::new(dev)), false)
             }
             RegionSource::Cuda { gpu, size } => {
                 let driver = peermem::cuda::load().map_err(cfg_err)?;
