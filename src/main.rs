@@ -1,7 +1,6 @@
 //! The `p2p-rdma` command line.
 #![forbid(unsafe_code)]
 
-use std::io::IsTerminal as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -13,20 +12,13 @@ use verbs::CqMode;
 
 use bridge::size::{human, parse_size};
 
-/// Exit status: success.
-const EXIT_OK: u8 = 0;
-/// Exit status: the operation failed (transfer error, data mismatch, verbs error).
-const EXIT_FAILED: u8 = 1;
-/// Exit status: the server refused the request (unknown region, out of range, read-only, busy).
-const EXIT_REFUSED: u8 = 3;
-/// Exit status: authentication failed (wrong or missing token) or protocol versions differ.
-const EXIT_AUTH: u8 = 4;
-/// Exit status: the server cannot be reached (not running, wrong address, timeout).
-const EXIT_UNREACHABLE: u8 = 5;
-/// Exit status: `--verify` found different checksums.
-const EXIT_MISMATCH: u8 = 6;
-/// Exit status: no RDMA device, or libibverbs is missing (sysexits EX_UNAVAILABLE).
-const EXIT_UNAVAILABLE: u8 = 69;
+mod cli;
+
+use cli::emit;
+use cli::inspect::{devices, doctor, topo};
+use cli::transfer::{client_config, finish_transfer, Progress};
+
+use cli::exit::{self, BenchMismatch, MissingToken, Usage};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -37,14 +29,20 @@ const EXIT_UNAVAILABLE: u8 = 69;
                   with one-sided RDMA over RC queue pairs, explaining every path decision.\n\n\
                   No RDMA hardware? soft-roce/lab runs everything inside a QEMU guest with \
                   soft-RoCE (rxe): e.g. `soft-roce/lab -- target/release/p2p-rdma devices`.",
-    after_help = "Exit status: 0 success, 1 failure, 2 bad usage, 3 request refused by the server (unknown region, \
-                  out of range, read-only, busy), 4 wrong/missing token or protocol version mismatch, 5 server \
-                  unreachable, 6 --verify mismatch, 69 no RDMA device or libibverbs missing.\n\
-                  Logging: RUST_LOG=p2p_rdma=debug,verbs=debug for details."
+    after_help = exit::help()
 )]
 struct Cli {
+    /// Log format on stderr: text, or json (one JSON object per line).
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
     #[command(subcommand)]
     cmd: Cmd,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Subcommand, Debug)]
@@ -53,45 +51,9 @@ enum Cmd {
     ///
     /// Each client connection gets its own protection domain and QP; a region is registered for
     /// a connection when the client opens it, so its rkey is valid only there and dies when the
-    /// client closes it or goes away. SIGINT/SIGTERM stop accepting, let connections finish
-    /// (10 s at most) and release everything.
-    #[command(
-        after_help = "Region specs (NAME=KIND:ARGS[,OPTION=VALUE]...):\n  NAME=host:SIZE          zeroed RAM (K/M/G suffixes)\n  NAME=host:SIZE:huge     from huge pages (vm.nr_hugepages must be set)\n  NAME=file:PATH          a file, mapped shared: puts change the file (it must not shrink while served)\n  NAME=file:PATH:ro       read-only: registered without remote write, so the NIC itself refuses puts\n  NAME=cmb:DEV:SIZE       peer memory of a PCI device through P2PDMA (an NVMe CMB): DEV is a PCI\n                          address (0000:03:00.0) or a controller (nvme0); needs Linux >= 6.2 with\n                          CONFIG_PCI_P2PDMA, as root\n  NAME=dmabuf:SIZE        a dma-buf from the built-in exporter (memfd + /dev/udmabuf)\n  NAME=devpriv:memfd:SIZE device-private memory emulated by a memfd this process never maps: copy\n                          engine pread/pwrite, a P2P window of udmabuf exports (,window=SIZE),\n                          ,policy=copy (bounce, stays on the device) or migrate (to host RAM)\n  NAME=devpriv:hmm:SIZE   real device-private pages of the kernel's HMM test driver (test_hmm,\n                          /dev/hmm_dmirror0): migrated to the device at start; ODP preferred\n  NAME=devpriv:cuda:GPU:SIZE  GPU memory as device-private memory (--features cuda): copy engine\n                          cuMemcpy, a P2P window of dma-buf exports of 64 KiB units (,window=SIZE)\n  NAME=cuda:GPU:SIZE      memory of CUDA GPU number GPU (build with --features cuda; libcuda.so.1 is\n                          loaded at run time), registered through its dma-buf export (needs NVIDIA's\n                          open kernel modules) and otherwise served by cuMemcpy through bounce buffers\n  options: ,p2p=required|preferred|disabled  ,reg=auto|pinned|odp|dmabuf  ,window=SIZE (only the\n           first SIZE bytes direct, the rest through bounce buffers)\n\nPaths: for each region the server tries dma-buf, pinned and ODP registration (or the one --reg\nnames) and proves the first that registers with a canary transfer (RDMA WRITE + READ compared\nbyte for byte). A region that no strategy serves goes through bounce buffers: the server copies\nwith the memory's copy engine into registered host staging buffers and RDMA-writes them to the\nclient (or reads the client's for a put). --p2p required refuses such a region (and says why);\n--p2p disabled forces bounce. The path and its reason are printed at start and shown by `ls`.\nDevice-private regions: units mapped in the P2P window move zero-copy (RDMA straight from or to\nMRs of their window mappings) when a canary on one mapped unit proves a strategy; `ls` says so\nafter \"window units:\", and fetch/put --json count them as zero_copy_bytes.\n\nExample:\n  head -c 32 /dev/urandom | base64 > token\n  p2p-rdma serve --listen 0.0.0.0:7471 --token-file token --region ram=host:1G --region img=file:/data/img.bin:ro --region cmb=cmb:nvme0:16M"
-    )]
-    Serve {
-        /// RDMA device (default: the first one with an active port).
-        #[arg(long, short = 'd', env = "P2P_RDMA_DEVICE")]
-        device: Option<String>,
-        /// Control address to listen on.
-        #[arg(long, default_value = "0.0.0.0:7471")]
-        listen: std::net::SocketAddr,
-        #[command(flatten)]
-        token: TokenArgs,
-        /// A region to serve (repeatable): NAME=host:SIZE[:huge], NAME=file:PATH[:ro],
-        /// NAME=cmb:DEV:SIZE, NAME=dmabuf:SIZE or NAME=cuda:GPU:SIZE (see below).
-        #[arg(long = "region", short = 'r', required = true, value_name = "SPEC")]
-        regions: Vec<bridge::RegionSpec>,
-        /// Peer-to-peer policy: required (refuse regions that cannot go direct), preferred
-        /// (bounce when no strategy works), disabled (always bounce).
-        #[arg(long, default_value = "preferred", value_name = "POLICY")]
-        p2p: peermem::plan::P2pPolicy,
-        /// Registration strategy: auto tries dma-buf, pinned, then ODP; pinned, odp or dmabuf
-        /// force one (the canary still runs).
-        #[arg(long = "reg", default_value = "auto", value_name = "STRATEGY")]
-        reg: peermem::plan::RegChoice,
-        /// Bytes per bounce staging buffer (the largest bounce request).
-        #[arg(long, default_value = "1M", value_parser = parse_size_arg)]
-        bounce_chunk: u64,
-        /// Bounce staging buffers per connection (copies and transfers in flight).
-        #[arg(long, default_value_t = 8)]
-        bounce_depth: usize,
-        /// Most concurrent client connections.
-        #[arg(long, default_value_t = 64)]
-        max_connections: usize,
-        /// RDMA operations a client may keep in flight.
-        #[arg(long, default_value_t = 16)]
-        max_outstanding: u32,
-    },
+    /// client goes away. Settings come from flags and/or a TOML --config file.
+    #[command(after_help = cli::serve::help())]
+    Serve(cli::serve::ServeArgs),
     /// List the regions a server offers.
     #[command(
         after_help = "Example:\n  P2P_RDMA_TOKEN=$(cat token) p2p-rdma ls 10.0.0.1:7471 --json"
@@ -343,6 +305,23 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    #[command(
+        after_help = "Examples:\n  p2p-rdma completions bash > /etc/bash_completion.d/p2p-rdma\n  p2p-rdma completions zsh > \"${fpath[1]}/_p2p-rdma\""
+    )]
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+    /// Write man pages (p2p-rdma.1 and one per subcommand) into DIR, or the main page to stdout.
+    #[command(
+        after_help = "Examples:\n  p2p-rdma man --dir /usr/local/share/man/man1\n  p2p-rdma man | man -l -"
+    )]
+    Man {
+        /// Directory to write the pages to.
+        #[arg(long, value_name = "DIR")]
+        dir: Option<PathBuf>,
+    },
 }
 
 /// How a client finds the token.
@@ -368,24 +347,6 @@ impl TokenArgs {
         Ok(t)
     }
 }
-
-#[derive(Debug)]
-struct BenchMismatch;
-impl std::fmt::Display for BenchMismatch {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("--validate: the data did not match (see the rows marked DATA MISMATCH)")
-    }
-}
-impl std::error::Error for BenchMismatch {}
-
-#[derive(Debug)]
-struct MissingToken;
-impl std::fmt::Display for MissingToken {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("no token: give --token-file FILE or set P2P_RDMA_TOKEN (the token file must not be empty)")
-    }
-}
-impl std::error::Error for MissingToken {}
 
 /// Options every data-moving client command shares.
 #[derive(clap::Args, Debug, Clone)]
@@ -424,14 +385,20 @@ fn parse_size_arg(s: &str) -> Result<u64, String> {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let cli = Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    match cli.log_format {
+        LogFormat::Text => tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .init(),
+        LogFormat::Json => tracing_subscriber::fmt()
+            .json()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .init(),
+    }
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -440,83 +407,16 @@ fn main() -> ExitCode {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("p2p-rdma: cannot start the async runtime: {e}");
-            return ExitCode::from(EXIT_FAILED);
+            return ExitCode::from(exit::FAILED);
         }
     };
     match rt.block_on(run(cli)) {
-        Ok(()) => ExitCode::from(EXIT_OK),
+        Ok(()) => ExitCode::from(exit::OK),
         Err(e) => {
-            eprintln!("p2p-rdma: error: {}", render_chain(&e));
-            ExitCode::from(exit_code(&e))
+            eprintln!("p2p-rdma: error: {}", exit::render_chain(&e));
+            ExitCode::from(exit::code_of(&e))
         }
     }
-}
-
-fn exit_code(e: &anyhow::Error) -> u8 {
-    use bridge::protocol::ErrorCode;
-    for c in e.chain() {
-        if c.downcast_ref::<MissingToken>().is_some() {
-            return EXIT_AUTH;
-        }
-        if c.downcast_ref::<BenchMismatch>().is_some() {
-            return EXIT_MISMATCH;
-        }
-        if let Some(b) = c.downcast_ref::<p2p_rdma::bench::BenchError>() {
-            match b {
-                p2p_rdma::bench::BenchError::Verbs(
-                    verbs::Error::NoDevice { .. }
-                    | verbs::Error::LibraryMissing { .. }
-                    | verbs::Error::DeviceNotFound { .. },
-                ) => return EXIT_UNAVAILABLE,
-                p2p_rdma::bench::BenchError::Unreachable(_) => return EXIT_UNREACHABLE,
-                _ => {}
-            }
-        }
-        if let Some(v) = c.downcast_ref::<verbs::Error>() {
-            if matches!(
-                v,
-                verbs::Error::NoDevice { .. }
-                    | verbs::Error::LibraryMissing { .. }
-                    | verbs::Error::DeviceNotFound { .. }
-            ) {
-                return EXIT_UNAVAILABLE;
-            }
-        }
-        if let Some(b) = c.downcast_ref::<bridge::Error>() {
-            return match b {
-                bridge::Error::Connect { .. } | bridge::Error::Timeout { .. } => EXIT_UNREACHABLE,
-                bridge::Error::Version { .. } => EXIT_AUTH,
-                bridge::Error::Server { code, .. } => match code {
-                    ErrorCode::Unauthorized | ErrorCode::BadVersion => EXIT_AUTH,
-                    _ => EXIT_REFUSED,
-                },
-                bridge::Error::Mismatch { .. } => EXIT_MISMATCH,
-                bridge::Error::Verbs(
-                    verbs::Error::NoDevice { .. }
-                    | verbs::Error::LibraryMissing { .. }
-                    | verbs::Error::DeviceNotFound { .. },
-                ) => EXIT_UNAVAILABLE,
-                _ => EXIT_FAILED,
-            };
-        }
-    }
-    EXIT_FAILED
-}
-
-/// The error and its causes, each cause only if the text so far does not already say it.
-fn render_chain(e: &anyhow::Error) -> String {
-    let mut out = String::new();
-    for c in e.chain() {
-        let t = c.to_string();
-        if out.contains(&t) {
-            continue;
-        }
-        if !out.is_empty() {
-            out.push_str(": ");
-        }
-        out.push_str(&t);
-    }
-    out
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
@@ -533,55 +433,14 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             device,
             json,
         } => doctor(&region, reg, device.as_deref(), json).await,
-        Cmd::Serve {
-            device,
-            listen,
-            token,
-            regions,
-            max_connections,
-            max_outstanding,
-            p2p,
-            reg,
-            bounce_chunk,
-            bounce_depth,
-        } => {
-            let mut cfg = bridge::ServerConfig::new(listen, token.load()?, regions);
-            cfg.device = device;
-            cfg.max_connections = max_connections;
-            cfg.max_outstanding = max_outstanding.max(1);
-            cfg.p2p = p2p;
-            cfg.reg = reg;
-            cfg.bounce_chunk = usize::try_from(bounce_chunk)
-                .ok()
-                .filter(|&c| (1..=1 << 30).contains(&c))
-                .context("--bounce-chunk must be 1 byte to 1 GiB")?;
-            anyhow::ensure!(bounce_depth >= 1, "--bounce-depth must be at least 1");
-            cfg.bounce_depth = bounce_depth;
-            let server = bridge::Server::bind(cfg).await?;
-            let addr = server.local_addr()?;
-            eprintln!(
-                "p2p-rdma: serving on {addr} with RDMA device {}:",
-                server.device()
-            );
-            for r in server.reports() {
-                let i = &r.info;
-                eprintln!(
-                    "  {:<16} {:>12}  {}  {:<9} {}{}",
-                    i.name,
-                    human(i.size),
-                    i.access,
-                    i.kind,
-                    i.path,
-                    i.strategy
-                        .as_deref()
-                        .map(|s| format!(" ({s})"))
-                        .unwrap_or_default()
-                );
-                eprintln!("      why: {}", i.reason);
-            }
-            server.run(shutdown_signal()).await?;
-            eprintln!("p2p-rdma: stopped");
+        Cmd::Serve(args) => cli::serve::run(args).await,
+        Cmd::Completions { shell } => {
+            let mut cmd = <Cli as clap::CommandFactory>::command();
+            clap_complete::generate(shell, &mut cmd, "p2p-rdma", &mut std::io::stdout());
             Ok(())
+        }
+        Cmd::Man { dir } => {
+            cli::man::write(<Cli as clap::CommandFactory>::command(), dir.as_deref())
         }
         Cmd::Ls {
             addr,
@@ -703,7 +562,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             };
             let limit = match (length, size) {
                 (Some(l), Some(n)) if l > n => {
-                    anyhow::bail!("--length {l} is more than the {n} bytes of {input}")
+                    return Err(Usage(format!(
+                        "--length {l} is more than the {n} bytes of {input}"
+                    ))
+                    .into())
                 }
                 (Some(l), _) => Some(l),
                 (None, n) => n,
@@ -903,452 +765,4 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
     }
-}
-
-/// The topology doctor's verdict for the pair (RDMA device, the memory's PCI device), when the
-/// memory lives on a PCI device.
-fn topology_plan(provider: &dyn peermem::Provider, rdma: &str) -> Option<peermem::topology::Pair> {
-    use peermem::topology::{Extra, Sysfs, Topology};
-    let bdf = provider.pci_device()?;
-    let extra = Extra {
-        probes: driver_probes()
-            .into_iter()
-            .filter(|(n, _)| n == rdma)
-            .collect(),
-        kernel_config_p2pdma: Extra::read_kernel_config(),
-    };
-    let topo = Topology::read(&Sysfs::new("/sys"), &extra);
-    let r = topo.rdma.iter().find(|r| r.name == rdma)?;
-    Some(topo.pair(r, topo.device(&bdf)?))
-}
-
-/// Driver probes for every RDMA device the live system has (ODP caps, dma-buf MR probe).
-fn driver_probes() -> std::collections::BTreeMap<String, peermem::topology::DriverProbe> {
-    use peermem::topology::{DriverProbe, Support};
-    let mut out = std::collections::BTreeMap::new();
-    let Ok(names) = verbs::device_names() else {
-        return out;
-    };
-    for name in names {
-        let probe = match verbs::Context::open(Some(&name)) {
-            Ok(ctx) => {
-                let odp = ctx.info().caps.odp;
-                let (dmabuf_mr, why) = match verbs::ProtectionDomain::new(&ctx) {
-                    Ok(pd) => match pd.probe_dmabuf_mr() {
-                        verbs::DmabufSupport::Supported => (
-                            Support::Supported,
-                            "ibv_reg_dmabuf_mr(fd=-1): EBADF".to_string(),
-                        ),
-                        verbs::DmabufSupport::Unsupported => (
-                            Support::Unsupported,
-                            "ibv_reg_dmabuf_mr(fd=-1): EOPNOTSUPP".to_string(),
-                        ),
-                        verbs::DmabufSupport::Unknown(d) => (Support::Unknown, d),
-                    },
-                    Err(e) => (Support::Unknown, format!("no protection domain: {e}")),
-                };
-                DriverProbe {
-                    odp: if odp.rc_rdma() {
-                        Support::Supported
-                    } else {
-                        Support::Unsupported
-                    },
-                    dmabuf_mr,
-                    detail: format!(
-                        "odp general_caps {:#x} rc_odp_caps {:#x}; {why}",
-                        odp.general_caps, odp.rc_odp_caps
-                    ),
-                }
-            }
-            Err(e) => DriverProbe {
-                odp: Support::Unknown,
-                dmabuf_mr: Support::Unknown,
-                detail: format!("cannot open {name}: {e}"),
-            },
-        };
-        out.insert(name, probe);
-    }
-    out
-}
-
-fn topo(
-    root: &std::path::Path,
-    json: bool,
-    capture: Option<&std::path::Path>,
-) -> anyhow::Result<()> {
-    use peermem::topology::{Extra, Sysfs, Topology, CAPTURE_FILE};
-    if !root.is_dir() {
-        anyhow::bail!(
-            "--sysfs-root {}: not a directory (give /sys, a fixture, or a directory made by --capture)",
-            root.display()
-        );
-    }
-    let fs = if capture.is_some() {
-        Sysfs::recording(root)
-    } else {
-        Sysfs::new(root)
-    };
-    let extra = if fs.is_live() {
-        Extra {
-            probes: driver_probes(),
-            kernel_config_p2pdma: Extra::read_kernel_config(),
-        }
-    } else {
-        Extra::load(root).map_err(|e| anyhow::anyhow!("{e}"))?
-    };
-    let topo = Topology::read(&fs, &extra);
-    let report = topo.report();
-    if let Some(dir) = capture {
-        if dir.exists()
-            && std::fs::read_dir(dir)
-                .with_context(|| format!("--capture {}", dir.display()))?
-                .next()
-                .is_some()
-        {
-            anyhow::bail!(
-                "--capture {}: the directory is not empty (give a new directory)",
-                dir.display()
-            );
-        }
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        let n = fs
-            .capture_into(dir)
-            .with_context(|| format!("copying sysfs into {}", dir.display()))?;
-        std::fs::write(dir.join(CAPTURE_FILE), serde_json::to_vec_pretty(&extra)?)
-            .with_context(|| format!("writing {}", dir.join(CAPTURE_FILE).display()))?;
-        emit(&format!(
-            "captured {n} sysfs entries ({} PCI functions, {} RDMA devices) and the driver probes into {}\nreplay: p2p-rdma topo --sysfs-root {}\n",
-            topo.devices().count(),
-            topo.rdma.len(),
-            dir.display(),
-            dir.display()
-        ))?;
-        return Ok(());
-    }
-    if json {
-        emit(&format!("{}\n", serde_json::to_string_pretty(&report)?))?;
-    } else {
-        emit(&report.render())?;
-    }
-    Ok(())
-}
-
-async fn doctor(
-    spec: &str,
-    reg: peermem::plan::RegChoice,
-    device: Option<&str>,
-    json: bool,
-) -> anyhow::Result<()> {
-    use peermem::plan::{decide, P2pPolicy, PathKind};
-    let parsed: bridge::RegionSpec = format!("doctor={spec}").parse().map_err(|e: String| {
-        anyhow::anyhow!("--region {spec}: {}", e.replace("region 'doctor': ", ""))
-    })?;
-    let (provider, _) = parsed.open(std::path::Path::new("/sys"))?;
-    let ctx = verbs::Context::open(device)?;
-    let pd = verbs::ProtectionDomain::new(&ctx)?;
-    let len = provider.len();
-    let window = parsed.options.window.map_or(len, |w| w.min(len));
-    let plan = topology_plan(provider.as_ref(), ctx.name());
-    let residency_before = provider.residency();
-    let planned = decide(&pd, &provider, 0..window, reg, P2pPolicy::Preferred)
-        .await
-        .map_err(|r| anyhow::anyhow!("{r}"))?;
-    let residency_after = provider.residency();
-    let window_proof = match provider.as_device_private() {
-        Some(dp) if dp.window_size() > 0 => {
-            Some(peermem::plan::prove_window(&pd, dp, reg, P2pPolicy::Preferred).await)
-        }
-        _ => None,
-    };
-    let d = &planned.decision;
-    let direct = d.path == PathKind::Direct;
-    if json {
-        emit(&format!(
-            "{}\n",
-            serde_json::json!({
-                "device": ctx.name(),
-                "plan": plan,
-                "memory": provider.kind(),
-                "describe": provider.describe(),
-                "size": len,
-                "attempts": d.attempts,
-                "chosen": d.mode,
-                "path": d.path,
-                "reason": d.reason,
-                "copy_engine": provider.copy_engine(),
-                "residency_before": residency_before,
-                "residency_after": residency_after,
-                "window": window_proof,
-            })
-        ))?;
-    } else {
-        let mut o = format!("{} on {}:\n", provider.describe(), ctx.name());
-        match &plan {
-            Some(p) => {
-                o.push_str(&format!(
-                    "  plan (PCIe topology): {} -> {}: {} {}\n",
-                    p.nic_pci.as_deref().unwrap_or("no PCI device"),
-                    p.device_pci,
-                    p.path.map(|c| c.as_str()).unwrap_or("-"),
-                    p.verdict.as_str()
-                ));
-                for r in p
-                    .reasons
-                    .iter()
-                    .filter(|r| r.severity != peermem::topology::Severity::Info)
-                {
-                    o.push_str(&format!("    [{}] {}\n", r.code, r.message));
-                }
-            }
-            None => o.push_str("  plan: host memory, no PCIe peer path involved\n"),
-        }
-        if let Some(r) = &residency_before {
-            o.push_str(&format!("  residency before the attempts: {r}\n"));
-        }
-        for a in &d.attempts {
-            o.push_str(&format!("  {a}\n"));
-        }
-        if let Some(r) = &residency_after {
-            o.push_str(&format!("  residency after the attempts: {r}\n"));
-        }
-        if let Some(w) = &window_proof {
-            o.push_str("  P2P window, on the mapping of one unit:\n");
-            for a in &w.attempts {
-                o.push_str(&format!("    {a}\n"));
-            }
-            o.push_str(&format!("  window units: {}\n", w.reason));
-        }
-        o.push_str(&match d.mode {
-            Some(m) if direct => format!("=> direct: {m} registration works\n"),
-            _ => format!(
-                "=> no direct strategy works: served through bounce buffers (copy engine: {})\n",
-                provider.copy_engine()
-            ),
-        });
-        emit(&o)?;
-    }
-    if direct {
-        Ok(())
-    } else {
-        Err(anyhow::anyhow!(
-            "no registration strategy passed: {}",
-            d.attempts
-                .iter()
-                .map(|a| a.to_string())
-                .collect::<Vec<_>>()
-                .join("; ")
-        ))
-    }
-}
-
-fn client_config(addr: String, a: &ClientArgs) -> anyhow::Result<bridge::ClientConfig> {
-    let mut cfg = bridge::ClientConfig::new(addr, a.token.load()?);
-    cfg.device = a.device.clone();
-    cfg.chunk = usize::try_from(a.chunk).context("--chunk is too large")?;
-    cfg.depth = a.depth;
-    cfg.timeout = Duration::from_secs(a.timeout.max(1));
-    Ok(cfg)
-}
-
-async fn shutdown_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    match (
-        signal(SignalKind::interrupt()),
-        signal(SignalKind::terminate()),
-    ) {
-        (Ok(mut i), Ok(mut t)) => {
-            tokio::select! {
-                _ = i.recv() => {}
-                _ = t.recv() => {}
-            }
-        }
-        _ => {
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
-    eprintln!("p2p-rdma: shutting down (no new connections; letting current ones finish)");
-}
-
-/// Clear the progress line, release the region and the connection, then report.
-async fn finish_transfer(
-    mut c: bridge::Client,
-    r: &bridge::OpenRegion,
-    rep: bridge::Result<bridge::TransferReport>,
-    bar: Progress,
-    json: bool,
-) -> anyhow::Result<()> {
-    bar.finish();
-    let rep = rep?;
-    let _ = c.close(r).await;
-    let _ = c.bye().await;
-    print_report(&rep, json)
-}
-
-fn print_report(r: &bridge::TransferReport, json: bool) -> anyhow::Result<()> {
-    if json {
-        return emit(&format!("{}\n", serde_json::to_string(r)?));
-    }
-    eprintln!(
-        "p2p-rdma: {} {} of '{}' at offset {} in {:.3} s ({:.2} MiB/s; direct {}, bounce {}{}){}",
-        r.op,
-        human(r.bytes),
-        r.region,
-        r.offset,
-        r.seconds,
-        r.mib_per_sec,
-        human(r.direct_bytes),
-        human(r.bounce_bytes),
-        if r.zero_copy_bytes > 0 {
-            format!(
-                " of which {} zero-copy from the device's P2P window",
-                human(r.zero_copy_bytes)
-            )
-        } else {
-            String::new()
-        },
-        if r.verified {
-            format!(", CRC-32C {:#010x} verified", r.crc32c)
-        } else {
-            String::new()
-        }
-    );
-    Ok(())
-}
-
-/// A progress line on stderr when it is a terminal (and no JSON was asked for).
-struct Progress {
-    total: u64,
-    on: bool,
-    start: std::time::Instant,
-    last: std::time::Instant,
-}
-
-impl Progress {
-    fn new(total: u64, json: bool) -> Progress {
-        let now = std::time::Instant::now();
-        Progress {
-            total,
-            on: !json && std::io::stderr().is_terminal(),
-            start: now,
-            last: now,
-        }
-    }
-
-    fn update(&mut self, done: u64) {
-        if !self.on || self.last.elapsed() < Duration::from_millis(100) {
-            return;
-        }
-        self.last = std::time::Instant::now();
-        let secs = self.start.elapsed().as_secs_f64().max(1e-9);
-        let pct = if self.total > 0 {
-            done as f64 * 100.0 / self.total as f64
-        } else {
-            100.0
-        };
-        eprint!(
-            "\r{:>10} / {:<10} {:5.1}%  {:8.2} MiB/s ",
-            human(done),
-            human(self.total),
-            pct,
-            done as f64 / secs / f64::from(1 << 20)
-        );
-    }
-
-    fn finish(&self) {
-        if self.on {
-            eprint!("\r{:60}\r", "");
-        }
-    }
-}
-
-/// Write to stdout; a closed pipe (`| head`) is not an error worth a panic.
-fn emit(text: &str) -> anyhow::Result<()> {
-    use std::io::Write as _;
-    let mut out = std::io::stdout().lock();
-    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
-        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
-        r => Ok(r?),
-    }
-}
-
-fn devices(json: bool) -> anyhow::Result<()> {
-    use std::fmt::Write as _;
-    let devs = verbs::devices()?;
-    if json {
-        emit(&format!("{}\n", serde_json::to_string_pretty(&devs)?))?;
-    }
-    if devs.is_empty() {
-        return Err(verbs::no_device_error().into());
-    }
-    if json {
-        return Ok(());
-    }
-    let mut o = String::new();
-    for d in &devs {
-        writeln!(
-            o,
-            "{}  node GUID {}  vendor {:#x}:{}  fw {}{}",
-            d.name,
-            d.node_guid,
-            d.vendor_id,
-            d.vendor_part_id,
-            if d.fw_ver.is_empty() { "-" } else { &d.fw_ver },
-            if d.software {
-                "  (software RDMA: its DMA is CPU copies in the kernel)"
-            } else {
-                ""
-            }
-        )?;
-        let c = &d.caps;
-        writeln!(o,
-            "  caps: max MR {}, {} MRs, {} QPs x {} WRs, {} CQEs, {} SGEs, rd_atom {}/{}, atomics {}",
-            human(c.max_mr_size),
-            c.max_mr,
-            c.max_qp,
-            c.max_qp_wr,
-            c.max_cqe,
-            c.max_sge,
-            c.max_qp_rd_atom,
-            c.max_qp_init_rd_atom,
-            c.atomic
-        )?;
-        writeln!(
-            o,
-            "  ODP: {}",
-            if !c.odp.supported {
-                "not supported".to_string()
-            } else {
-                format!(
-                    "supported{} (RC: read {}, write {}, send {}, recv {})",
-                    if c.odp.implicit { ", implicit" } else { "" },
-                    c.odp.rc_read,
-                    c.odp.rc_write,
-                    c.odp.rc_send,
-                    c.odp.rc_recv
-                )
-            }
-        )?;
-        for p in &d.ports {
-            writeln!(
-                o,
-                "  port {}: {} ({}), MTU {} active / {} max, LID {}",
-                p.port, p.state, p.link_layer, p.active_mtu, p.max_mtu, p.lid
-            )?;
-            for g in &p.gids {
-                writeln!(
-                    o,
-                    "    GID[{}] {:<40} {:<10} {}",
-                    g.index,
-                    g.gid.to_string(),
-                    serde_json::to_value(g.kind)
-                        .ok()
-                        .and_then(|v| v.as_str().map(String::from))
-                        .unwrap_or_default(),
-                    g.netdev.as_deref().unwrap_or("-")
-                )?;
-            }
-        }
-    }
-    emit(&o)?;
-    Ok(())
 }

@@ -240,6 +240,30 @@ impl Client {
         }
     }
 
+    /// Tell the server that `len` bytes from `offset` moved by one-sided RDMA (the direct part
+    /// of a region is a prefix, so they are contiguous); its metrics count them. No reply.
+    async fn report_direct(
+        &mut self,
+        r: &OpenRegion,
+        offset: u64,
+        len: u64,
+        to_region: bool,
+        seconds: f64,
+    ) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        self.conn
+            .send(&Msg::Transferred {
+                handle: r.handle,
+                offset,
+                len,
+                to_region,
+                micros: (seconds * 1e6) as u64,
+            })
+            .await
+    }
+
     /// The server's CRC-32C of a range.
     pub async fn checksum(&mut self, r: &OpenRegion, offset: u64, len: u64) -> Result<u32> {
         let m = Msg::Checksum {
@@ -448,6 +472,8 @@ impl Client {
         self.put_back(rdma);
         result?;
         let seconds = start.elapsed().as_secs_f64();
+        self.report_direct(r, offset, by_path[0], false, seconds)
+            .await?;
         let verified = verify && self.verify(r, "fetch", offset, len, crc).await?;
         Ok(report(
             "fetch", r, offset, done, seconds, crc, verified, by_path,
@@ -570,6 +596,8 @@ impl Client {
             });
         }
         let seconds = start.elapsed().as_secs_f64();
+        self.report_direct(r, offset, by_path[0], true, seconds)
+            .await?;
         let verified = verify && self.verify(r, "put", offset, done, crc).await?;
         Ok(report(
             "put", r, offset, done, seconds, crc, verified, by_path,

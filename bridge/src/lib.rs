@@ -8,9 +8,12 @@
 pub mod client;
 mod conn;
 pub mod error;
+pub mod http;
+pub mod metrics;
 pub mod protocol;
 pub mod server;
 pub mod size;
+pub mod spec;
 
 pub use client::{Client, ClientConfig, OpenRegion, TransferReport};
 pub use error::{Error, Result};

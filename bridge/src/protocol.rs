@@ -9,7 +9,7 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 /// Protocol version spoken by this build.
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 /// Largest accepted frame payload.
 pub const MAX_FRAME: usize = 1 << 20;
 
@@ -297,6 +297,20 @@ pub enum Msg {
         #[serde(default, skip_serializing_if = "is_zero")]
         zero_copy: u64,
     },
+    /// Client → server, no reply: a one-sided (direct) transfer on an open handle finished.
+    /// The server never sees those bytes; this report is what its metrics count.
+    Transferred {
+        /// Open handle.
+        handle: u32,
+        /// Offset in the region.
+        offset: u64,
+        /// Bytes.
+        len: u64,
+        /// true: a put (client → region); false: a fetch.
+        to_region: bool,
+        /// How long the transfer took, as the client measured it (microseconds).
+        micros: u64,
+    },
     /// Client → server: release a handle (its MR and rkey).
     Close {
         /// Handle.
@@ -334,6 +348,7 @@ impl Msg {
             Msg::ChecksumIs { .. } => "checksum-is",
             Msg::Bounce { .. } => "bounce",
             Msg::BounceDone { .. } => "bounce-done",
+            Msg::Transferred { .. } => "transferred",
             Msg::Close { .. } => "close",
             Msg::Closed { .. } => "closed",
             Msg::Error { .. } => "error",

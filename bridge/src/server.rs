@@ -21,9 +21,8 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::pin::Pin;
-use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
 use peermem::canary::{register_mode, Attempt, DeviceMr};
@@ -42,246 +41,11 @@ use verbs::{
 
 use crate::conn::Conn;
 use crate::error::{Error, Result};
+use crate::metrics::{Direction, Metrics, XferPath};
 use crate::protocol::{
     constant_time_eq, AccessMode, DataPath, ErrorCode, Extent, Msg, RegionInfo, VERSION,
 };
-use crate::size::parse_size;
-
-/// Where a region's memory comes from, as given on the command line.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum RegionSource {
-    /// Zeroed host RAM.
-    Host {
-        /// Bytes.
-        size: u64,
-        /// From huge pages.
-        huge: bool,
-    },
-    /// A file, mapped shared.
-    File {
-        /// Path.
-        path: PathBuf,
-        /// Registered without remote write; puts are refused.
-        read_only: bool,
-    },
-    /// Peer memory (an NVMe CMB) allocated through P2PDMA.
-    Cmb {
-        /// PCI address (`0000:03:00.0`, `03:00.0`) or NVMe controller (`nvme0`).
-        device: String,
-        /// Bytes.
-        size: u64,
-    },
-    /// A dma-buf from the built-in exporter (memfd + /dev/udmabuf).
-    DmaBuf {
-        /// Bytes.
-        size: u64,
-    },
-    /// Device-private memory emulated by an unmapped memfd (`devpriv:memfd:SIZE`): per-unit
-    /// residency, a P2P window of `,window=SIZE` (udmabuf exports), `,policy=migrate|copy`.
-    DevPriv {
-        /// Bytes.
-        size: u64,
-    },
-    /// Real device-private pages of the kernel's HMM test driver (`devpriv:hmm:SIZE`): anonymous
-    /// memory migrated to `/dev/hmm_dmirror0`'s device memory at start.
-    DevPrivHmm {
-        /// Bytes.
-        size: u64,
-    },
-    /// Device memory of a GPU as device-private memory (`devpriv:cuda:GPU:SIZE`): copy engine
-    /// cuMemcpy, a P2P window of `,window=SIZE` (dma-buf exports of 64 KiB units).
-    DevPrivCuda {
-        /// CUDA ordinal.
-        gpu: u32,
-        /// Bytes.
-        size: u64,
-    },
-    /// Device memory of a GPU (CUDA ordinal), exported as a dma-buf where the driver can.
-    Cuda {
-        /// CUDA ordinal.
-        gpu: u32,
-        /// Bytes.
-        size: u64,
-    },
-}
-
-/// Per-region settings that override the server's.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct RegionOptions {
-    /// P2P policy for this region.
-    pub p2p: Option<P2pPolicy>,
-    /// Registration strategies for this region.
-    pub reg: Option<RegChoice>,
-    /// Serve only the first this many bytes direct, the rest through bounce buffers (like a
-    /// device whose P2P window is smaller than its memory). For `devpriv` regions: the size
-    /// of the device's P2P window.
-    pub window: Option<u64>,
-    /// `devpriv` regions: migrate units to host RAM on access, or copy and leave them.
-    pub policy: Option<peermem::hmm::Policy>,
-}
-
-/// `NAME=KIND:ARGS[,OPTION=VALUE]...`, see [`RegionSpec::FORMS`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RegionSpec {
-    /// Name clients use.
-    pub name: String,
-    /// Memory.
-    pub source: RegionSource,
-    /// Overrides.
-    pub options: RegionOptions,
-}
-
-impl RegionSpec {
-    /// The accepted forms, for messages.
-    pub const FORMS: &'static str = "NAME=host:SIZE[:huge], NAME=file:PATH[:ro], NAME=cmb:BDF|nvmeN:SIZE, NAME=dmabuf:SIZE, NAME=devpriv:memfd|hmm:SIZE, NAME=devpriv:cuda:GPU:SIZE or NAME=cuda:GPU:SIZE, \
-         optionally followed by ,p2p=required|preferred|disabled ,reg=auto|pinned|odp|dmabuf ,window=SIZE ,policy=migrate|copy";
-}
-
-fn parse_options(name: &str, rest: &str) -> Result<(String, RegionOptions), String> {
-    let mut parts: Vec<&str> = rest.split(',').collect();
-    let mut o = RegionOptions::default();
-    while parts.len() > 1 {
-        let last = parts[parts.len() - 1];
-        let Some((k, v)) = last.split_once('=') else {
-            break;
-        };
-        match k {
-            "p2p" => o.p2p = Some(v.parse().map_err(|e| format!("region '{name}': {e}"))?),
-            "reg" => o.reg = Some(v.parse().map_err(|e| format!("region '{name}': {e}"))?),
-            "policy" => o.policy = Some(v.parse().map_err(|e| format!("region '{name}': {e}"))?),
-            "window" => {
-                let w = parse_size(v).map_err(|e| format!("region '{name}': window: {e}"))?;
-                if w == 0 {
-                    return Err(format!(
-                        "region '{name}': window must be at least 1 byte (use p2p=disabled for no direct part)"
-                    ));
-                }
-                o.window = Some(w);
-            }
-            _ => break,
-        }
-        parts.pop();
-    }
-    Ok((parts.join(","), o))
-}
-
-/// `GPU:SIZE` of a `KIND:GPU:SIZE` spec: the CUDA ordinal, and the size text.
-fn gpu_and_size<'a>(name: &str, kind: &str, arg: &'a str) -> Result<(u32, &'a str), String> {
-    let bad = || {
-        format!("region '{name}': expected {kind}:GPU:SIZE (GPU: a CUDA device number such as 0)")
-    };
-    let (gpu, size) = arg.split_once(':').ok_or_else(bad)?;
-    Ok((gpu.parse().map_err(|_| bad())?, size))
-}
-
-impl FromStr for RegionSpec {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        let forms = Self::FORMS;
-        let (name, rest) = s
-            .split_once('=')
-            .ok_or_else(|| format!("region '{s}' has no '=': expected {forms}"))?;
-        if name.is_empty()
-            || !name
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
-        {
-            return Err(format!(
-                "region name '{name}' must be non-empty letters, digits, '-', '_' or '.'"
-            ));
-        }
-        let (rest, options) = parse_options(name, rest)?;
-        let (kind, arg) = rest
-            .split_once(':')
-            .ok_or_else(|| format!("region '{s}': expected {forms}"))?;
-        let size_of = |v: &str| -> Result<u64, String> {
-            let size = parse_size(v).map_err(|e| format!("region '{name}': {e}"))?;
-            if size == 0 {
-                return Err(format!("region '{name}': size must be at least 1 byte"));
-            }
-            Ok(size)
-        };
-        let source = match kind {
-            "host" => {
-                let (size, huge) = match arg.strip_suffix(":huge") {
-                    Some(sz) => (sz, true),
-                    None => (arg, false),
-                };
-                RegionSource::Host {
-                    size: size_of(size)?,
-                    huge,
-                }
-            }
-            "file" => {
-                let (path, read_only) = match arg.strip_suffix(":ro") {
-                    Some(p) => (p, true),
-                    None => (arg, false),
-                };
-                if path.is_empty() {
-                    return Err(format!("region '{name}': empty file path"));
-                }
-                RegionSource::File {
-                    path: PathBuf::from(path),
-                    read_only,
-                }
-            }
-            "cmb" => {
-                let (dev, size) = arg.rsplit_once(':').ok_or_else(|| {
-                    format!("region '{name}': expected cmb:BDF:SIZE or cmb:nvmeN:SIZE")
-                })?;
-                if dev.is_empty() {
-                    return Err(format!(
-                        "region '{name}': expected cmb:BDF:SIZE or cmb:nvmeN:SIZE"
-                    ));
-                }
-                RegionSource::Cmb {
-                    device: dev.to_string(),
-                    size: size_of(size)?,
-                }
-            }
-            "dmabuf" => RegionSource::DmaBuf {
-                size: size_of(arg)?,
-            },
-            "devpriv" => match arg.split_once(':') {
-                Some(("memfd", size)) => RegionSource::DevPriv {
-                    size: size_of(size)?,
-                },
-                Some(("hmm", size)) => RegionSource::DevPrivHmm {
-                    size: size_of(size)?,
-                },
-                Some(("cuda", rest)) => {
-                    let (gpu, size) = gpu_and_size(name, "devpriv:cuda", rest)?;
-                    RegionSource::DevPrivCuda {
-                        gpu,
-                        size: size_of(size)?,
-                    }
-                }
-                _ => {
-                    return Err(format!(
-                        "region '{name}': expected devpriv:memfd:SIZE (emulated device memory), devpriv:hmm:SIZE (the kernel's HMM test driver) or devpriv:cuda:GPU:SIZE (GPU memory)"
-                    ))
-                }
-            },
-            "cuda" => {
-                let (gpu, size) = gpu_and_size(name, "cuda", arg)?;
-                RegionSource::Cuda {
-                    gpu,
-                    size: size_of(size)?,
-                }
-            }
-            other => {
-                return Err(format!(
-                    "region '{name}': unknown kind '{other}': expected {forms}"
-                ))
-            }
-        };
-        Ok(RegionSpec {
-            name: name.to_string(),
-            source,
-            options,
-        })
-    }
-}
+pub use crate::spec::{RegionOptions, RegionSource, RegionSpec};
 
 /// A region over memory the embedding application provides: any [`Provider`] (a window of its
 /// own RAM, a dma-buf fd it exported, device memory).
@@ -353,6 +117,8 @@ pub struct ServerConfig {
     pub cache: Limits,
     /// sysfs root (for CMB devices).
     pub sysfs: PathBuf,
+    /// Where the server counts what it does (share it with a [`crate::http::MetricsServer`]).
+    pub metrics: Arc<Metrics>,
 }
 
 impl ServerConfig {
@@ -375,6 +141,7 @@ impl ServerConfig {
             bounce_depth: 8,
             cache: Limits::default(),
             sysfs: PathBuf::from("/sys"),
+            metrics: Arc::new(Metrics::new()),
         }
     }
 }
@@ -445,6 +212,16 @@ struct Shared {
     regions: Vec<Region>,
     active: AtomicUsize,
     removals: watch::Sender<u64>,
+    /// The token clients must present (replaced by [`ServerHandle::set_token`]).
+    token: RwLock<String>,
+    /// Set at shutdown: new opens and connects are refused, open handles keep working.
+    draining: AtomicBool,
+}
+
+impl Shared {
+    fn metrics(&self) -> &Metrics {
+        &self.cfg.metrics
+    }
 }
 
 /// A bound server, ready to [`Server::run`].
@@ -604,6 +381,23 @@ async fn build_regions(cfg: &ServerConfig, ctx: &Context) -> Result<Vec<Region>>
             })?;
         drop(planned.mr);
         let d = planned.decision;
+        for a in &d.attempts {
+            let result = match &a.outcome {
+                peermem::canary::AttemptOutcome::NotApplicable { .. } => "not-applicable",
+                peermem::canary::AttemptOutcome::RegistrationFailed { .. } => "registration-failed",
+                peermem::canary::AttemptOutcome::CanaryFailed { .. } => "canary-failed",
+                peermem::canary::AttemptOutcome::CanaryError { .. } => "canary-error",
+                peermem::canary::AttemptOutcome::Works { .. } => "works",
+            };
+            cfg.metrics
+                .canary
+                .get_or_create(&crate::metrics::CanaryLabels {
+                    region: name.clone(),
+                    strategy: a.mode.to_string(),
+                    result: result.to_string(),
+                })
+                .inc();
+        }
         let direct_len = if d.path == PathKind::Direct {
             window
         } else {
@@ -696,11 +490,14 @@ impl Server {
                 "bounce chunk and depth must be at least 1".into(),
             ));
         }
+        cfg.metrics.set_ready(false);
         let ctx = Context::open(cfg.device.as_deref())?;
         let regions = build_regions(&cfg, &ctx).await?;
         let listener = TcpListener::bind(cfg.listen)
             .await
             .map_err(|e| Error::io(format!("cannot listen on {}", cfg.listen), e))?;
+        cfg.metrics.regions.set(regions.len() as i64);
+        let token = RwLock::new(cfg.token.clone());
         Ok(Server {
             shared: Arc::new(Shared {
                 cfg,
@@ -708,6 +505,8 @@ impl Server {
                 regions,
                 active: AtomicUsize::new(0),
                 removals: watch::Sender::new(0),
+                token,
+                draining: AtomicBool::new(false),
             }),
             listener,
         })
@@ -755,6 +554,7 @@ impl Server {
         let (stop_tx, stop_rx) = watch::channel(false);
         let mut tasks = JoinSet::new();
         tokio::pin!(shutdown);
+        self.shared.metrics().set_ready(true);
         loop {
             tokio::select! {
                 () = &mut shutdown => break,
@@ -777,8 +577,11 @@ impl Server {
         }
         tracing::info!(
             connections = tasks.len(),
-            "shutting down: no new connections; draining"
+            "shutting down: no new connections or opens; open handles finish their transfers"
         );
+        self.shared.metrics().set_ready(false);
+        self.shared.draining.store(true, Ordering::SeqCst);
+        drop(self.listener);
         let _ = stop_tx.send(true);
         let drain = async { while tasks.join_next().await.is_some() {} };
         if tokio::time::timeout(self.shared.cfg.drain_timeout, drain)
@@ -793,6 +596,24 @@ impl Server {
 }
 
 impl ServerHandle {
+    /// Replace the token new clients must present (connections already authenticated are
+    /// not disturbed). An empty token is refused.
+    pub fn set_token(&self, token: String) -> Result<()> {
+        if token.is_empty() {
+            return Err(Error::Config(
+                "the token is empty: put a secret in the token file".into(),
+            ));
+        }
+        *self.shared.token.write().unwrap_or_else(|p| p.into_inner()) = token;
+        tracing::info!("token replaced");
+        Ok(())
+    }
+
+    /// The server's metrics.
+    pub fn metrics(&self) -> Arc<Metrics> {
+        Arc::clone(&self.shared.cfg.metrics)
+    }
+
     /// The regions still served.
     pub fn regions(&self) -> Vec<RegionInfo> {
         self.shared
@@ -888,6 +709,14 @@ fn access_for(mode: AccessMode) -> Access {
     }
 }
 
+/// Decrements a gauge when dropped.
+struct GaugeGuard<'a>(&'a prometheus_client::metrics::gauge::Gauge);
+impl Drop for GaugeGuard<'_> {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
 struct ActiveGuard<'a>(&'a AtomicUsize);
 impl Drop for ActiveGuard<'_> {
     fn drop(&mut self) {
@@ -912,6 +741,16 @@ struct InFlight {
     to_region: bool,
     /// A device-private transfer with windowed units moved by the NIC itself.
     window: Option<WindowXfer>,
+    /// For the metrics: the region and when the request arrived.
+    meta: Option<BounceMeta>,
+}
+
+/// What the metrics need of a bounce request.
+#[derive(Debug, Clone, Copy)]
+struct BounceMeta {
+    region: usize,
+    to_region: bool,
+    started: Instant,
 }
 
 /// The segments of a device-private bounce request, some moved by RDMA straight from or to
@@ -958,6 +797,10 @@ struct ConnState {
 async fn connection(shared: Arc<Shared>, mut conn: Conn, mut stop: watch::Receiver<bool>) {
     let n = shared.active.fetch_add(1, Ordering::SeqCst) + 1;
     let _guard = ActiveGuard(&shared.active);
+    let m = shared.metrics();
+    m.connections_accepted.inc();
+    m.connections.inc();
+    let _gauge = GaugeGuard(&m.connections);
     if n > shared.cfg.max_connections {
         tracing::warn!(
             limit = shared.cfg.max_connections,
@@ -1036,8 +879,14 @@ async fn serve_connection(
             ours: VERSION,
         });
     }
-    if !constant_time_eq(token.as_bytes(), shared.cfg.token.as_bytes()) {
+    let token_ok = {
+        let expected = shared.token.read().unwrap_or_else(|p| p.into_inner());
+        constant_time_eq(token.as_bytes(), expected.as_bytes())
+    };
+    if !token_ok {
         tracing::warn!(client, "wrong token");
+        shared.metrics().auth_failures.inc();
+        shared.metrics().error(&ErrorCode::Unauthorized.to_string());
         let _ = conn
             .send(&Msg::error(ErrorCode::Unauthorized, "wrong token"))
             .await;
@@ -1063,13 +912,22 @@ async fn serve_connection(
     let mut st = ConnState::default();
     let mut removals = shared.removals.subscribe();
     st.seen_removals = *removals.borrow_and_update();
-    loop {
+    let m = shared.metrics();
+    let mut draining = false;
+    let result = loop {
+        // draining (the server is stopping): a client with nothing open is told and let go; one
+        // with open handles finishes its transfers (new opens are refused) until it closes them
+        if draining && st.open.is_empty() && st.inflight.is_empty() {
+            let reply = Msg::error(ErrorCode::ShuttingDown, "the server is shutting down");
+            count_reply(m, &reply);
+            let _ = conn.send(&reply).await;
+            break Ok(());
+        }
         let msg = tokio::select! {
             biased;
-            _ = stop.changed() => {
-                st.drain(conn).await?;
-                let _ = conn.send(&Msg::error(ErrorCode::ShuttingDown, "the server is shutting down")).await;
-                return Ok(());
+            _ = stop.changed(), if !draining => {
+                draining = true;
+                continue;
             }
             _ = removals.changed() => {
                 st.revoke_removed(shared);
@@ -1077,8 +935,15 @@ async fn serve_connection(
             }
             done = next_done(&mut st.inflight) => {
                 let f = st.inflight.pop_front().expect("a bounce was in flight");
+                let meta = f.meta;
                 let reply = st.finish(f, done);
-                conn.send(&reply).await?;
+                if let (Some(meta), Msg::BounceDone { len, zero_copy }) = (meta, &reply) {
+                    record_bounce(shared, meta, *len, *zero_copy);
+                }
+                count_reply(m, &reply);
+                if let Err(e) = conn.send(&reply).await {
+                    break Err(e);
+                }
                 continue;
             }
             m = conn.recv(None, "a request") => m,
@@ -1087,16 +952,29 @@ async fn serve_connection(
             Ok(m) => m,
             Err(Error::Protocol { peer, source }) => {
                 let _ = st.drain(conn).await;
+                m.error(&ErrorCode::BadRequest.to_string());
                 let _ = conn
                     .send(&Msg::error(ErrorCode::BadRequest, source.to_string()))
                     .await;
-                return Err(Error::Protocol { peer, source });
+                break Err(Error::Protocol { peer, source });
             }
-            Err(e) => return Err(e),
+            Err(e) => break Err(e),
         };
         if matches!(msg, Msg::Bye) {
-            st.drain(conn).await?;
-            return Ok(());
+            break st.drain(conn).await;
+        }
+        if let Msg::Transferred {
+            handle,
+            offset,
+            len,
+            to_region,
+            micros,
+        } = msg
+        {
+            // a client's report of a finished one-sided transfer: no reply
+            let seconds = micros as f64 / 1e6;
+            record_direct(shared, &st, handle, offset, len, to_region, seconds);
+            continue;
         }
         if let Msg::Bounce {
             handle,
@@ -1114,23 +992,118 @@ async fn serve_connection(
                 to_region,
                 remote: RemoteSlice { addr, rkey, len },
             };
-            if let Err((code, message)) = st.start_bounce(shared, conn, req).await? {
-                tracing::debug!(%code, message, "bounce refused");
-                st.drain(conn).await?;
-                conn.send(&Msg::Error { code, message }).await?;
+            let idx = st.open.get(&handle).map(|h| h.idx);
+            let started = Instant::now();
+            match st.start_bounce(shared, conn, req).await {
+                Err(e) => break Err(e),
+                Ok(Ok(())) => {
+                    if let (Some(region), Some(f)) = (idx, st.inflight.back_mut()) {
+                        f.meta = Some(BounceMeta {
+                            region,
+                            to_region,
+                            started,
+                        });
+                    }
+                }
+                Ok(Err((code, message))) => {
+                    tracing::debug!(%code, message, "bounce refused");
+                    if let Err(e) = st.drain(conn).await {
+                        break Err(e);
+                    }
+                    m.error(&code.to_string());
+                    if let Err(e) = conn.send(&Msg::Error { code, message }).await {
+                        break Err(e);
+                    }
+                }
             }
             continue;
         }
-        st.drain(conn).await?;
-        let reply = match handle(shared, &mut st, msg).await {
-            Ok(r) => r,
-            Err((code, message)) => {
-                tracing::debug!(%code, message, "request refused");
-                Msg::Error { code, message }
+        if let Err(e) = st.drain(conn).await {
+            break Err(e);
+        }
+        let refused_while_draining =
+            draining && matches!(msg, Msg::Open { .. } | Msg::Connect { .. });
+        let reply = if refused_while_draining {
+            Msg::error(
+                ErrorCode::ShuttingDown,
+                "the server is shutting down: no new opens; finish with what is open",
+            )
+        } else {
+            match handle(shared, &mut st, msg).await {
+                Ok(r) => r,
+                Err((code, message)) => {
+                    tracing::debug!(%code, message, "request refused");
+                    Msg::Error { code, message }
+                }
             }
         };
-        conn.send(&reply).await?;
+        count_reply(m, &reply);
+        if let Err(e) = conn.send(&reply).await {
+            break Err(e);
+        }
+    };
+    m.open_handles.dec_by(st.open.len() as i64);
+    result
+}
+
+/// Count an error reply by its code.
+fn count_reply(m: &Metrics, reply: &Msg) {
+    if let Msg::Error { code, .. } = reply {
+        m.error(&code.to_string());
     }
+}
+
+/// A finished bounce request: its staged bytes as bounce, its window bytes as zero-copy.
+fn record_bounce(shared: &Shared, meta: BounceMeta, len: u64, zero_copy: u64) {
+    let m = shared.metrics();
+    let name = &shared.regions[meta.region].info.name;
+    let dir = if meta.to_region {
+        Direction::put
+    } else {
+        Direction::fetch
+    };
+    let staged = len.saturating_sub(zero_copy);
+    if staged > 0 || zero_copy == 0 {
+        m.transfer(name, dir, XferPath::bounce, staged);
+    }
+    if zero_copy > 0 {
+        m.transfer(name, dir, XferPath::zero_copy, zero_copy);
+    }
+    m.observe(dir, XferPath::bounce, meta.started.elapsed().as_secs_f64());
+}
+
+/// A client's report of a finished direct transfer. Only ranges inside the direct part of a
+/// region the client has open are counted (a report cannot inflate another region's figures).
+fn record_direct(
+    shared: &Shared,
+    st: &ConnState,
+    handle: u32,
+    offset: u64,
+    len: u64,
+    to_region: bool,
+    seconds: f64,
+) {
+    let Some(h) = st.open.get(&handle) else {
+        return;
+    };
+    let r = &shared.regions[h.idx];
+    if h.lease.is_none() || offset.checked_add(len).is_none_or(|end| end > r.direct_len) {
+        tracing::debug!(
+            handle,
+            offset,
+            len,
+            "transfer report outside the direct part ignored"
+        );
+        return;
+    }
+    let dir = if to_region {
+        Direction::put
+    } else {
+        Direction::fetch
+    };
+    let m = shared.metrics();
+    m.transfer(&r.info.name, dir, XferPath::direct, len);
+    m.observe(dir, XferPath::direct, seconds);
 }
 
 struct BounceReq {
@@ -1485,6 +1458,7 @@ impl ConnState {
                 rdma,
                 staging,
             }),
+            meta: None,
         });
         Ok(())
     }
@@ -1606,6 +1580,7 @@ impl ConnState {
             len: req.len,
             to_region: req.to_region,
             window: None,
+            meta: None,
         });
         Ok(Ok(()))
     }
@@ -1765,7 +1740,9 @@ async fn handle(shared: &Shared, st: &mut ConnState, msg: Msg) -> Reply {
                 bounce_chunk: shared.cfg.bounce_chunk as u64,
             };
             tracing::info!(region, handle, write, path = %r.info.path, "region opened");
-            st.open.insert(handle, OpenHandle { idx, lease });
+            if st.open.insert(handle, OpenHandle { idx, lease }).is_none() {
+                shared.metrics().open_handles.inc();
+            }
             Ok(reply)
         }
         Msg::Checksum {
@@ -1784,7 +1761,10 @@ async fn handle(shared: &Shared, st: &mut ConnState, msg: Msg) -> Reply {
             Ok(Msg::ChecksumIs { crc32c: crc })
         }
         Msg::Close { handle } => match st.open.remove(&handle) {
-            Some(_) => Ok(Msg::Closed { handle }),
+            Some(_) => {
+                shared.metrics().open_handles.dec();
+                Ok(Msg::Closed { handle })
+            }
             None => Err(not_open(handle)),
         },
         other => Err((
@@ -1815,130 +1795,6 @@ pub fn crc_of(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn region_specs() {
-        assert_eq!(
-            "ram=host:64M".parse::<RegionSpec>().unwrap(),
-            RegionSpec {
-                name: "ram".into(),
-                source: RegionSource::Host {
-                    size: 64 << 20,
-                    huge: false
-                },
-                options: RegionOptions::default(),
-            }
-        );
-        assert_eq!(
-            "h=host:2M:huge".parse::<RegionSpec>().unwrap().source,
-            RegionSource::Host {
-                size: 2 << 20,
-                huge: true
-            }
-        );
-        assert_eq!(
-            "f=file:/data/x.bin:ro"
-                .parse::<RegionSpec>()
-                .unwrap()
-                .source,
-            RegionSource::File {
-                path: "/data/x.bin".into(),
-                read_only: true
-            }
-        );
-        assert_eq!(
-            "f=file:/data/a:b".parse::<RegionSpec>().unwrap().source,
-            RegionSource::File {
-                path: "/data/a:b".into(),
-                read_only: false
-            }
-        );
-        for (bad, why) in [
-            ("ram", "no '='"),
-            ("=host:1M", "must be non-empty"),
-            ("a b=host:1M", "must be non-empty"),
-            ("r=disk:1M", "unknown kind 'disk'"),
-            ("r=host:0", "at least 1 byte"),
-            ("r=host:12Q", "unknown unit"),
-            ("r=file:", "empty file path"),
-            ("r=host", "expected NAME=host"),
-            ("r=cmb:4M", "expected cmb:BDF:SIZE"),
-            ("r=cmb::4M", "expected cmb:BDF:SIZE"),
-            ("r=dmabuf:0", "at least 1 byte"),
-            ("r=devpriv:1M", "expected devpriv:memfd:SIZE"),
-            ("r=devpriv:memfd:1M,policy=move", "unknown policy 'move'"),
-            ("r=devpriv:cuda:1M", "expected devpriv:cuda:GPU:SIZE"),
-            ("r=devpriv:cuda:x:1M", "expected devpriv:cuda:GPU:SIZE"),
-            ("r=devpriv:cuda:0:0", "at least 1 byte"),
-            ("r=cuda:1G", "expected cuda:GPU:SIZE"),
-            ("r=cuda:x:1G", "expected cuda:GPU:SIZE"),
-            ("r=cuda:0:0", "at least 1 byte"),
-            ("r=host:1M,p2p=maybe", "unknown P2P policy 'maybe'"),
-            ("r=host:1M,reg=fast", "unknown registration strategy"),
-            ("r=host:1M,window=0", "window must be at least 1 byte"),
-        ] {
-            let e = bad.parse::<RegionSpec>().unwrap_err();
-            assert!(e.contains(why), "{bad}: {e}");
-        }
-    }
-
-    #[test]
-    fn device_specs_and_options() {
-        let s: RegionSpec = "c=cmb:0000:03:00.0:16M,p2p=required".parse().unwrap();
-        assert_eq!(
-            s.source,
-            RegionSource::Cmb {
-                device: "0000:03:00.0".into(),
-                size: 16 << 20
-            }
-        );
-        assert_eq!(s.options.p2p, Some(P2pPolicy::Required));
-        let s: RegionSpec = "c=cmb:nvme0:1M".parse().unwrap();
-        assert_eq!(
-            s.source,
-            RegionSource::Cmb {
-                device: "nvme0".into(),
-                size: 1 << 20
-            }
-        );
-        let s: RegionSpec = "d=devpriv:memfd:4M,window=1M,policy=migrate"
-            .parse()
-            .unwrap();
-        assert_eq!(s.source, RegionSource::DevPriv { size: 4 << 20 });
-        assert_eq!(s.options.window, Some(1 << 20));
-        assert_eq!(s.options.policy, Some(peermem::hmm::Policy::Migrate));
-        let s: RegionSpec = "d=devpriv:cuda:1:64M,window=8M".parse().unwrap();
-        assert_eq!(
-            s.source,
-            RegionSource::DevPrivCuda {
-                gpu: 1,
-                size: 64 << 20
-            }
-        );
-        assert_eq!(s.options.window, Some(8 << 20));
-        let s: RegionSpec = "g=cuda:1:256M,reg=dmabuf".parse().unwrap();
-        assert_eq!(
-            s.source,
-            RegionSource::Cuda {
-                gpu: 1,
-                size: 256 << 20
-            }
-        );
-        assert_eq!(s.options.reg, Some(RegChoice::Only(RegMode::DmaBuf)));
-        let s: RegionSpec = "d=dmabuf:2M,window=64K,reg=odp".parse().unwrap();
-        assert_eq!(s.source, RegionSource::DmaBuf { size: 2 << 20 });
-        assert_eq!(s.options.window, Some(64 << 10));
-        assert_eq!(s.options.reg, Some(RegChoice::Only(RegMode::OnDemand)));
-        // a comma that is not an option stays in the path
-        let s: RegionSpec = "f=file:/data/a,b.bin:ro".parse().unwrap();
-        assert_eq!(
-            s.source,
-            RegionSource::File {
-                path: "/data/a,b.bin".into(),
-                read_only: true
-            }
-        );
-    }
 
     #[test]
     fn ranges_are_checked_without_overflow() {

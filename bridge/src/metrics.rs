@@ -1,0 +1,330 @@
+//! The server's Prometheus metrics (OpenMetrics text through the `prometheus-client` crate).
+//!
+//! Names follow the ecosystem's conventions: units in the name, `_total` on counters, labels by
+//! region, direction and path. Bytes of the **direct** path never pass through the server's
+//! CPU (the client's NIC reads or writes the region's MR): the client reports each finished
+//! direct transfer on the control connection and the server counts it under `path="direct"`;
+//! bounce and zero-copy window bytes are counted by the server itself when their completions
+//! arrive.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::{Registry, Unit};
+
+/// Which way bytes moved.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum Direction {
+    /// Region → client.
+    fetch,
+    /// Client → region.
+    put,
+}
+
+/// How bytes moved.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum XferPath {
+    /// One-sided RDMA by the client on the region's MR (reported by the client).
+    direct,
+    /// Copied through the server's staging buffers.
+    bounce,
+    /// RDMA by the server straight from or to a device-private window mapping.
+    zero_copy,
+}
+
+/// Labels of transfer counters.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct XferLabels {
+    /// Region name.
+    pub region: String,
+    /// fetch or put.
+    pub direction: Direction,
+    /// direct, bounce or zero_copy.
+    pub path: XferPath,
+}
+
+/// Labels of the latency histogram.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LatencyLabels {
+    /// fetch or put.
+    pub direction: Direction,
+    /// direct or bounce (a bounce request with zero-copy units counts as bounce).
+    pub path: XferPath,
+}
+
+/// Labels of error replies.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CodeLabels {
+    /// The protocol's error code (`unknown-region`, `out-of-range`, ...).
+    pub code: String,
+}
+
+/// Labels of canary results.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CanaryLabels {
+    /// Region name.
+    pub region: String,
+    /// Registration strategy tried.
+    pub strategy: String,
+    /// works, canary-failed, registration-failed, not-applicable, canary-error.
+    pub result: String,
+}
+
+/// Every metric of a server. Cheap to update from any task; `encode` renders the text.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Mutex<Registry>,
+    ready: AtomicBool,
+    /// Bytes moved, by region, direction and path.
+    pub bytes: Family<XferLabels, Counter>,
+    /// Transfers (client-reported direct transfers, bounce requests), by region, direction, path.
+    pub operations: Family<XferLabels, Counter>,
+    /// Transfer durations.
+    pub latency: Family<LatencyLabels, Histogram>,
+    /// Error replies sent, by code.
+    pub errors: Family<CodeLabels, Counter>,
+    /// Connections now open (authenticated or not).
+    pub connections: Gauge,
+    /// Connections accepted since start.
+    pub connections_accepted: Counter,
+    /// Region handles now open across connections.
+    pub open_handles: Gauge,
+    /// Hellos refused for a wrong token.
+    pub auth_failures: Counter,
+    /// Registration cache hits.
+    pub regcache_hits: Counter,
+    /// Registration cache misses (a registration).
+    pub regcache_misses: Counter,
+    /// Registration cache evictions.
+    pub regcache_evictions: Counter,
+    /// Bytes registered (pinned or mapped for the NIC) through the caches now.
+    pub regcache_registered_bytes: Gauge,
+    /// Canary results at start, by region, strategy and result.
+    pub canary: Family<CanaryLabels, Counter>,
+    /// Bytes of registered bounce staging buffers now allocated.
+    pub staging_bytes: Gauge,
+    /// Regions served.
+    pub regions: Gauge,
+    /// 1 once every region is proved and the listener is up.
+    pub ready_gauge: Gauge,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// A fresh set, registered under the `p2p_rdma` prefix.
+    pub fn new() -> Metrics {
+        let m = Metrics {
+            registry: Mutex::new(Registry::with_prefix("p2p_rdma")),
+            ready: AtomicBool::new(false),
+            bytes: Family::default(),
+            operations: Family::default(),
+            latency: Family::new_with_constructor(|| {
+                // 10 µs .. ~168 s
+                Histogram::new(exponential_buckets(1e-5, 4.0, 13))
+            }),
+            errors: Family::default(),
+            connections: Gauge::default(),
+            connections_accepted: Counter::default(),
+            open_handles: Gauge::default(),
+            auth_failures: Counter::default(),
+            regcache_hits: Counter::default(),
+            regcache_misses: Counter::default(),
+            regcache_evictions: Counter::default(),
+            regcache_registered_bytes: Gauge::default(),
+            canary: Family::default(),
+            staging_bytes: Gauge::default(),
+            regions: Gauge::default(),
+            ready_gauge: Gauge::default(),
+        };
+        {
+            let mut r = m.registry.lock().unwrap_or_else(|p| p.into_inner());
+            r.register_with_unit(
+                "transferred",
+                "Bytes moved, by region, direction and path (direct: reported by the client when its one-sided transfer completed)",
+                Unit::Bytes,
+                m.bytes.clone(),
+            );
+            r.register(
+                "transfers",
+                "Transfers (direct: client-reported; bounce: one per bounce request), by region, direction and path",
+                m.operations.clone(),
+            );
+            r.register_with_unit(
+                "transfer_duration",
+                "Duration of transfers (direct: measured by the client; bounce: by the server, copy and RDMA)",
+                Unit::Seconds,
+                m.latency.clone(),
+            );
+            r.register(
+                "errors",
+                "Error replies sent to clients, by code",
+                m.errors.clone(),
+            );
+            r.register(
+                "connections",
+                "Control connections now open",
+                m.connections.clone(),
+            );
+            r.register(
+                "connections_accepted",
+                "Control connections accepted since start",
+                m.connections_accepted.clone(),
+            );
+            r.register(
+                "open_handles",
+                "Region handles now open",
+                m.open_handles.clone(),
+            );
+            r.register(
+                "auth_failures",
+                "Hellos refused for a wrong token",
+                m.auth_failures.clone(),
+            );
+            r.register(
+                "regcache_hits",
+                "Registration cache hits",
+                m.regcache_hits.clone(),
+            );
+            r.register(
+                "regcache_misses",
+                "Registration cache misses (each one a registration)",
+                m.regcache_misses.clone(),
+            );
+            r.register(
+                "regcache_evictions",
+                "Registrations evicted from the caches",
+                m.regcache_evictions.clone(),
+            );
+            r.register_with_unit(
+                "regcache_registered",
+                "Bytes registered for the NIC through the registration caches now",
+                Unit::Bytes,
+                m.regcache_registered_bytes.clone(),
+            );
+            r.register(
+                "canary_results",
+                "Registration attempts at start, by region, strategy and result",
+                m.canary.clone(),
+            );
+            r.register_with_unit(
+                "bounce_staging",
+                "Registered bounce staging buffers allocated now",
+                Unit::Bytes,
+                m.staging_bytes.clone(),
+            );
+            r.register("regions", "Regions served", m.regions.clone());
+            r.register(
+                "ready",
+                "1 once every region is proved and the listener is up",
+                m.ready_gauge.clone(),
+            );
+        }
+        m
+    }
+
+    /// Mark the server ready (regions proved, listener up) or not.
+    pub fn set_ready(&self, ready: bool) {
+        self.ready.store(ready, Ordering::SeqCst);
+        self.ready_gauge.set(i64::from(ready));
+    }
+
+    /// Whether the server is ready.
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::SeqCst)
+    }
+
+    /// Count a finished transfer.
+    pub fn transfer(&self, region: &str, direction: Direction, path: XferPath, bytes: u64) {
+        let l = XferLabels {
+            region: region.to_string(),
+            direction,
+            path,
+        };
+        self.bytes.get_or_create(&l).inc_by(bytes);
+        self.operations.get_or_create(&l).inc();
+    }
+
+    /// Record a transfer's duration.
+    pub fn observe(&self, direction: Direction, path: XferPath, seconds: f64) {
+        if seconds.is_finite() && seconds >= 0.0 {
+            self.latency
+                .get_or_create(&LatencyLabels { direction, path })
+                .observe(seconds);
+        }
+    }
+
+    /// Count an error reply.
+    pub fn error(&self, code: &str) {
+        self.errors
+            .get_or_create(&CodeLabels {
+                code: code.to_string(),
+            })
+            .inc();
+    }
+
+    /// The OpenMetrics text exposition.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        let r = self.registry.lock().unwrap_or_else(|p| p.into_inner());
+        // writing into a String cannot fail
+        let _ = prometheus_client::encoding::text::encode(&mut out, &r);
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exposition_has_units_totals_and_labels() {
+        let m = Metrics::new();
+        m.transfer("ram", Direction::fetch, XferPath::direct, 4096);
+        m.transfer("ram", Direction::fetch, XferPath::direct, 4096);
+        m.transfer("cmb", Direction::put, XferPath::bounce, 10);
+        m.observe(Direction::fetch, XferPath::direct, 0.002);
+        m.error("unknown-region");
+        m.auth_failures.inc();
+        m.set_ready(true);
+        let t = m.encode();
+        assert!(
+            t.contains(r#"p2p_rdma_transferred_bytes_total{region="ram",direction="fetch",path="direct"} 8192"#),
+            "{t}"
+        );
+        assert!(
+            t.contains(r#"p2p_rdma_transfers_total{region="cmb",direction="put",path="bounce"} 1"#),
+            "{t}"
+        );
+        assert!(
+            t.contains(r#"p2p_rdma_errors_total{code="unknown-region"} 1"#),
+            "{t}"
+        );
+        assert!(t.contains("p2p_rdma_auth_failures_total 1"), "{t}");
+        assert!(
+            t.contains("# UNIT p2p_rdma_transfer_duration_seconds seconds"),
+            "{t}"
+        );
+        assert!(
+            t.contains(
+                "p2p_rdma_transfer_duration_seconds_count{direction=\"fetch\",path=\"direct\"} 1"
+            ),
+            "{t}"
+        );
+        assert!(t.contains("p2p_rdma_ready 1"), "{t}");
+        assert!(t.trim_end().ends_with("# EOF"), "{t}");
+        m.set_ready(false);
+        assert!(!m.is_ready());
+    }
+}

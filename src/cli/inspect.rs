@@ -1,0 +1,324 @@
+//! The inspecting commands: `devices`, `topo`, `doctor`.
+
+use anyhow::Context as _;
+use bridge::size::human;
+
+use super::emit;
+
+/// The topology doctor's verdict for the pair (RDMA device, the memory's PCI device), when the
+/// memory lives on a PCI device.
+fn topology_plan(provider: &dyn peermem::Provider, rdma: &str) -> Option<peermem::topology::Pair> {
+    use peermem::topology::{Extra, Sysfs, Topology};
+    let bdf = provider.pci_device()?;
+    let extra = Extra {
+        probes: driver_probes()
+            .into_iter()
+            .filter(|(n, _)| n == rdma)
+            .collect(),
+        kernel_config_p2pdma: Extra::read_kernel_config(),
+    };
+    let topo = Topology::read(&Sysfs::new("/sys"), &extra);
+    let r = topo.rdma.iter().find(|r| r.name == rdma)?;
+    Some(topo.pair(r, topo.device(&bdf)?))
+}
+
+/// Driver probes for every RDMA device the live system has (ODP caps, dma-buf MR probe).
+fn driver_probes() -> std::collections::BTreeMap<String, peermem::topology::DriverProbe> {
+    use peermem::topology::{DriverProbe, Support};
+    let mut out = std::collections::BTreeMap::new();
+    let Ok(names) = verbs::device_names() else {
+        return out;
+    };
+    for name in names {
+        let probe = match verbs::Context::open(Some(&name)) {
+            Ok(ctx) => {
+                let odp = ctx.info().caps.odp;
+                let (dmabuf_mr, why) = match verbs::ProtectionDomain::new(&ctx) {
+                    Ok(pd) => match pd.probe_dmabuf_mr() {
+                        verbs::DmabufSupport::Supported => (
+                            Support::Supported,
+                            "ibv_reg_dmabuf_mr(fd=-1): EBADF".to_string(),
+                        ),
+                        verbs::DmabufSupport::Unsupported => (
+                            Support::Unsupported,
+                            "ibv_reg_dmabuf_mr(fd=-1): EOPNOTSUPP".to_string(),
+                        ),
+                        verbs::DmabufSupport::Unknown(d) => (Support::Unknown, d),
+                    },
+                    Err(e) => (Support::Unknown, format!("no protection domain: {e}")),
+                };
+                DriverProbe {
+                    odp: if odp.rc_rdma() {
+                        Support::Supported
+                    } else {
+                        Support::Unsupported
+                    },
+                    dmabuf_mr,
+                    detail: format!(
+                        "odp general_caps {:#x} rc_odp_caps {:#x}; {why}",
+                        odp.general_caps, odp.rc_odp_caps
+                    ),
+                }
+            }
+            Err(e) => DriverProbe {
+                odp: Support::Unknown,
+                dmabuf_mr: Support::Unknown,
+                detail: format!("cannot open {name}: {e}"),
+            },
+        };
+        out.insert(name, probe);
+    }
+    out
+}
+
+pub(crate) fn topo(
+    root: &std::path::Path,
+    json: bool,
+    capture: Option<&std::path::Path>,
+) -> anyhow::Result<()> {
+    use peermem::topology::{Extra, Sysfs, Topology, CAPTURE_FILE};
+    if !root.is_dir() {
+        anyhow::bail!(
+            "--sysfs-root {}: not a directory (give /sys, a fixture, or a directory made by --capture)",
+            root.display()
+        );
+    }
+    let fs = if capture.is_some() {
+        Sysfs::recording(root)
+    } else {
+        Sysfs::new(root)
+    };
+    let extra = if fs.is_live() {
+        Extra {
+            probes: driver_probes(),
+            kernel_config_p2pdma: Extra::read_kernel_config(),
+        }
+    } else {
+        Extra::load(root).map_err(|e| anyhow::anyhow!("{e}"))?
+    };
+    let topo = Topology::read(&fs, &extra);
+    let report = topo.report();
+    if let Some(dir) = capture {
+        if dir.exists()
+            && std::fs::read_dir(dir)
+                .with_context(|| format!("--capture {}", dir.display()))?
+                .next()
+                .is_some()
+        {
+            anyhow::bail!(
+                "--capture {}: the directory is not empty (give a new directory)",
+                dir.display()
+            );
+        }
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let n = fs
+            .capture_into(dir)
+            .with_context(|| format!("copying sysfs into {}", dir.display()))?;
+        std::fs::write(dir.join(CAPTURE_FILE), serde_json::to_vec_pretty(&extra)?)
+            .with_context(|| format!("writing {}", dir.join(CAPTURE_FILE).display()))?;
+        emit(&format!(
+            "captured {n} sysfs entries ({} PCI functions, {} RDMA devices) and the driver probes into {}\nreplay: p2p-rdma topo --sysfs-root {}\n",
+            topo.devices().count(),
+            topo.rdma.len(),
+            dir.display(),
+            dir.display()
+        ))?;
+        return Ok(());
+    }
+    if json {
+        emit(&format!("{}\n", serde_json::to_string_pretty(&report)?))?;
+    } else {
+        emit(&report.render())?;
+    }
+    Ok(())
+}
+
+pub(crate) async fn doctor(
+    spec: &str,
+    reg: peermem::plan::RegChoice,
+    device: Option<&str>,
+    json: bool,
+) -> anyhow::Result<()> {
+    use peermem::plan::{decide, P2pPolicy, PathKind};
+    let parsed: bridge::RegionSpec = format!("doctor={spec}").parse().map_err(|e: String| {
+        anyhow::anyhow!("--region {spec}: {}", e.replace("region 'doctor': ", ""))
+    })?;
+    let (provider, _) = parsed.open(std::path::Path::new("/sys"))?;
+    let ctx = verbs::Context::open(device)?;
+    let pd = verbs::ProtectionDomain::new(&ctx)?;
+    let len = provider.len();
+    let window = parsed.options.window.map_or(len, |w| w.min(len));
+    let plan = topology_plan(provider.as_ref(), ctx.name());
+    let residency_before = provider.residency();
+    let planned = decide(&pd, &provider, 0..window, reg, P2pPolicy::Preferred)
+        .await
+        .map_err(|r| anyhow::anyhow!("{r}"))?;
+    let residency_after = provider.residency();
+    let window_proof = match provider.as_device_private() {
+        Some(dp) if dp.window_size() > 0 => {
+            Some(peermem::plan::prove_window(&pd, dp, reg, P2pPolicy::Preferred).await)
+        }
+        _ => None,
+    };
+    let d = &planned.decision;
+    let direct = d.path == PathKind::Direct;
+    if json {
+        emit(&format!(
+            "{}\n",
+            serde_json::json!({
+                "device": ctx.name(),
+                "plan": plan,
+                "memory": provider.kind(),
+                "describe": provider.describe(),
+                "size": len,
+                "attempts": d.attempts,
+                "chosen": d.mode,
+                "path": d.path,
+                "reason": d.reason,
+                "copy_engine": provider.copy_engine(),
+                "residency_before": residency_before,
+                "residency_after": residency_after,
+                "window": window_proof,
+            })
+        ))?;
+    } else {
+        let mut o = format!("{} on {}:\n", provider.describe(), ctx.name());
+        match &plan {
+            Some(p) => {
+                o.push_str(&format!(
+                    "  plan (PCIe topology): {} -> {}: {} {}\n",
+                    p.nic_pci.as_deref().unwrap_or("no PCI device"),
+                    p.device_pci,
+                    p.path.map(|c| c.as_str()).unwrap_or("-"),
+                    p.verdict.as_str()
+                ));
+                for r in p
+                    .reasons
+                    .iter()
+                    .filter(|r| r.severity != peermem::topology::Severity::Info)
+                {
+                    o.push_str(&format!("    [{}] {}\n", r.code, r.message));
+                }
+            }
+            None => o.push_str("  plan: host memory, no PCIe peer path involved\n"),
+        }
+        if let Some(r) = &residency_before {
+            o.push_str(&format!("  residency before the attempts: {r}\n"));
+        }
+        for a in &d.attempts {
+            o.push_str(&format!("  {a}\n"));
+        }
+        if let Some(r) = &residency_after {
+            o.push_str(&format!("  residency after the attempts: {r}\n"));
+        }
+        if let Some(w) = &window_proof {
+            o.push_str("  P2P window, on the mapping of one unit:\n");
+            for a in &w.attempts {
+                o.push_str(&format!("    {a}\n"));
+            }
+            o.push_str(&format!("  window units: {}\n", w.reason));
+        }
+        o.push_str(&match d.mode {
+            Some(m) if direct => format!("=> direct: {m} registration works\n"),
+            _ => format!(
+                "=> no direct strategy works: served through bounce buffers (copy engine: {})\n",
+                provider.copy_engine()
+            ),
+        });
+        emit(&o)?;
+    }
+    if direct {
+        Ok(())
+    } else {
+        Err(anyhow::anyhow!(
+            "no registration strategy passed: {}",
+            d.attempts
+                .iter()
+                .map(|a| a.to_string())
+                .collect::<Vec<_>>()
+                .join("; ")
+        ))
+    }
+}
+
+pub(crate) fn devices(json: bool) -> anyhow::Result<()> {
+    use std::fmt::Write as _;
+    let devs = verbs::devices()?;
+    if json {
+        emit(&format!("{}\n", serde_json::to_string_pretty(&devs)?))?;
+    }
+    if devs.is_empty() {
+        return Err(verbs::no_device_error().into());
+    }
+    if json {
+        return Ok(());
+    }
+    let mut o = String::new();
+    for d in &devs {
+        writeln!(
+            o,
+            "{}  node GUID {}  vendor {:#x}:{}  fw {}{}",
+            d.name,
+            d.node_guid,
+            d.vendor_id,
+            d.vendor_part_id,
+            if d.fw_ver.is_empty() { "-" } else { &d.fw_ver },
+            if d.software {
+                "  (software RDMA: its DMA is CPU copies in the kernel)"
+            } else {
+                ""
+            }
+        )?;
+        let c = &d.caps;
+        writeln!(o,
+            "  caps: max MR {}, {} MRs, {} QPs x {} WRs, {} CQEs, {} SGEs, rd_atom {}/{}, atomics {}",
+            human(c.max_mr_size),
+            c.max_mr,
+            c.max_qp,
+            c.max_qp_wr,
+            c.max_cqe,
+            c.max_sge,
+            c.max_qp_rd_atom,
+            c.max_qp_init_rd_atom,
+            c.atomic
+        )?;
+        writeln!(
+            o,
+            "  ODP: {}",
+            if !c.odp.supported {
+                "not supported".to_string()
+            } else {
+                format!(
+                    "supported{} (RC: read {}, write {}, send {}, recv {})",
+                    if c.odp.implicit { ", implicit" } else { "" },
+                    c.odp.rc_read,
+                    c.odp.rc_write,
+                    c.odp.rc_send,
+                    c.odp.rc_recv
+                )
+            }
+        )?;
+        for p in &d.ports {
+            writeln!(
+                o,
+                "  port {}: {} ({}), MTU {} active / {} max, LID {}",
+                p.port, p.state, p.link_layer, p.active_mtu, p.max_mtu, p.lid
+            )?;
+            for g in &p.gids {
+                writeln!(
+                    o,
+                    "    GID[{}] {:<40} {:<10} {}",
+                    g.index,
+                    g.gid.to_string(),
+                    serde_json::to_value(g.kind)
+                        .ok()
+                        .and_then(|v| v.as_str().map(String::from))
+                        .unwrap_or_default(),
+                    g.netdev.as_deref().unwrap_or("-")
+                )?;
+            }
+        }
+    }
+    emit(&o)?;
+    Ok(())
+}

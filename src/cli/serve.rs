@@ -1,0 +1,300 @@
+//! `p2p-rdma serve`: flags and config file merged, metrics endpoint, start-up report,
+//! readiness for service managers, SIGTERM drain and SIGHUP token reload.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use bridge::size::human;
+
+use super::config;
+use super::exit::{MissingToken, Usage};
+
+/// `serve`'s arguments (every one may also come from `--config`).
+#[derive(clap::Args, Debug)]
+pub(crate) struct ServeArgs {
+    /// TOML file with any of the settings below (flags given here override it; --region
+    /// flags replace its regions). See `p2p-rdma serve --help` for the keys.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Validate FILE (keys, addresses, sizes, region specs) without opening anything, and exit:
+    /// 0 when it is valid, 2 naming the bad key and line.
+    #[arg(long, value_name = "FILE", conflicts_with = "config")]
+    check_config: Option<PathBuf>,
+    /// RDMA device (default: the first one with an active port).
+    #[arg(long, short = 'd', env = "P2P_RDMA_DEVICE")]
+    device: Option<String>,
+    /// Control address to listen on [default: 0.0.0.0:7471].
+    #[arg(long, value_name = "ADDR:PORT")]
+    listen: Option<SocketAddr>,
+    /// File holding the shared secret (re-read on SIGHUP). Default: P2P_RDMA_TOKEN.
+    #[arg(long, value_name = "FILE")]
+    token_file: Option<PathBuf>,
+    /// A region to serve (repeatable); the grammar is below.
+    #[arg(long = "region", short = 'r', value_name = "SPEC")]
+    regions: Vec<bridge::RegionSpec>,
+    /// Peer-to-peer policy: required (refuse regions that cannot go direct), preferred
+    /// (bounce when no strategy works), disabled (always bounce) [default: preferred].
+    #[arg(long, value_name = "POLICY")]
+    p2p: Option<peermem::plan::P2pPolicy>,
+    /// Registration strategy: auto tries dma-buf, pinned, then ODP; pinned, odp or dmabuf
+    /// force one (the canary still runs) [default: auto].
+    #[arg(long = "reg", value_name = "STRATEGY")]
+    reg: Option<peermem::plan::RegChoice>,
+    /// Bytes per bounce staging buffer, the largest bounce request [default: 1M].
+    #[arg(long, value_parser = super::parse_size_arg, value_name = "SIZE")]
+    bounce_chunk: Option<u64>,
+    /// Bounce staging buffers per connection (copies and transfers in flight) [default: 8].
+    #[arg(long, value_name = "N")]
+    bounce_depth: Option<usize>,
+    /// Most concurrent client connections [default: 64].
+    #[arg(long, value_name = "N")]
+    max_connections: Option<usize>,
+    /// RDMA operations a client may keep in flight [default: 16].
+    #[arg(long, value_name = "N")]
+    max_outstanding: Option<u32>,
+    /// Serve Prometheus metrics on ADDR:PORT: /metrics, /healthz (alive), /readyz (every
+    /// region proved and the listener up).
+    #[arg(long, value_name = "ADDR:PORT")]
+    metrics: Option<SocketAddr>,
+    /// Seconds a shutdown (SIGTERM, SIGINT) lets open transfers finish [default: 10].
+    #[arg(long, value_name = "SECONDS")]
+    drain_timeout: Option<u64>,
+    /// Print the start-up report (each region's path, strategy, reasons and every attempt) as
+    /// one JSON document on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+/// The `after_help` of `serve`: the region grammar from the parser's own table, then the rest.
+pub(crate) fn help() -> String {
+    format!(
+        "{}\n\
+Paths: for each region the server tries dma-buf, pinned and ODP registration (or the one --reg\n\
+names) and proves the first that registers with a canary transfer (RDMA WRITE + READ compared\n\
+byte for byte). A region that no strategy serves goes through bounce buffers: the server copies\n\
+with the memory's copy engine into registered host staging buffers and RDMA-writes them to the\n\
+client (or reads the client's for a put). --p2p required refuses such a region (and says why);\n\
+--p2p disabled forces bounce. The path and its reason are printed at start and shown by `ls`.\n\
+\n\
+Operating: --metrics serves /metrics, /healthz and /readyz; readiness (and systemd's READY=1,\n\
+when started with Type=notify) comes once every region is proved. SIGTERM/SIGINT stop accepting\n\
+and refuse new opens, let open transfers finish (--drain-timeout), exit 0. SIGHUP re-reads\n\
+--token-file; connected clients are not disturbed. A unit file: contrib/p2p-rdma.service.\n\
+\n\
+Config file (--config, TOML; keys as the flags):\n\
+  listen = \"0.0.0.0:7471\"          token_file = \"/etc/p2p-rdma/token\"\n\
+  metrics = \"127.0.0.1:9471\"       device = \"mlx5_0\"    p2p = \"preferred\"    reg = \"auto\"\n\
+  drain_timeout_secs = 30\n\
+  [limits]  max_connections = 64  max_outstanding = 16  max_open_per_connection = 64\n\
+            hello_timeout_secs = 10\n\
+  [bounce]  chunk = \"1M\"  depth = 8\n\
+  [[region]]  name = \"cmb\"  memory = \"cmb:nvme0:16M\"  p2p = \"required\"   (also reg, window,\n\
+              policy)\n\
+\n\
+Examples:\n\
+  head -c 32 /dev/urandom | base64 > token\n\
+  p2p-rdma serve --listen 0.0.0.0:7471 --token-file token --region ram=host:1G --region img=file:/data/img.bin:ro\n\
+  p2p-rdma serve --config /etc/p2p-rdma/serve.toml --metrics 127.0.0.1:9471\n\
+  p2p-rdma serve --check-config /etc/p2p-rdma/serve.toml",
+        bridge::RegionSpec::help(100)
+    )
+}
+
+fn read_token(file: Option<&PathBuf>) -> anyhow::Result<String> {
+    let t = match file {
+        Some(p) => std::fs::read_to_string(p)
+            .with_context(|| format!("cannot read the token file {}", p.display()))?,
+        None => std::env::var("P2P_RDMA_TOKEN").map_err(|_| anyhow::anyhow!(MissingToken))?,
+    };
+    let t = t.trim().to_string();
+    if t.is_empty() {
+        anyhow::bail!(MissingToken);
+    }
+    Ok(t)
+}
+
+/// Run `serve`.
+pub(crate) async fn run(a: ServeArgs) -> anyhow::Result<()> {
+    if let Some(file) = &a.check_config {
+        let c = config::load(file)?;
+        println!(
+            "{}: valid ({} region{}{})",
+            file.display(),
+            c.regions.len(),
+            if c.regions.len() == 1 { "" } else { "s" },
+            if c.regions.is_empty() {
+                "; give them with --region"
+            } else {
+                ""
+            }
+        );
+        return Ok(());
+    }
+    let file = match &a.config {
+        Some(f) => config::load(f)?,
+        None => config::ServeConfig::default(),
+    };
+    let regions = if a.regions.is_empty() {
+        file.regions
+    } else {
+        a.regions
+    };
+    if regions.is_empty() {
+        return Err(Usage(
+            "no region to serve: give --region NAME=KIND:ARGS (see --help) or [[region]] in --config".into(),
+        )
+        .into());
+    }
+    let listen = a
+        .listen
+        .or(file.listen)
+        .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 7471)));
+    let token_file = a.token_file.or(file.token_file);
+    let token = read_token(token_file.as_ref())?;
+    let mut cfg = bridge::ServerConfig::new(listen, token, regions);
+    cfg.device = a.device.or(file.device);
+    cfg.p2p = a.p2p.or(file.p2p).unwrap_or(cfg.p2p);
+    cfg.reg = a.reg.or(file.reg).unwrap_or(cfg.reg);
+    cfg.max_connections = a
+        .max_connections
+        .or(file.max_connections)
+        .unwrap_or(cfg.max_connections);
+    cfg.max_outstanding = a
+        .max_outstanding
+        .or(file.max_outstanding)
+        .unwrap_or(cfg.max_outstanding)
+        .max(1);
+    if let Some(n) = file.max_open_per_connection {
+        cfg.max_open_per_connection = n;
+    }
+    if let Some(s) = file.hello_timeout_secs {
+        cfg.hello_timeout = Duration::from_secs(s.max(1));
+    }
+    if let Some(s) = a.drain_timeout.or(file.drain_timeout_secs) {
+        cfg.drain_timeout = Duration::from_secs(s);
+    }
+    let chunk = a
+        .bounce_chunk
+        .or(file.bounce_chunk)
+        .unwrap_or(cfg.bounce_chunk as u64);
+    cfg.bounce_chunk = usize::try_from(chunk)
+        .ok()
+        .filter(|&c| (1..=1 << 30).contains(&c))
+        .ok_or_else(|| Usage("--bounce-chunk must be 1 byte to 1 GiB".into()))?;
+    let depth = a
+        .bounce_depth
+        .or(file.bounce_depth)
+        .unwrap_or(cfg.bounce_depth);
+    if depth == 0 {
+        return Err(Usage("--bounce-depth must be at least 1".into()).into());
+    }
+    cfg.bounce_depth = depth;
+
+    // the metrics endpoint is up before the canaries run, so /readyz says "not yet"
+    let metrics = Arc::clone(&cfg.metrics);
+    let metrics_addr = a.metrics.or(file.metrics);
+    let metrics_task = match metrics_addr {
+        Some(addr) => {
+            let s = bridge::http::MetricsServer::bind(addr, Arc::clone(&metrics)).await?;
+            let bound = s.local_addr()?;
+            eprintln!("p2p-rdma: metrics on http://{bound}/metrics (/healthz, /readyz)");
+            Some(tokio::spawn(s.run()))
+        }
+        None => None,
+    };
+
+    let server = bridge::Server::bind(cfg).await?;
+    let addr = server.local_addr()?;
+    if a.json {
+        let doc = serde_json::json!({
+            "listen": addr.to_string(),
+            "device": server.device(),
+            "metrics": metrics_addr.map(|m| m.to_string()),
+            "regions": server.reports(),
+        });
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+    } else {
+        eprintln!(
+            "p2p-rdma: serving on {addr} with RDMA device {}:",
+            server.device()
+        );
+        for r in server.reports() {
+            let i = &r.info;
+            eprintln!(
+                "  {:<16} {:>12}  {}  {:<9} {}{}",
+                i.name,
+                human(i.size),
+                i.access,
+                i.kind,
+                i.path,
+                i.strategy
+                    .as_deref()
+                    .map(|s| format!(" ({s})"))
+                    .unwrap_or_default()
+            );
+            eprintln!("      why: {}", i.reason);
+        }
+    }
+    let handle = server.handle();
+    // a no-op outside systemd (no NOTIFY_SOCKET)
+    let _ = sd_notify::notify(&[
+        sd_notify::NotifyState::Ready,
+        sd_notify::NotifyState::Status(&format!("serving on {addr}")),
+    ]);
+    let reload = tokio::spawn(reload_on_sighup(handle, token_file));
+    let res = server.run(shutdown_signal()).await;
+    reload.abort();
+    if let Some(t) = metrics_task {
+        t.abort();
+    }
+    res?;
+    eprintln!("p2p-rdma: stopped");
+    Ok(())
+}
+
+/// SIGHUP: read the token file again and hand the new token to the server.
+async fn reload_on_sighup(handle: bridge::ServerHandle, token_file: Option<PathBuf>) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let Ok(mut hup) = signal(SignalKind::hangup()) else {
+        return;
+    };
+    while hup.recv().await.is_some() {
+        let _ = sd_notify::notify(&[sd_notify::NotifyState::Reloading]);
+        match &token_file {
+            None => eprintln!(
+                "p2p-rdma: SIGHUP: the token came from P2P_RDMA_TOKEN, not a file: nothing to reload"
+            ),
+            Some(f) => match read_token(Some(f)).map(|t| handle.set_token(t)) {
+                Ok(Ok(())) => eprintln!("p2p-rdma: SIGHUP: token reloaded from {}", f.display()),
+                Ok(Err(e)) => eprintln!("p2p-rdma: SIGHUP: keeping the old token: {e}"),
+                Err(e) => eprintln!("p2p-rdma: SIGHUP: keeping the old token: {e:#}"),
+            },
+        }
+        let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
+    }
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    match (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) {
+        (Ok(mut i), Ok(mut t)) => {
+            tokio::select! {
+                _ = i.recv() => {}
+                _ = t.recv() => {}
+            }
+        }
+        _ => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+    let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
+    eprintln!(
+        "p2p-rdma: shutting down (no new connections or opens; letting open transfers finish)"
+    );
+}

@@ -1,0 +1,113 @@
+//! Shared pieces of the data-moving commands (`fetch`, `put`): client settings, the progress
+//! line, the result report.
+
+use std::io::IsTerminal as _;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use bridge::size::human;
+
+use crate::ClientArgs;
+
+use super::emit;
+
+pub(crate) fn client_config(addr: String, a: &ClientArgs) -> anyhow::Result<bridge::ClientConfig> {
+    let mut cfg = bridge::ClientConfig::new(addr, a.token.load()?);
+    cfg.device = a.device.clone();
+    cfg.chunk = usize::try_from(a.chunk).context("--chunk is too large")?;
+    cfg.depth = a.depth;
+    cfg.timeout = Duration::from_secs(a.timeout.max(1));
+    Ok(cfg)
+}
+
+/// Clear the progress line, release the region and the connection, then report.
+pub(crate) async fn finish_transfer(
+    mut c: bridge::Client,
+    r: &bridge::OpenRegion,
+    rep: bridge::Result<bridge::TransferReport>,
+    bar: Progress,
+    json: bool,
+) -> anyhow::Result<()> {
+    bar.finish();
+    let rep = rep?;
+    let _ = c.close(r).await;
+    let _ = c.bye().await;
+    print_report(&rep, json)
+}
+
+pub(crate) fn print_report(r: &bridge::TransferReport, json: bool) -> anyhow::Result<()> {
+    if json {
+        return emit(&format!("{}\n", serde_json::to_string(r)?));
+    }
+    eprintln!(
+        "p2p-rdma: {} {} of '{}' at offset {} in {:.3} s ({:.2} MiB/s; direct {}, bounce {}{}){}",
+        r.op,
+        human(r.bytes),
+        r.region,
+        r.offset,
+        r.seconds,
+        r.mib_per_sec,
+        human(r.direct_bytes),
+        human(r.bounce_bytes),
+        if r.zero_copy_bytes > 0 {
+            format!(
+                " of which {} zero-copy from the device's P2P window",
+                human(r.zero_copy_bytes)
+            )
+        } else {
+            String::new()
+        },
+        if r.verified {
+            format!(", CRC-32C {:#010x} verified", r.crc32c)
+        } else {
+            String::new()
+        }
+    );
+    Ok(())
+}
+
+/// A progress line on stderr when it is a terminal (and no JSON was asked for).
+pub(crate) struct Progress {
+    total: u64,
+    on: bool,
+    start: std::time::Instant,
+    last: std::time::Instant,
+}
+
+impl Progress {
+    pub(crate) fn new(total: u64, json: bool) -> Progress {
+        let now = std::time::Instant::now();
+        Progress {
+            total,
+            on: !json && std::io::stderr().is_terminal(),
+            start: now,
+            last: now,
+        }
+    }
+
+    pub(crate) fn update(&mut self, done: u64) {
+        if !self.on || self.last.elapsed() < Duration::from_millis(100) {
+            return;
+        }
+        self.last = std::time::Instant::now();
+        let secs = self.start.elapsed().as_secs_f64().max(1e-9);
+        let pct = if self.total > 0 {
+            done as f64 * 100.0 / self.total as f64
+        } else {
+            100.0
+        };
+        eprint!(
+            "\r{:>10} / {:<10} {:5.1}%  {:8.2} MiB/s ",
+            human(done),
+            human(self.total),
+            pct,
+            done as f64 / secs / f64::from(1 << 20)
+        );
+    }
+
+    fn finish(&self) {
+        if self.on {
+            eprint!("\r{:60}\r", "");
+        }
+    }
+}
