@@ -163,3 +163,242 @@ fn bench_says_when_no_server_listens() {
         "{e}"
     );
 }
+
+/// A fresh temporary directory for one test.
+fn tmpdir(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("p2p-rdma-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn exit_0_check_config_accepts_a_valid_file() {
+    let d = tmpdir("cfg-ok");
+    let f = d.join("serve.toml");
+    std::fs::write(
+        &f,
+        "listen = \"127.0.0.1:7471\"\nmetrics = \"127.0.0.1:9471\"\n[bounce]\nchunk = \"2M\"\n\n[[region]]\nname = \"ram\"\nmemory = \"host:16M\"\np2p = \"preferred\"\n",
+    )
+    .unwrap();
+    let out = bin()
+        .args(["serve", "--check-config"])
+        .arg(&f)
+        .output()
+        .unwrap();
+    let o = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{o}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(o.contains("valid (1 region)"), "{o}");
+}
+
+#[test]
+fn exit_2_for_bad_input_names_what_is_wrong() {
+    let d = tmpdir("usage");
+    let bad_cfg = d.join("bad.toml");
+    std::fs::write(
+        &bad_cfg,
+        "listen = \"0.0.0.0:7471\"\n\n[bounce]\nchunk = \"12Q\"\n",
+    )
+    .unwrap();
+    let typo = d.join("typo.toml");
+    std::fs::write(&typo, "[limits]\nmax_conections = 3\n").unwrap();
+    let spec = d.join("spec.toml");
+    std::fs::write(&spec, "[[region]]\nname = \"r\"\nmemory = \"disk:1M\"\n").unwrap();
+    let input = d.join("in.bin");
+    std::fs::write(&input, [0u8; 10]).unwrap();
+    let cases: Vec<(Vec<std::ffi::OsString>, &str)> = vec![
+        (
+            vec![
+                "serve".into(),
+                "--check-config".into(),
+                bad_cfg.clone().into(),
+            ],
+            "line 4: key 'bounce.chunk'",
+        ),
+        (
+            vec!["serve".into(), "--check-config".into(), typo.into()],
+            "max_conections",
+        ),
+        (
+            vec!["serve".into(), "--check-config".into(), spec.into()],
+            "line 3: key 'region.memory'",
+        ),
+        (
+            vec![
+                "serve".into(),
+                "--check-config".into(),
+                d.join("missing.toml").into(),
+            ],
+            "cannot read the config file",
+        ),
+        (
+            vec!["serve".into(), "--region".into(), "r=disk:1M".into()],
+            "unknown kind 'disk'",
+        ),
+        (vec!["serve".into()], "no region to serve"),
+        (
+            vec![
+                "serve".into(),
+                "--config".into(),
+                bad_cfg.into(),
+                "--region".into(),
+                "r=host:1M".into(),
+            ],
+            "bounce.chunk",
+        ),
+        (
+            vec![
+                "put".into(),
+                "127.0.0.1:9".into(),
+                "r".into(),
+                "-i".into(),
+                input.into(),
+                "--length".into(),
+                "11".into(),
+            ],
+            "--length 11 is more than the 10 bytes",
+        ),
+        (
+            vec![
+                "fetch".into(),
+                "127.0.0.1:9".into(),
+                "r".into(),
+                "-o".into(),
+                "-".into(),
+                "--offset".into(),
+                "1Q".into(),
+            ],
+            "unknown unit",
+        ),
+    ];
+    for (args, want) in cases {
+        let out = bin()
+            .args(&args)
+            .env("P2P_RDMA_TOKEN", "t")
+            .output()
+            .unwrap();
+        let e = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {e}");
+        assert!(e.contains(want), "{args:?}: {e}");
+    }
+}
+
+#[test]
+fn exit_4_without_a_token_and_5_when_unreachable() {
+    let out = bin()
+        .args(["ls", "127.0.0.1:9"])
+        .env_remove("P2P_RDMA_TOKEN")
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(4), "{e}");
+    assert!(e.contains("no token"), "{e}");
+    // port 9 (discard) is not served here: refused
+    let out = bin()
+        .args(["ls", "127.0.0.1:9", "--timeout", "2"])
+        .env("P2P_RDMA_TOKEN", "t")
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(5), "{e}");
+}
+
+#[test]
+fn help_documents_every_exit_code_and_the_spec_grammar() {
+    let out = bin().arg("--help").output().unwrap();
+    let h = String::from_utf8_lossy(&out.stdout);
+    for code in [
+        "0  ok",
+        "1  failed",
+        "2  usage",
+        "3  refused",
+        "4  auth",
+        "5  unreachable",
+        "6  mismatch",
+        "7  not-found",
+        "69  unavailable",
+    ] {
+        assert!(h.contains(code), "{code} missing: {h}");
+    }
+    let out = bin().args(["serve", "--help"]).output().unwrap();
+    let h = String::from_utf8_lossy(&out.stdout);
+    for s in [
+        "NAME=host:SIZE",
+        "NAME=devpriv:hmm:SIZE",
+        ",window=SIZE",
+        "--metrics",
+        "[[region]]",
+        "SIGHUP",
+    ] {
+        assert!(h.contains(s), "{s} missing: {h}");
+    }
+}
+
+#[test]
+fn completions_and_man_pages_come_from_the_clap_definitions() {
+    for shell in ["bash", "zsh", "fish"] {
+        let out = bin().args(["completions", shell]).output().unwrap();
+        assert_eq!(out.status.code(), Some(0), "{shell}");
+        let s = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            s.contains("p2p-rdma") && s.contains("check-config"),
+            "{shell}: {s}"
+        );
+    }
+    let out = bin().args(["completions", "tcsh"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let d = tmpdir("man");
+    let out = bin().args(["man", "--dir"]).arg(&d).output().unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for page in [
+        "p2p-rdma.1",
+        "p2p-rdma-serve.1",
+        "p2p-rdma-fetch.1",
+        "p2p-rdma-topo.1",
+    ] {
+        let t = std::fs::read_to_string(d.join(page)).unwrap_or_else(|e| panic!("{page}: {e}"));
+        assert!(
+            t.starts_with(".ie") || t.contains(".TH"),
+            "{page} is not roff: {t}"
+        );
+    }
+    let serve = std::fs::read_to_string(d.join("p2p-rdma-serve.1")).unwrap();
+    assert!(serve.contains("check\\-config"), "{serve}");
+}
+
+#[test]
+fn the_shipped_example_config_and_unit_agree_with_the_binary() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = bin()
+        .args(["serve", "--check-config"])
+        .arg(root.join("contrib/serve.toml"))
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let unit = std::fs::read_to_string(root.join("contrib/p2p-rdma.service")).unwrap();
+    for s in [
+        "Type=notify",
+        "LimitMEMLOCK=infinity",
+        "CAP_IPC_LOCK",
+        "Restart=on-failure",
+        "ExecReload=/bin/kill -HUP $MAINPID",
+        "serve --config",
+    ] {
+        assert!(unit.contains(s), "the unit lacks {s}");
+    }
+}

@@ -792,6 +792,10 @@ struct ConnState {
     pd: Option<ProtectionDomain>,
     next_handle: u32,
     seen_removals: u64,
+    /// The cache's counters as last added to the metrics.
+    cache_seen: peermem::regcache::Stats,
+    /// Bytes of staging buffers this connection allocated (for the metrics).
+    staging_bytes: u64,
 }
 
 async fn connection(shared: Arc<Shared>, mut conn: Conn, mut stop: watch::Receiver<bool>) {
@@ -931,6 +935,7 @@ async fn serve_connection(
             }
             _ = removals.changed() => {
                 st.revoke_removed(shared);
+                st.sync_metrics(m, false);
                 continue;
             }
             done = next_done(&mut st.inflight) => {
@@ -1021,8 +1026,9 @@ async fn serve_connection(
         if let Err(e) = st.drain(conn).await {
             break Err(e);
         }
-        let refused_while_draining =
-            draining && matches!(msg, Msg::Open { .. } | Msg::Connect { .. });
+        // a client that holds handles may still connect its QP to use them
+        let refused_while_draining = draining && matches!(msg, Msg::Open { .. });
+        let is_open = matches!(msg, Msg::Open { .. });
         let reply = if refused_while_draining {
             Msg::error(
                 ErrorCode::ShuttingDown,
@@ -1037,12 +1043,16 @@ async fn serve_connection(
                 }
             }
         };
+        if is_open {
+            st.sync_metrics(m, false);
+        }
         count_reply(m, &reply);
         if let Err(e) = conn.send(&reply).await {
             break Err(e);
         }
     };
     m.open_handles.dec_by(st.open.len() as i64);
+    st.sync_metrics(m, true);
     result
 }
 
@@ -1528,7 +1538,14 @@ impl ConnState {
                 let b = HostBuffer::new(shared.cfg.bounce_chunk)
                     .and_then(|m| pd.register(m, Access::LOCAL_WRITE, RegMode::Pinned));
                 match b {
-                    Ok(b) => break b,
+                    Ok(b) => {
+                        self.staging_bytes += shared.cfg.bounce_chunk as u64;
+                        shared
+                            .metrics()
+                            .staging_bytes
+                            .inc_by(shared.cfg.bounce_chunk as i64);
+                        break b;
+                    }
                     Err(e) => return Ok(Err(internal(format!("staging buffer: {e}")))),
                 }
             }
@@ -1537,7 +1554,12 @@ impl ConnState {
                 .pop_front()
                 .expect("ring full means work in flight");
             let done = f.fut.as_mut().await;
+            let meta = f.meta;
             let reply = self.finish(f, done);
+            if let (Some(meta), Msg::BounceDone { len, zero_copy }) = (meta, &reply) {
+                record_bounce(shared, meta, *len, *zero_copy);
+            }
+            count_reply(shared.metrics(), &reply);
             conn.send(&reply).await?;
         };
         if let Some(mode) = r
@@ -1587,6 +1609,34 @@ impl ConnState {
 
     fn cache(&mut self, limits: Limits) -> &RegCache<usize, DeviceMr> {
         self.cache.get_or_insert_with(|| RegCache::new(limits))
+    }
+
+    /// Add what the registration cache did since the last call to the metrics; `closing`:
+    /// the connection ends, so its registrations and staging buffers go away.
+    fn sync_metrics(&mut self, m: &Metrics, closing: bool) {
+        let now = match (&self.cache, closing) {
+            (Some(c), false) => c.stats(),
+            (Some(c), true) => peermem::regcache::Stats {
+                cached_bytes: 0,
+                draining_bytes: 0,
+                ..c.stats()
+            },
+            (None, _) => peermem::regcache::Stats::default(),
+        };
+        let was = self.cache_seen;
+        m.regcache_hits.inc_by(now.hits.saturating_sub(was.hits));
+        m.regcache_misses
+            .inc_by(now.misses.saturating_sub(was.misses));
+        m.regcache_evictions
+            .inc_by(now.evictions.saturating_sub(was.evictions));
+        let bytes = |s: &peermem::regcache::Stats| (s.cached_bytes + s.draining_bytes) as i64;
+        m.regcache_registered_bytes
+            .inc_by(bytes(&now) - bytes(&was));
+        self.cache_seen = now;
+        if closing {
+            m.staging_bytes.dec_by(self.staging_bytes as i64);
+            self.staging_bytes = 0;
+        }
     }
 }
 
