@@ -382,12 +382,12 @@ async fn lab_bridge_cli_exit_codes() {
     assert_eq!(code, Some(4), "missing token: {err}");
     assert!(err.contains("P2P_RDMA_TOKEN"), "{err}");
     let (code, err, _) = run(s_(&["fetch", &a, "nope", "-o", "/dev/null"]), true);
-    assert_eq!(code, Some(3), "unknown region: {err}");
+    assert_eq!(code, Some(7), "unknown region (not found): {err}");
     let (code, err, _) = run(
         s_(&["fetch", &a, "ram", "--offset", "3M", "-o", "/dev/null"]),
         true,
     );
-    assert_eq!(code, Some(3), "offset out of range: {err}");
+    assert_eq!(code, Some(2), "offset out of range (bad input): {err}");
     let (code, err, _) = run(
         s_(&[
             "put",
@@ -400,7 +400,7 @@ async fn lab_bridge_cli_exit_codes() {
         ]),
         true,
     );
-    assert_eq!(code, Some(3), "does not fit: {err}");
+    assert_eq!(code, Some(2), "does not fit (bad input): {err}");
     let (code, err, _) = run(s_(&["ls", "127.0.0.1:1", "--timeout", "5"]), true);
     assert_eq!(code, Some(5), "unreachable: {err}");
     let (code, err, _) = run(

@@ -22,7 +22,7 @@ pub struct ClientConfig {
     /// Server control address, `HOST:PORT`.
     pub addr: String,
     /// The shared secret.
-    pub token: String,
+    pub token: crate::Token,
     /// RDMA device (None: first active).
     pub device: Option<String>,
     /// Bytes per RDMA work request.
@@ -35,7 +35,7 @@ pub struct ClientConfig {
 
 impl ClientConfig {
     /// Defaults: 1 MiB chunks, 16 in flight, 30 s timeout.
-    pub fn new(addr: impl Into<String>, token: impl Into<String>) -> ClientConfig {
+    pub fn new(addr: impl Into<String>, token: impl Into<crate::Token>) -> ClientConfig {
         ClientConfig {
             addr: addr.into(),
             token: token.into(),

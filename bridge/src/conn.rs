@@ -25,6 +25,11 @@ impl Conn {
         }
     }
 
+    /// Accept frames up to `limit` bytes from now on.
+    pub(crate) fn set_max_frame(&mut self, limit: usize) {
+        self.dec.set_max_frame(limit);
+    }
+
     pub(crate) async fn send(&mut self, m: &Msg) -> Result<()> {
         self.stream
             .write_all(&encode(m))

@@ -14,6 +14,7 @@ pub mod protocol;
 pub mod server;
 pub mod size;
 pub mod spec;
+pub mod token;
 
 pub use client::{Client, ClientConfig, OpenRegion, TransferReport};
 pub use error::{Error, Result};
@@ -21,3 +22,4 @@ pub use server::{
     MemoryRegionSpec, RegionOptions, RegionSource, RegionSpec, Removal, Server, ServerConfig,
     ServerHandle,
 };
+pub use token::Token;

@@ -13,6 +13,10 @@ pub const VERSION: u16 = 2;
 /// Largest accepted frame payload.
 pub const MAX_FRAME: usize = 1 << 20;
 
+/// Largest frame accepted before the token is checked: a hello is a few hundred bytes, and an
+/// unauthenticated peer must not make the server buffer a megabyte.
+pub const MAX_HELLO_FRAME: usize = 4 << 10;
+
 /// Region access as the server grants it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -204,8 +208,8 @@ pub enum Msg {
     Hello {
         /// Client's protocol version.
         version: u16,
-        /// The shared secret.
-        token: String,
+        /// The shared secret (never printed by `Debug`).
+        token: crate::Token,
         /// Free-form client name for logs.
         client: String,
     },
@@ -369,9 +373,15 @@ impl Msg {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum DecodeError {
-    /// The length prefix exceeds [`MAX_FRAME`].
-    #[error("frame of {0} bytes exceeds the {MAX_FRAME}-byte limit (not a p2p-rdma peer?)")]
-    TooLarge(usize),
+    /// The length prefix exceeds the decoder's limit ([`MAX_FRAME`], or [`MAX_HELLO_FRAME`]
+    /// before authentication).
+    #[error("frame of {len} bytes exceeds the {limit}-byte limit (not a p2p-rdma peer?)")]
+    TooLarge {
+        /// The length the prefix announced.
+        len: usize,
+        /// The limit in force.
+        limit: usize,
+    },
     /// The payload is not a valid message.
     #[error("malformed message: {0}")]
     Malformed(String),
@@ -390,15 +400,30 @@ pub fn encode(msg: &Msg) -> Vec<u8> {
 }
 
 /// Incremental decoder: feed bytes, take messages.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Decoder {
     buf: Vec<u8>,
+    max_frame: usize,
+}
+
+impl Default for Decoder {
+    fn default() -> Self {
+        Decoder {
+            buf: Vec::new(),
+            max_frame: MAX_FRAME,
+        }
+    }
 }
 
 impl Decoder {
-    /// A new decoder.
+    /// A new decoder accepting frames up to [`MAX_FRAME`].
     pub fn new() -> Decoder {
         Decoder::default()
+    }
+
+    /// Accept frames up to `limit` bytes (at most [`MAX_FRAME`]) from now on.
+    pub fn set_max_frame(&mut self, limit: usize) {
+        self.max_frame = limit.min(MAX_FRAME);
     }
 
     /// Append received bytes.
@@ -417,8 +442,11 @@ impl Decoder {
             return Ok(None);
         }
         let len = u32::from_be_bytes([self.buf[0], self.buf[1], self.buf[2], self.buf[3]]) as usize;
-        if len > MAX_FRAME {
-            return Err(DecodeError::TooLarge(len));
+        if len > self.max_frame {
+            return Err(DecodeError::TooLarge {
+                len,
+                limit: self.max_frame,
+            });
         }
         if self.buf.len() < 4 + len {
             return Ok(None);
@@ -560,10 +588,36 @@ mod tests {
     }
 
     #[test]
+    fn before_authentication_only_small_frames_are_buffered() {
+        let mut d = Decoder::new();
+        d.set_max_frame(MAX_HELLO_FRAME);
+        // a real hello fits
+        d.feed(&encode(&Msg::Hello {
+            version: VERSION,
+            token: "t".repeat(256).into(),
+            client: "c".into(),
+        }));
+        assert!(matches!(d.next_msg(), Ok(Some(Msg::Hello { .. }))));
+        // a prefix announcing 1 MiB is refused before any of it is buffered
+        d.feed(&((MAX_FRAME as u32).to_be_bytes()));
+        assert_eq!(
+            d.next_msg(),
+            Err(DecodeError::TooLarge {
+                len: MAX_FRAME,
+                limit: MAX_HELLO_FRAME
+            })
+        );
+        // after the hello the full limit applies
+        let mut d = Decoder::new();
+        d.feed(&((MAX_HELLO_FRAME as u32 + 1).to_be_bytes()));
+        assert_eq!(d.next_msg(), Ok(None));
+    }
+
+    #[test]
     fn oversize_garbage_and_truncation_are_errors() {
         let mut d = Decoder::new();
         d.feed(b"GET / HTTP/1.1\r\n");
-        assert!(matches!(d.next_msg(), Err(DecodeError::TooLarge(_))));
+        assert!(matches!(d.next_msg(), Err(DecodeError::TooLarge { .. })));
         let mut d = Decoder::new();
         d.feed(&[0, 0, 0, 3, b'{', b'}', b'x']);
         assert!(matches!(d.next_msg(), Err(DecodeError::Malformed(_))));
@@ -600,7 +654,7 @@ mod tests {
         prop_oneof![
             (any::<u16>(), s, s).prop_map(|(version, token, client)| Msg::Hello {
                 version,
-                token,
+                token: token.into(),
                 client
             }),
             (any::<u16>(), s, any::<u32>()).prop_map(|(version, server, max_outstanding)| {

@@ -42,9 +42,7 @@ use verbs::{
 use crate::conn::Conn;
 use crate::error::{Error, Result};
 use crate::metrics::{Direction, Metrics, XferPath};
-use crate::protocol::{
-    constant_time_eq, AccessMode, DataPath, ErrorCode, Extent, Msg, RegionInfo, VERSION,
-};
+use crate::protocol::{AccessMode, DataPath, ErrorCode, Extent, Msg, RegionInfo, VERSION};
 pub use crate::spec::{RegionOptions, RegionSource, RegionSpec};
 
 /// A region over memory the embedding application provides: any [`Provider`] (a window of its
@@ -90,13 +88,17 @@ pub struct ServerConfig {
     /// Where to listen.
     pub listen: SocketAddr,
     /// The shared secret.
-    pub token: String,
+    pub token: crate::Token,
     /// Regions to serve.
     pub regions: Vec<RegionSpec>,
     /// Regions over memory the embedding application provides.
     pub memory_regions: Vec<MemoryRegionSpec>,
-    /// Most concurrent connections; more are refused with `busy`.
+    /// Most concurrent authenticated connections; more are refused with `busy`.
     pub max_connections: usize,
+    /// Most connections that have not said hello yet (each for at most `hello_timeout`);
+    /// more are closed at once. Kept apart from `max_connections` so that silent sockets
+    /// cannot lock authenticated clients out.
+    pub max_unauthenticated: usize,
     /// RDMA READ/WRITEs a client may keep in flight (the QP's responder resources).
     pub max_outstanding: u32,
     /// Regions one connection may hold open at once.
@@ -123,14 +125,19 @@ pub struct ServerConfig {
 
 impl ServerConfig {
     /// Defaults for everything but device, address, token and regions.
-    pub fn new(listen: SocketAddr, token: String, regions: Vec<RegionSpec>) -> ServerConfig {
+    pub fn new(
+        listen: SocketAddr,
+        token: impl Into<crate::Token>,
+        regions: Vec<RegionSpec>,
+    ) -> ServerConfig {
         ServerConfig {
             device: None,
             listen,
-            token,
+            token: token.into(),
             regions,
             memory_regions: Vec::new(),
             max_connections: 64,
+            max_unauthenticated: 256,
             max_outstanding: 16,
             max_open_per_connection: 64,
             hello_timeout: Duration::from_secs(10),
@@ -211,9 +218,11 @@ struct Shared {
     ctx: Context,
     regions: Vec<Region>,
     active: AtomicUsize,
+    /// Connections that have not said hello yet.
+    unauthenticated: AtomicUsize,
     removals: watch::Sender<u64>,
     /// The token clients must present (replaced by [`ServerHandle::set_token`]).
-    token: RwLock<String>,
+    token: RwLock<crate::Token>,
     /// Set at shutdown: new opens and connects are refused, open handles keep working.
     draining: AtomicBool,
 }
@@ -504,6 +513,7 @@ impl Server {
                 ctx,
                 regions,
                 active: AtomicUsize::new(0),
+                unauthenticated: AtomicUsize::new(0),
                 removals: watch::Sender::new(0),
                 token,
                 draining: AtomicBool::new(false),
@@ -598,7 +608,8 @@ impl Server {
 impl ServerHandle {
     /// Replace the token new clients must present (connections already authenticated are
     /// not disturbed). An empty token is refused.
-    pub fn set_token(&self, token: String) -> Result<()> {
+    pub fn set_token(&self, token: impl Into<crate::Token>) -> Result<()> {
+        let token = token.into();
         if token.is_empty() {
             return Err(Error::Config(
                 "the token is empty: put a secret in the token file".into(),
@@ -799,12 +810,33 @@ struct ConnState {
 }
 
 async fn connection(shared: Arc<Shared>, mut conn: Conn, mut stop: watch::Receiver<bool>) {
-    let n = shared.active.fetch_add(1, Ordering::SeqCst) + 1;
-    let _guard = ActiveGuard(&shared.active);
     let m = shared.metrics();
     m.connections_accepted.inc();
     m.connections.inc();
     let _gauge = GaugeGuard(&m.connections);
+    // Before the hello, a connection holds a slot of its own budget, not an authenticated
+    // client's: sockets that never say hello cannot lock real clients out. Over that budget
+    // the socket is closed at once, without a byte in reply.
+    let pending = shared.unauthenticated.fetch_add(1, Ordering::SeqCst) + 1;
+    let pre = ActiveGuard(&shared.unauthenticated);
+    if pending > shared.cfg.max_unauthenticated {
+        tracing::warn!(
+            limit = shared.cfg.max_unauthenticated,
+            "connection dropped: too many connections have not said hello yet"
+        );
+        return;
+    }
+    conn.set_max_frame(crate::protocol::MAX_HELLO_FRAME);
+    let hello = authenticate(&shared, &mut conn).await;
+    drop(pre);
+    if let Err(e) = hello {
+        tracing::info!(error = %e, "connection refused before authentication");
+        conn.shutdown().await;
+        return;
+    }
+    conn.set_max_frame(crate::protocol::MAX_FRAME);
+    let n = shared.active.fetch_add(1, Ordering::SeqCst) + 1;
+    let _guard = ActiveGuard(&shared.active);
     if n > shared.cfg.max_connections {
         tracing::warn!(
             limit = shared.cfg.max_connections,
@@ -835,11 +867,8 @@ async fn next_done(q: &mut VecDeque<InFlight>) -> Option<Completion> {
     }
 }
 
-async fn serve_connection(
-    shared: &Shared,
-    conn: &mut Conn,
-    stop: &mut watch::Receiver<bool>,
-) -> Result<()> {
+/// The hello: version and token. Nothing about a region is said before it succeeds.
+async fn authenticate(shared: &Shared, conn: &mut Conn) -> Result<()> {
     // 1. hello, before anything about a region is said
     let hello = conn.recv(Some(shared.cfg.hello_timeout), "hello").await;
     let (version, token, client) = match hello {
@@ -885,7 +914,7 @@ async fn serve_connection(
     }
     let token_ok = {
         let expected = shared.token.read().unwrap_or_else(|p| p.into_inner());
-        constant_time_eq(token.as_bytes(), expected.as_bytes())
+        expected.matches(&token)
     };
     if !token_ok {
         tracing::warn!(client, "wrong token");
@@ -900,6 +929,14 @@ async fn serve_connection(
         });
     }
     tracing::info!(client, "client authenticated");
+    Ok(())
+}
+
+async fn serve_connection(
+    shared: &Shared,
+    conn: &mut Conn,
+    stop: &mut watch::Receiver<bool>,
+) -> Result<()> {
     conn.send(&Msg::Welcome {
         version: VERSION,
         server: format!(
@@ -1054,6 +1091,18 @@ async fn serve_connection(
     m.open_handles.dec_by(st.open.len() as i64);
     st.sync_metrics(m, true);
     result
+}
+
+/// The next handle number not in use (the counter wraps; a live handle is never reused, and
+/// `max_open_per_connection` keeps the search short).
+fn free_handle<V>(open: &HashMap<u32, V>, next: &mut u32) -> u32 {
+    loop {
+        let h = *next;
+        *next = next.wrapping_add(1);
+        if !open.contains_key(&h) {
+            return h;
+        }
+    }
 }
 
 /// Count an error reply by its code.
@@ -1776,8 +1825,7 @@ async fn handle(shared: &Shared, st: &mut ConnState, msg: Msg) -> Reply {
                 }
                 _ => None,
             };
-            let handle = st.next_handle;
-            st.next_handle = st.next_handle.wrapping_add(1);
+            let handle = free_handle(&st.open, &mut st.next_handle);
             let (addr, rkey) = lease
                 .as_ref()
                 .map_or((0, 0), |l| (l.mr().addr(), l.mr().rkey()));
@@ -1811,8 +1859,21 @@ async fn handle(shared: &Shared, st: &mut ConnState, msg: Msg) -> Reply {
             Ok(Msg::ChecksumIs { crc32c: crc })
         }
         Msg::Close { handle } => match st.open.remove(&handle) {
-            Some(_) => {
+            Some(h) => {
                 shared.metrics().open_handles.dec();
+                let idx = h.idx;
+                drop(h);
+                // the rkey dies with the handle: once no other handle of this connection uses
+                // the region, its registration goes (no lease is left, so at once), before
+                // the client hears Closed
+                if !st.open.values().any(|o| o.idx == idx) {
+                    if let Some(c) = &st.cache {
+                        if let Err(e) = c.invalidate(|k| *k == idx, Duration::from_secs(1)) {
+                            tracing::warn!(error = %e, "a closed region's registration is still in use");
+                        }
+                    }
+                    st.sync_metrics(shared.metrics(), false);
+                }
                 Ok(Msg::Closed { handle })
             }
             None => Err(not_open(handle)),
@@ -1845,6 +1906,47 @@ pub fn crc_of(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn handles_wrap_without_overwriting_a_live_one() {
+        let mut open: HashMap<u32, ()> = HashMap::new();
+        let mut next = u32::MAX;
+        let a = free_handle(&open, &mut next);
+        assert_eq!(a, u32::MAX);
+        open.insert(a, ());
+        open.insert(0, ());
+        open.insert(1, ());
+        assert_eq!(
+            free_handle(&open, &mut next),
+            2,
+            "0 and 1 are live: skipped"
+        );
+        // a full lap comes back to the same live handles and skips them again
+        next = u32::MAX;
+        assert_eq!(free_handle(&open, &mut next), 2);
+    }
+
+    #[test]
+    fn the_config_never_prints_its_token() {
+        let cfg = ServerConfig::new(
+            "127.0.0.1:1".parse().unwrap(),
+            "super-secret-token",
+            vec!["r=host:1M".parse().unwrap()],
+        );
+        let d = format!("{cfg:?}");
+        assert!(
+            !d.contains("super-secret-token") && d.contains("redacted"),
+            "{d}"
+        );
+        let c = crate::ClientConfig::new("127.0.0.1:1", "super-secret-token");
+        assert!(!format!("{c:?}").contains("super-secret-token"));
+        let hello = Msg::Hello {
+            version: VERSION,
+            token: "super-secret-token".into(),
+            client: "x".into(),
+        };
+        assert!(!format!("{hello:?}").contains("super-secret-token"));
+    }
 
     #[test]
     fn ranges_are_checked_without_overflow() {

@@ -42,6 +42,7 @@ pub(crate) struct Limits {
     pub(crate) max_connections: Option<usize>,
     pub(crate) max_outstanding: Option<u32>,
     pub(crate) max_open_per_connection: Option<usize>,
+    pub(crate) max_unauthenticated: Option<usize>,
     pub(crate) hello_timeout_secs: Option<u64>,
 }
 
@@ -80,6 +81,7 @@ pub(crate) struct ServeConfig {
     pub(crate) max_connections: Option<usize>,
     pub(crate) max_outstanding: Option<u32>,
     pub(crate) max_open_per_connection: Option<usize>,
+    pub(crate) max_unauthenticated: Option<usize>,
     pub(crate) hello_timeout_secs: Option<u64>,
     pub(crate) bounce_chunk: Option<u64>,
     pub(crate) bounce_depth: Option<usize>,
@@ -136,6 +138,7 @@ pub(crate) fn parse(file: &Path, text: &str) -> Result<ServeConfig, Usage> {
         max_connections: raw.limits.max_connections,
         max_outstanding: raw.limits.max_outstanding,
         max_open_per_connection: raw.limits.max_open_per_connection,
+        max_unauthenticated: raw.limits.max_unauthenticated,
         hello_timeout_secs: raw.limits.hello_timeout_secs,
         bounce_depth: raw.bounce.depth,
         ..ServeConfig::default()

@@ -89,7 +89,7 @@ Config file (--config, TOML; keys as the flags):\n\
   metrics = \"127.0.0.1:9471\"       device = \"mlx5_0\"    p2p = \"preferred\"    reg = \"auto\"\n\
   drain_timeout_secs = 30\n\
   [limits]  max_connections = 64  max_outstanding = 16  max_open_per_connection = 64\n\
-            hello_timeout_secs = 10\n\
+            max_unauthenticated = 256  hello_timeout_secs = 10\n\
   [bounce]  chunk = \"1M\"  depth = 8\n\
   [[region]]  name = \"cmb\"  memory = \"cmb:nvme0:16M\"  p2p = \"required\"   (also reg, window,\n\
               policy)\n\
@@ -167,6 +167,9 @@ pub(crate) async fn run(a: ServeArgs) -> anyhow::Result<()> {
         .or(file.max_outstanding)
         .unwrap_or(cfg.max_outstanding)
         .max(1);
+    if let Some(n) = file.max_unauthenticated {
+        cfg.max_unauthenticated = n.max(1);
+    }
     if let Some(n) = file.max_open_per_connection {
         cfg.max_open_per_connection = n;
     }

@@ -49,7 +49,7 @@ pub(crate) async fn bind(
     init_tracing();
     let ip = lab_ip();
     let specs: Vec<RegionSpec> = regions.iter().map(|s| s.parse().unwrap()).collect();
-    let mut cfg = ServerConfig::new(format!("{ip}:0").parse().unwrap(), TOKEN.into(), specs);
+    let mut cfg = ServerConfig::new(format!("{ip}:0").parse().unwrap(), TOKEN, specs);
     tweak(&mut cfg);
     Server::bind(cfg).await
 }

@@ -401,11 +401,14 @@ pub struct RemoteSlice {
 }
 
 impl RemoteSlice {
-    /// The sub-slice at `offset` of `len` bytes.
+    /// The sub-slice at `offset` of `len` bytes. The peer chose `addr` and `len`: a slice whose
+    /// addresses would wrap past `u64::MAX` is refused like one past the end.
     pub fn slice(&self, offset: u64, len: u64) -> Result<RemoteSlice> {
-        match offset.checked_add(len) {
-            Some(end) if end <= self.len => Ok(RemoteSlice {
-                addr: self.addr + offset,
+        let addr = self.addr.checked_add(offset);
+        let fits = self.addr.checked_add(self.len).is_some();
+        match (offset.checked_add(len), addr) {
+            (Some(end), Some(addr)) if end <= self.len && fits => Ok(RemoteSlice {
+                addr,
                 rkey: self.rkey,
                 len,
             }),
@@ -743,4 +746,39 @@ pub enum DmabufSupport {
     Unsupported,
     /// Something else happened.
     Unknown(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RemoteSlice;
+
+    #[test]
+    fn remote_slices_never_wrap() {
+        let r = RemoteSlice {
+            addr: 4096,
+            rkey: 7,
+            len: 100,
+        };
+        let s = r.slice(10, 90).unwrap();
+        assert_eq!((s.addr, s.len, s.rkey), (4106, 90, 7));
+        assert!(r.slice(10, 91).is_err());
+        assert!(r.slice(u64::MAX, 2).is_err());
+        // a peer's address at the top of the space: no overflow, no panic
+        let top = RemoteSlice {
+            addr: u64::MAX,
+            rkey: 1,
+            len: 10,
+        };
+        assert!(top.slice(1, 1).is_err());
+        assert!(
+            top.slice(0, 1).is_err(),
+            "addr + len wraps: the whole slice is invalid"
+        );
+        let edge = RemoteSlice {
+            addr: u64::MAX - 10,
+            rkey: 1,
+            len: 10,
+        };
+        assert_eq!(edge.slice(9, 1).unwrap().addr, u64::MAX - 1);
+    }
 }
