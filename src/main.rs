@@ -18,7 +18,7 @@ use cli::emit;
 use cli::inspect::{devices, doctor, topo};
 use cli::transfer::{client_config, finish_transfer, Progress};
 
-use cli::exit::{self, BenchMismatch, MissingToken, Usage};
+use cli::exit::{self, BenchMismatch, Usage};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -335,16 +335,7 @@ struct TokenArgs {
 
 impl TokenArgs {
     fn load(&self) -> anyhow::Result<String> {
-        let t = match &self.token_file {
-            Some(p) => std::fs::read_to_string(p)
-                .with_context(|| format!("cannot read the token file {}", p.display()))?,
-            None => std::env::var("P2P_RDMA_TOKEN").map_err(|_| anyhow::anyhow!(MissingToken))?,
-        };
-        let t = t.trim().to_string();
-        if t.is_empty() {
-            anyhow::bail!(MissingToken);
-        }
-        Ok(t)
+        cli::read_token(self.token_file.as_deref())
     }
 }
 

@@ -21,3 +21,18 @@ pub(crate) fn emit(text: &str) -> anyhow::Result<()> {
         r => Ok(r?),
     }
 }
+
+/// The token from `file` (surrounding whitespace ignored), or from P2P_RDMA_TOKEN.
+pub(crate) fn read_token(file: Option<&std::path::Path>) -> anyhow::Result<String> {
+    use anyhow::Context as _;
+    let t = match file {
+        Some(p) => std::fs::read_to_string(p)
+            .with_context(|| format!("cannot read the token file {}", p.display()))?,
+        None => std::env::var("P2P_RDMA_TOKEN").map_err(|_| anyhow::anyhow!(exit::MissingToken))?,
+    };
+    let t = t.trim().to_string();
+    if t.is_empty() {
+        anyhow::bail!(exit::MissingToken);
+    }
+    Ok(t)
+}

@@ -6,11 +6,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Context as _;
 use bridge::size::human;
 
 use super::config;
-use super::exit::{MissingToken, Usage};
+use super::exit::Usage;
+use super::read_token;
 
 /// `serve`'s arguments (every one may also come from `--config`).
 #[derive(clap::Args, Debug)]
@@ -103,19 +103,6 @@ Examples:\n\
     )
 }
 
-fn read_token(file: Option<&PathBuf>) -> anyhow::Result<String> {
-    let t = match file {
-        Some(p) => std::fs::read_to_string(p)
-            .with_context(|| format!("cannot read the token file {}", p.display()))?,
-        None => std::env::var("P2P_RDMA_TOKEN").map_err(|_| anyhow::anyhow!(MissingToken))?,
-    };
-    let t = t.trim().to_string();
-    if t.is_empty() {
-        anyhow::bail!(MissingToken);
-    }
-    Ok(t)
-}
-
 /// Run `serve`.
 pub(crate) async fn run(a: ServeArgs) -> anyhow::Result<()> {
     if let Some(file) = &a.check_config {
@@ -153,7 +140,7 @@ pub(crate) async fn run(a: ServeArgs) -> anyhow::Result<()> {
         .or(file.listen)
         .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 7471)));
     let token_file = a.token_file.or(file.token_file);
-    let token = read_token(token_file.as_ref())?;
+    let token = read_token(token_file.as_deref())?;
     let mut cfg = bridge::ServerConfig::new(listen, token, regions);
     cfg.device = a.device.or(file.device);
     cfg.p2p = a.p2p.or(file.p2p).unwrap_or(cfg.p2p);
