@@ -146,3 +146,39 @@ async fn lab_hardening_an_rkey_stops_working_at_close() {
     );
     s.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_hardening_an_open_for_reading_gets_an_rkey_without_remote_write() {
+    let s = start(&["r=host:1M"], |_| {}).await;
+    let mut c = Client::connect(ClientConfig::new(s.addr.to_string(), TOKEN))
+        .await
+        .unwrap();
+    let reader = c.open("r", false).await.unwrap();
+    assert!(
+        reader.remote.len > 0,
+        "the region is direct: it has an rkey"
+    );
+    let bytes = vec![0xa5u8; 4096];
+    let mut src: &[u8] = &bytes;
+    let res = tokio::time::timeout(
+        Duration::from_secs(60),
+        c.put(&reader, 0, &mut src, Some(4096), false, &mut |_| {}),
+    )
+    .await
+    .expect("a WRITE on a read-only rkey fails, it does not hang");
+    assert!(
+        res.is_err(),
+        "an RDMA WRITE through the rkey of an open for reading succeeded"
+    );
+    // a new connection (the failed WRITE broke the old QP) that opens for writing may put
+    let mut c = Client::connect(ClientConfig::new(s.addr.to_string(), TOKEN))
+        .await
+        .unwrap();
+    let writer = c.open("r", true).await.unwrap();
+    let mut src: &[u8] = &bytes;
+    c.put(&writer, 0, &mut src, Some(4096), true, &mut |_| {})
+        .await
+        .expect("an open for writing may put");
+    s.stop().await;
+}

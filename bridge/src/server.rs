@@ -793,7 +793,8 @@ struct ConnState {
     // drop order: handles (leases), in-flight bounces, cache, staging ring, QP, PD
     open: HashMap<u32, OpenHandle>,
     inflight: VecDeque<InFlight>,
-    cache: Option<RegCache<usize, DeviceMr>>,
+    /// Keyed by (region index, writable): an open for reading gets an MR without remote write.
+    cache: Option<RegCache<(usize, bool), DeviceMr>>,
     ring: Vec<RegisteredBuffer>,
     /// MRs of device-private window mappings, by the mapping's address (the MR holds the
     /// mapping, so the address is not reused while the entry exists). Entries whose mapping the
@@ -1220,7 +1221,7 @@ impl ConnState {
         }
         if let Some(c) = &self.cache {
             // no lease is left (handles dropped theirs): deregisters at once
-            if let Err(e) = c.invalidate(gone, Duration::from_secs(1)) {
+            if let Err(e) = c.invalidate(|k| gone(&k.0), Duration::from_secs(1)) {
                 tracing::warn!(error = %e, "registrations of a removed region are still in use");
             }
         }
@@ -1656,7 +1657,7 @@ impl ConnState {
         Ok(Ok(()))
     }
 
-    fn cache(&mut self, limits: Limits) -> &RegCache<usize, DeviceMr> {
+    fn cache(&mut self, limits: Limits) -> &RegCache<(usize, bool), DeviceMr> {
         self.cache.get_or_insert_with(|| RegCache::new(limits))
     }
 
@@ -1808,11 +1809,17 @@ async fn handle(shared: &Shared, st: &mut ConnState, msg: Msg) -> Reply {
                 Some(mode) if r.direct_len > 0 => {
                     let pd = st.pd(&shared.ctx)?;
                     let provider = r.provider()?;
-                    let access = access_for(r.info.access);
+                    // least privilege: the rkey allows remote writes only to an open for writing
+                    let writable = write && r.info.access == AccessMode::ReadWrite;
+                    let access = access_for(if writable {
+                        AccessMode::ReadWrite
+                    } else {
+                        AccessMode::ReadOnly
+                    });
                     let direct = r.direct_len;
                     let lease = st
                         .cache(shared.cfg.cache)
-                        .get(&idx, 0..direct, direct, |range| {
+                        .get(&(idx, writable), 0..direct, direct, |range| {
                             register_mode(&pd, &provider, range, access, mode)
                         })
                         .map_err(|e| {
@@ -1868,7 +1875,7 @@ async fn handle(shared: &Shared, st: &mut ConnState, msg: Msg) -> Reply {
                 // the client hears Closed
                 if !st.open.values().any(|o| o.idx == idx) {
                     if let Some(c) = &st.cache {
-                        if let Err(e) = c.invalidate(|k| *k == idx, Duration::from_secs(1)) {
+                        if let Err(e) = c.invalidate(|k| k.0 == idx, Duration::from_secs(1)) {
                             tracing::warn!(error = %e, "a closed region's registration is still in use");
                         }
                     }
