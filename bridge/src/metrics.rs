@@ -27,6 +27,17 @@ pub enum Direction {
     put,
 }
 
+impl Direction {
+    /// `put` when bytes go into the region, `fetch` when they come out.
+    pub fn of(to_region: bool) -> Direction {
+        if to_region {
+            Direction::put
+        } else {
+            Direction::fetch
+        }
+    }
+}
+
 /// How bytes moved.
 #[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
 #[allow(non_camel_case_types)]

@@ -223,8 +223,6 @@ struct Shared {
     removals: watch::Sender<u64>,
     /// The token clients must present (replaced by [`ServerHandle::set_token`]).
     token: RwLock<crate::Token>,
-    /// Set at shutdown: new opens and connects are refused, open handles keep working.
-    draining: AtomicBool,
 }
 
 impl Shared {
@@ -516,7 +514,6 @@ impl Server {
                 unauthenticated: AtomicUsize::new(0),
                 removals: watch::Sender::new(0),
                 token,
-                draining: AtomicBool::new(false),
             }),
             listener,
         })
@@ -590,7 +587,6 @@ impl Server {
             "shutting down: no new connections or opens; open handles finish their transfers"
         );
         self.shared.metrics().set_ready(false);
-        self.shared.draining.store(true, Ordering::SeqCst);
         drop(self.listener);
         let _ = stop_tx.send(true);
         let drain = async { while tasks.join_next().await.is_some() {} };
@@ -978,12 +974,7 @@ async fn serve_connection(
             }
             done = next_done(&mut st.inflight) => {
                 let f = st.inflight.pop_front().expect("a bounce was in flight");
-                let meta = f.meta;
-                let reply = st.finish(f, done);
-                if let (Some(meta), Msg::BounceDone { len, zero_copy }) = (meta, &reply) {
-                    record_bounce(shared, meta, *len, *zero_copy);
-                }
-                count_reply(m, &reply);
+                let reply = st.complete(shared, f, done);
                 if let Err(e) = conn.send(&reply).await {
                     break Err(e);
                 }
@@ -994,7 +985,7 @@ async fn serve_connection(
         let msg = match msg {
             Ok(m) => m,
             Err(Error::Protocol { peer, source }) => {
-                let _ = st.drain(conn).await;
+                let _ = st.drain(shared, conn).await;
                 m.error(&ErrorCode::BadRequest.to_string());
                 let _ = conn
                     .send(&Msg::error(ErrorCode::BadRequest, source.to_string()))
@@ -1004,7 +995,7 @@ async fn serve_connection(
             Err(e) => break Err(e),
         };
         if matches!(msg, Msg::Bye) {
-            break st.drain(conn).await;
+            break st.drain(shared, conn).await;
         }
         if let Msg::Transferred {
             handle,
@@ -1050,7 +1041,7 @@ async fn serve_connection(
                 }
                 Ok(Err((code, message))) => {
                     tracing::debug!(%code, message, "bounce refused");
-                    if let Err(e) = st.drain(conn).await {
+                    if let Err(e) = st.drain(shared, conn).await {
                         break Err(e);
                     }
                     m.error(&code.to_string());
@@ -1061,7 +1052,7 @@ async fn serve_connection(
             }
             continue;
         }
-        if let Err(e) = st.drain(conn).await {
+        if let Err(e) = st.drain(shared, conn).await {
             break Err(e);
         }
         // a client that holds handles may still connect its QP to use them
@@ -1117,11 +1108,7 @@ fn count_reply(m: &Metrics, reply: &Msg) {
 fn record_bounce(shared: &Shared, meta: BounceMeta, len: u64, zero_copy: u64) {
     let m = shared.metrics();
     let name = &shared.regions[meta.region].info.name;
-    let dir = if meta.to_region {
-        Direction::put
-    } else {
-        Direction::fetch
-    };
+    let dir = Direction::of(meta.to_region);
     let staged = len.saturating_sub(zero_copy);
     if staged > 0 || zero_copy == 0 {
         m.transfer(name, dir, XferPath::bounce, staged);
@@ -1156,11 +1143,7 @@ fn record_direct(
         );
         return;
     }
-    let dir = if to_region {
-        Direction::put
-    } else {
-        Direction::fetch
-    };
+    let dir = Direction::of(to_region);
     let m = shared.metrics();
     m.transfer(&r.info.name, dir, XferPath::direct, len);
     m.observe(dir, XferPath::direct, seconds);
@@ -1228,13 +1211,25 @@ impl ConnState {
     }
 
     /// Finish every bounce in flight, replying to each in order.
-    async fn drain(&mut self, conn: &mut Conn) -> Result<()> {
+    async fn drain(&mut self, shared: &Shared, conn: &mut Conn) -> Result<()> {
         while let Some(mut f) = self.inflight.pop_front() {
             let done = f.fut.as_mut().await;
-            let reply = self.finish(f, done);
+            let reply = self.complete(shared, f, done);
             conn.send(&reply).await?;
         }
         Ok(())
+    }
+
+    /// [`ConnState::finish`], then count what it did in the metrics: the bytes of a finished
+    /// bounce, or the error code of its reply.
+    fn complete(&mut self, shared: &Shared, f: InFlight, done: Option<Completion>) -> Msg {
+        let meta = f.meta;
+        let reply = self.finish(f, done);
+        if let (Some(meta), Msg::BounceDone { len, zero_copy }) = (meta, &reply) {
+            record_bounce(shared, meta, *len, *zero_copy);
+        }
+        count_reply(shared.metrics(), &reply);
+        reply
     }
 
     /// A completed bounce: copy into the region for a put, give the buffer back, say how it went.
@@ -1604,12 +1599,7 @@ impl ConnState {
                 .pop_front()
                 .expect("ring full means work in flight");
             let done = f.fut.as_mut().await;
-            let meta = f.meta;
-            let reply = self.finish(f, done);
-            if let (Some(meta), Msg::BounceDone { len, zero_copy }) = (meta, &reply) {
-                record_bounce(shared, meta, *len, *zero_copy);
-            }
-            count_reply(shared.metrics(), &reply);
+            let reply = self.complete(shared, f, done);
             conn.send(&reply).await?;
         };
         if let Some(mode) = r
