@@ -23,7 +23,7 @@ use peermem::canary::DeviceMr;
 use peermem::plan::{decide, P2pPolicy, PathKind, RegChoice};
 use peermem::Provider;
 use serde::{Deserialize, Serialize};
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt as _, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use verbs::{
     Access, Context, CqMode, Endpoint, HostBuffer, Local, ProtectionDomain, QpOptions, QueuePair,
@@ -252,6 +252,8 @@ impl Keys {
 #[serde(tag = "msg", rename_all = "snake_case")]
 enum Msg {
     Hello {
+        /// The shared secret (the same token as `serve`'s).
+        token: bridge::Token,
         params: BenchParams,
         endpoints: Vec<Endpoint>,
         keys: Keys,
@@ -280,6 +282,12 @@ enum Msg {
     },
 }
 
+/// Longest control line (a hello with 64 QPs' endpoints is a few KiB).
+const MAX_LINE: usize = 64 << 10;
+
+/// How long a client may take to say hello.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+
 struct Control {
     rd: BufReader<tokio::net::tcp::OwnedReadHalf>,
     wr: tokio::net::tcp::OwnedWriteHalf,
@@ -304,13 +312,19 @@ impl Control {
     }
     async fn recv(&mut self) -> Result<Msg> {
         let mut line = String::new();
-        let n = self
-            .rd
+        // a line is at most MAX_LINE bytes: a peer cannot make us buffer more
+        let n = (&mut self.rd)
+            .take(MAX_LINE as u64)
             .read_line(&mut line)
             .await
             .map_err(|e| BenchError::Control(format!("receive: {e}")))?;
         if n == 0 {
             return Err(BenchError::Control("the peer closed the connection".into()));
+        }
+        if !line.ends_with('\n') && n >= MAX_LINE {
+            return Err(BenchError::Control(format!(
+                "a control line longer than {MAX_LINE} bytes: not a p2p-rdma bench peer"
+            )));
         }
         match serde_json::from_str(&line) {
             Ok(Msg::Error { message }) => Err(BenchError::Peer(message)),
@@ -418,12 +432,24 @@ fn recv_slots(p: &BenchParams) -> u32 {
 /// Server memory options.
 #[derive(Debug, Clone)]
 pub struct ServerMem {
+    /// The token clients must present.
+    pub token: bridge::Token,
     /// A region spec of `serve` without the name (None: host RAM).
     pub spec: Option<String>,
     /// Policy.
     pub p2p: P2pPolicy,
     /// Strategy.
     pub reg: RegChoice,
+}
+
+/// What the server's memory must allow for the benchmark `p` (and nothing more).
+fn target_access(p: &BenchParams) -> Access {
+    match (p.op, p.bidir) {
+        (BenchOp::Send, _) => Access::LOCAL_WRITE,
+        (BenchOp::Read, false) => Access::REMOTE_READ,
+        (BenchOp::Write, false) => Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+        (_, true) => Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+    }
 }
 
 /// Serve one benchmark client on `listen`, then return.
@@ -452,14 +478,26 @@ pub async fn serve_one(listen: SocketAddr, side: &Side, mem: &ServerMem) -> Resu
 }
 
 async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem) -> Result<()> {
+    let hello = tokio::time::timeout(HELLO_TIMEOUT, c.recv())
+        .await
+        .map_err(|_| {
+            BenchError::Control(format!("no hello within {} s", HELLO_TIMEOUT.as_secs()))
+        })??;
     let Msg::Hello {
+        token,
         params: p,
         endpoints,
         keys: client_keys,
-    } = c.recv().await?
+    } = hello
     else {
         return Err(BenchError::Control("expected hello".into()));
     };
+    if !mem.token.matches(&token) {
+        return Err(BenchError::Control(
+            "wrong token: the client must use the server's token (--token-file or P2P_RDMA_TOKEN)"
+                .into(),
+        ));
+    }
     p.check().map_err(BenchError::Config)?;
     if endpoints.len() != p.qps as usize {
         return Err(BenchError::Control(
@@ -478,7 +516,7 @@ async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem) -> Result<
         Option<Arc<dyn Provider>>,
     ) = match &mem.spec {
         None => (
-            Target::Host(pd.register(HostBuffer::new(max)?, Access::ALL, RegMode::Pinned)?),
+            Target::Host(pd.register(HostBuffer::new(max)?, target_access(&p), RegMode::Pinned)?),
             "direct".into(),
             "pinned".into(),
             None,
@@ -501,8 +539,33 @@ async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem) -> Result<
                 .map_err(|r| BenchError::Config(r.to_string()))?;
             match (planned.decision.path, planned.mr) {
                 (PathKind::Direct, Some(mr)) => {
-                    let s = mr.mode().to_string();
-                    (Target::Device(mr), "direct".into(), s, Some(provider))
+                    let access = target_access(&p);
+                    if provider.holds_data() && access.contains(Access::REMOTE_WRITE) {
+                        return Err(BenchError::Config(format!(
+                            "--mem {spec} holds data ({}): a {} benchmark would overwrite it; \
+                             benchmark reads of it, or writes to host:, cmb: or dmabuf: memory",
+                            provider.describe(),
+                            if p.op == BenchOp::Send {
+                                "send"
+                            } else {
+                                "write"
+                            }
+                        )));
+                    }
+                    // least privilege: the rkey allows what the benchmark does, no more
+                    let mode = mr.mode();
+                    drop(mr);
+                    let mr =
+                        peermem::canary::register_mode(&pd, &provider, 0..max as u64, access, mode)
+                            .map_err(|e| {
+                                BenchError::Config(format!("--mem {spec} ({mode}): {e}"))
+                            })?;
+                    (
+                        Target::Device(mr),
+                        "direct".into(),
+                        mode.to_string(),
+                        Some(provider),
+                    )
                 }
                 _ => {
                     tracing::info!(reason = %planned.decision.reason, "server memory goes through bounce buffers");
@@ -525,7 +588,7 @@ async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem) -> Result<
     if path == "bounce" {
         let provider =
             provider.ok_or_else(|| BenchError::Config("bounce without memory".into()))?;
-        return serve_bounce(c, side, &p, provider, strategy).await;
+        return serve_bounce(c, side, &p, provider, strategy, &mem.token).await;
     }
 
     // QPs, one per client QP; SEND runs keep receive buffers posted on every QP.
@@ -557,7 +620,9 @@ async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem) -> Result<
     let mut receivers = tokio::task::JoinSet::new();
     if p.op == BenchOp::Send || (p.lat && p.op == BenchOp::Write) {
         let pat = Arc::new(pattern(max));
-        let source = Arc::new(pd.register(HostBuffer::new(max)?, Access::ALL, RegMode::Pinned)?);
+        // local only: no rkey of it is handed out
+        let source =
+            Arc::new(pd.register(HostBuffer::new(max)?, Access::LOCAL_WRITE, RegMode::Pinned)?);
         for qp in &qps {
             let mut slots = VecDeque::new();
             let n = if p.lat { 2 } else { recv };
@@ -720,18 +785,14 @@ async fn serve_bounce(
     p: &BenchParams,
     provider: Arc<dyn Provider>,
     strategy: String,
+    token: &bridge::Token,
 ) -> Result<()> {
     if p.op == BenchOp::Send || p.lat || p.bidir {
         return Err(BenchError::Config(
             "the server memory goes through bounce buffers: only write and read bandwidth runs (put/fetch through the bridge) are measured on that path".into(),
         ));
     }
-    let token = {
-        use std::hash::{BuildHasher, Hasher};
-        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        h.write_u32(std::process::id());
-        format!("bench-{:016x}", h.finish())
-    };
+    let token = token.clone();
     let local =
         c.wr.local_addr()
             .map_err(|e| BenchError::Control(e.to_string()))?;
@@ -742,7 +803,8 @@ async fn serve_bounce(
     cfg.memory_regions.push(bridge::MemoryRegionSpec {
         name: "bench".into(),
         provider: Arc::clone(&provider),
-        read_only: false,
+        // least privilege: a read benchmark cannot change the memory
+        read_only: p.op == BenchOp::Read,
         options: Default::default(),
     });
     let server = bridge::Server::bind(cfg).await?;
@@ -760,7 +822,7 @@ async fn serve_bounce(
         },
         path: "bounce".into(),
         strategy,
-        bridge: Some((port, token)),
+        bridge: Some((port, token.expose().to_string())),
     })
     .await?;
     let pat = pattern(p.max_size());
@@ -943,6 +1005,8 @@ async fn bw_loop(
 pub struct ClientOpts {
     /// `host:port` of the server.
     pub server: String,
+    /// The server's token.
+    pub token: bridge::Token,
     /// Device setup.
     pub side: Side,
     /// Parameters.
@@ -1015,6 +1079,7 @@ pub async fn run_client(
         }
     };
     c.send(&Msg::Hello {
+        token: o.token.clone(),
         params: p.clone(),
         endpoints: qps.iter().map(|q| q.endpoint()).collect(),
         keys: mine_keys,

@@ -186,7 +186,7 @@ enum Cmd {
     /// runs ping-pong one message (WRITE with immediate / SEND, reported one way like
     /// ib_write_lat / ib_send_lat) or time single READs (full round trip, like ib_read_lat).
     #[command(
-        after_help = "Examples:\n  server$ p2p-rdma bench write\n  client$ p2p-rdma bench write 10.0.0.1 --size 1M --duration 5\n  server$ p2p-rdma bench read --mem cmb:nvme0:16M\n  client$ p2p-rdma bench read 10.0.0.1 --all --iters 1000 --validate --json\n  client$ p2p-rdma bench write 10.0.0.1 --lat --size 2\n\nThe server's --mem takes the region specs of `serve` (host:SIZE, file:PATH, cmb:DEV:SIZE,\ndmabuf:SIZE, cuda:GPU:SIZE). When that memory cannot be registered direct (the canary decides),\nthe server serves it through the bridge's bounce pipeline and the client measures put/fetch of\neach size on that path (bandwidth runs only). The client's buffers are host RAM.\n\nCompare with perftest on the same devices: soft-roce/compare (lab) prints the ratios."
+        after_help = "Examples:\n  server$ export P2P_RDMA_TOKEN=$(cat token)   (both sides: the server refuses other clients)\n  server$ p2p-rdma bench write\n  client$ p2p-rdma bench write 10.0.0.1 --size 1M --duration 5\n  server$ p2p-rdma bench read --mem cmb:nvme0:16M\n  client$ p2p-rdma bench read 10.0.0.1 --all --iters 1000 --validate --json\n  client$ p2p-rdma bench write 10.0.0.1 --lat --size 2\n\nThe server's --mem takes the region specs of `serve` (host:SIZE, file:PATH, cmb:DEV:SIZE,\ndmabuf:SIZE, cuda:GPU:SIZE). When that memory cannot be registered direct (the canary decides),\nthe server serves it through the bridge's bounce pipeline and the client measures put/fetch of\neach size on that path (bandwidth runs only). The client's buffers are host RAM.\n\nCompare with perftest on the same devices: soft-roce/compare (lab) prints the ratios."
     )]
     Bench {
         /// write, read or send.
@@ -234,6 +234,10 @@ enum Cmd {
         /// Server: the memory to benchmark (a region spec of `serve`, without the name).
         #[arg(long, value_name = "SPEC")]
         mem: Option<String>,
+        /// The shared secret, the same on both sides (default: $P2P_RDMA_TOKEN); the server
+        /// refuses a client without it.
+        #[arg(long, value_name = "FILE")]
+        token_file: Option<std::path::PathBuf>,
         /// Server: P2P policy for --mem.
         #[arg(long, default_value = "preferred", value_name = "POLICY")]
         p2p: peermem::plan::P2pPolicy,
@@ -586,6 +590,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             bidir,
             lat,
             mem,
+            token_file,
             p2p,
             reg,
             validate,
@@ -620,6 +625,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     );
                 }
                 let mem = bench::ServerMem {
+                    token: bridge::Token::new(cli::read_token(token_file.as_deref())?),
                     spec: mem,
                     p2p,
                     reg,
@@ -660,6 +666,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 poll,
             };
             params.check().map_err(|e| anyhow::anyhow!("{e}"))?;
+            let token = bridge::Token::new(cli::read_token(token_file.as_deref())?);
             let server = if server.contains(':') {
                 server
             } else {
@@ -672,6 +679,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let results = bench::run_client(
                 &bench::ClientOpts {
                     server,
+                    token,
                     side,
                     params,
                 },

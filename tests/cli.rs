@@ -150,10 +150,28 @@ fn bench_checks_its_arguments_before_touching_anything() {
 }
 
 #[test]
+fn bench_needs_the_token_on_both_sides() {
+    for args in [
+        vec!["bench", "write"],
+        vec!["bench", "write", "127.0.0.1:9"],
+    ] {
+        let out = bin()
+            .args(&args)
+            .env_remove("P2P_RDMA_TOKEN")
+            .output()
+            .unwrap();
+        let e = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?}");
+        assert!(e.contains("P2P_RDMA_TOKEN"), "{args:?}: {e}");
+    }
+}
+
+#[test]
 fn bench_says_when_no_server_listens() {
     // Port 9 (discard) is not served here: refused, retried a few seconds, then exit 5.
     let out = bin()
         .args(["bench", "write", "127.0.0.1:9", "--iters", "1"])
+        .env("P2P_RDMA_TOKEN", "t")
         .output()
         .unwrap();
     let e = String::from_utf8_lossy(&out.stderr);

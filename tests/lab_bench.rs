@@ -5,10 +5,12 @@ use std::process::{Child, Command, Stdio};
 use serde_json::Value;
 
 mod common;
-use common::{lab_ip, LAB};
+use common::{lab_ip, LAB, TOKEN};
 
 fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_p2p-rdma"))
+    let mut c = Command::new(env!("CARGO_BIN_EXE_p2p-rdma"));
+    c.env("P2P_RDMA_TOKEN", TOKEN);
+    c
 }
 
 fn server(op: &str, port: u16, extra: &[&str]) -> Child {
@@ -241,4 +243,69 @@ fn lab_nvme_bench_measures_the_bounce_path_of_a_cmb() {
         assert_eq!(r["validated"], true, "{r}");
         assert_eq!(r["iterations"], 8, "{r}");
     }
+}
+
+#[test]
+#[ignore = "lab"]
+fn lab_bench_server_refuses_strangers_long_lines_and_writes_into_files() {
+    let addr = |port: u16| format!("{}:{port}", lab_ip());
+    // a client without the token: refused, and the server says why
+    let mut s = server("write", 19140, &[]);
+    let out = bin()
+        .env("P2P_RDMA_TOKEN", "not-the-token")
+        .args(["bench", "write", &addr(19140), "--iters", "5"])
+        .output()
+        .unwrap();
+    let sv = failed(&mut s);
+    assert!(!out.status.success());
+    assert!(sv.contains("wrong token"), "{sv}");
+    // a peer that sends an endless line: refused after 64 KiB, not buffered
+    let mut s = server("write", 19141, &[]);
+    let mut t = loop {
+        match std::net::TcpStream::connect(addr(19141)) {
+            Ok(t) => break t,
+            Err(_) => std::thread::sleep(std::time::Duration::from_millis(100)),
+        }
+    };
+    use std::io::Write as _;
+    let _ = t.write_all(&vec![b'x'; 1 << 20]);
+    let sv = failed(&mut s);
+    assert!(sv.contains("longer than 65536 bytes"), "{sv}");
+    // a write benchmark of a file would overwrite it: refused; a read benchmark is allowed
+    let f = std::env::temp_dir().join(format!("bench-file-{}", std::process::id()));
+    std::fs::write(&f, common::data(1 << 20, 5)).unwrap();
+    let spec = format!("file:{}", f.display());
+    let mut s = server("write", 19142, &["--mem", &spec]);
+    let out = bin()
+        .args(["bench", "write", &addr(19142), "--iters", "5"])
+        .output()
+        .unwrap();
+    let sv = failed(&mut s);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        sv.contains("holds data") && err.contains("holds data"),
+        "server: {sv}\nclient: {err}"
+    );
+    let rows = run(
+        "read",
+        19143,
+        &["--mem", &spec],
+        &["--size", "64K", "--iters", "8"],
+    );
+    assert_eq!(rows[0]["path"], "direct", "{}", rows[0]);
+    assert_eq!(std::fs::read(&f).unwrap(), common::data(1 << 20, 5));
+    std::fs::remove_file(f).unwrap();
+}
+
+/// The stderr of a bench server that must have failed.
+fn failed(s: &mut Child) -> String {
+    use std::io::Read;
+    let st = s.wait().unwrap();
+    let mut e = String::new();
+    if let Some(mut x) = s.stderr.take() {
+        let _ = x.read_to_string(&mut e);
+    }
+    assert!(!st.success(), "the bench server should have refused: {e}");
+    e
 }

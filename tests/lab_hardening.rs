@@ -182,3 +182,207 @@ async fn lab_hardening_an_open_for_reading_gets_an_rkey_without_remote_write() {
         .expect("an open for writing may put");
     s.stop().await;
 }
+
+/// A file of `len` bytes of `seed`'s pattern in the guest's scratch space.
+fn scratch_file(name: &str, len: usize, seed: u32) -> std::path::PathBuf {
+    let p = std::env::temp_dir().join(format!("{name}-{}", std::process::id()));
+    std::fs::write(&p, common::data(len, seed)).unwrap();
+    p
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_hardening_a_truncated_file_is_refused_and_the_server_keeps_serving() {
+    let path = scratch_file("shrinks", 1 << 20, 11);
+    let spec = format!("f=file:{}", path.display());
+    let s = start(&[spec.as_str(), "r=host:1M"], |_| {}).await;
+    let mut c = Client::connect(ClientConfig::new(s.addr.to_string(), TOKEN))
+        .await
+        .unwrap();
+    let f = c.open("f", true).await.unwrap();
+    // another process truncates the served file to a quarter
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(256 << 10)
+        .unwrap();
+    // before the fix the server's next copy past the end was a SIGBUS: this process died
+    let e = c.checksum(&f, 512 << 10, 4096).await.unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::Truncated), "{e}");
+    assert!(e.to_string().contains("truncated it"), "{e}");
+    let bytes = vec![0x5au8; 8192];
+    let mut src: &[u8] = &bytes;
+    let e = c
+        .put(&f, 768 << 10, &mut src, Some(8192), false, &mut |_| {})
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::Truncated), "{e}");
+    assert_eq!(
+        std::fs::metadata(&path).unwrap().len(),
+        256 << 10,
+        "a refused put does not extend the file"
+    );
+    // what is left, and the other regions, are still served
+    let mut head = Vec::new();
+    c.fetch(&f, 0, 4096, &mut head, true, &mut |_| {})
+        .await
+        .unwrap();
+    assert_eq!(head, common::data(1 << 20, 11)[..4096]);
+    let r = c.open("r", true).await.unwrap();
+    let mut src: &[u8] = &bytes;
+    c.put(&r, 0, &mut src, Some(8192), true, &mut |_| {})
+        .await
+        .unwrap();
+    c.bye().await.unwrap();
+    s.stop().await;
+    std::fs::remove_file(path).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_hardening_puts_to_a_file_go_through_the_server_and_are_flushed() {
+    let path = scratch_file("durable", 1 << 20, 12);
+    let spec = format!("f=file:{}", path.display());
+    let s = start(&[spec.as_str()], |_| {}).await;
+    let mut c = Client::connect(ClientConfig::new(s.addr.to_string(), TOKEN))
+        .await
+        .unwrap();
+    let f = c.open("f", true).await.unwrap();
+    assert!(f.info.server_puts, "{:?}", f.info);
+    assert!(
+        f.info.reason.contains("puts go through the server"),
+        "{}",
+        f.info.reason
+    );
+    let bytes = common::data(300_000, 13);
+    let mut src: &[u8] = &bytes;
+    let rep = c
+        .put(&f, 4096, &mut src, None, true, &mut |_| {})
+        .await
+        .unwrap();
+    assert_eq!((rep.bytes, rep.direct_bytes), (300_000, 0), "{rep:?}");
+    assert_eq!(rep.bounce_bytes, 300_000);
+    // acknowledged: in the file (through the file, not the mapping)
+    let on_disk = std::fs::read(&path).unwrap();
+    assert_eq!(&on_disk[4096..4096 + 300_000], &bytes[..]);
+    // fetches of the direct part still go by RDMA READ
+    let mut out = Vec::new();
+    let rep = c
+        .fetch(&f, 4096, 300_000, &mut out, true, &mut |_| {})
+        .await
+        .unwrap();
+    assert_eq!(rep.direct_bytes, 300_000, "{rep:?}");
+    assert_eq!(out, bytes);
+    // the rkey of an open for writing does not allow remote writes: a forged WRITE fails
+    // (a client that ignores server_puts and RDMA-WRITEs the direct part)
+    let mut forged = f.clone();
+    forged.info.server_puts = false;
+    let mut src: &[u8] = &bytes[..4096];
+    let res = tokio::time::timeout(
+        Duration::from_secs(60),
+        c.put(&forged, 0, &mut src, Some(4096), false, &mut |_| {}),
+    )
+    .await
+    .expect("a WRITE on a read-only rkey fails, it does not hang");
+    assert!(res.is_err(), "an RDMA WRITE into a served file succeeded");
+    assert_eq!(
+        &std::fs::read(&path).unwrap()[..4096],
+        &common::data(1 << 20, 12)[..4096]
+    );
+    s.stop().await;
+    std::fs::remove_file(path).unwrap();
+}
+
+/// A control connection that said hello with the right token.
+async fn authenticated(addr: std::net::SocketAddr) -> tokio::net::TcpStream {
+    let mut t = tokio::net::TcpStream::connect(addr).await.unwrap();
+    t.write_all(&encode(&Msg::Hello {
+        version: VERSION,
+        token: TOKEN.into(),
+        client: "raw".into(),
+    }))
+    .await
+    .unwrap();
+    t
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_hardening_an_idle_client_is_closed() {
+    let s = start(&["r=host:1M"], |c| c.idle_timeout = Duration::from_secs(2)).await;
+    let mut t = authenticated(s.addr).await;
+    // the welcome, then nothing: closed after the idle timeout (before: never)
+    let mut buf = Vec::new();
+    let started = std::time::Instant::now();
+    tokio::time::timeout(Duration::from_secs(30), t.read_to_end(&mut buf))
+        .await
+        .expect("an idle client is closed")
+        .unwrap();
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_secs(2) && took < Duration::from_secs(15),
+        "{took:?}"
+    );
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_hardening_a_client_that_stops_reading_is_closed() {
+    let s = start(&["r=host:1M"], |c| c.send_timeout = Duration::from_secs(2)).await;
+    let t = authenticated(s.addr).await;
+    // far more replies than the socket buffers hold, and we do not read them
+    let list = encode(&Msg::List);
+    let n = 100_000;
+    let mut bytes = Vec::with_capacity(list.len() * n);
+    for _ in 0..n {
+        bytes.extend_from_slice(&list);
+    }
+    let (mut rd, mut wr) = t.into_split();
+    let writer = tokio::spawn(async move {
+        let _ = wr.write_all(&bytes).await;
+        let _ = wr.shutdown().await;
+    });
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let mut buf = Vec::new();
+    tokio::time::timeout(Duration::from_secs(60), rd.read_to_end(&mut buf))
+        .await
+        .expect("the connection ends")
+        .ok();
+    let _ = writer.await;
+    let mut d = p2p_rdma::bridge::protocol::Decoder::new();
+    d.feed(&buf);
+    let mut replies = 0;
+    while let Ok(Some(_)) = d.next_msg() {
+        replies += 1;
+    }
+    assert!(
+        replies < n,
+        "the server kept a connection that stopped reading: all {replies} replies were sent"
+    );
+    // the server still serves others
+    let mut c = Client::connect(ClientConfig::new(s.addr.to_string(), TOKEN))
+        .await
+        .unwrap();
+    assert_eq!(c.list().await.unwrap().len(), 1);
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_hardening_the_staging_budget_is_server_wide() {
+    let s = start(&["b=host:1M,p2p=disabled"], |c| c.max_staging_bytes = 0).await;
+    let mut c = Client::connect(ClientConfig::new(s.addr.to_string(), TOKEN))
+        .await
+        .unwrap();
+    let r = c.open("b", false).await.unwrap();
+    let mut out = Vec::new();
+    let e = c
+        .fetch(&r, 0, 4096, &mut out, false, &mut |_| {})
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::Busy), "{e}");
+    assert!(e.to_string().contains("staging budget"), "{e}");
+    s.stop().await;
+}

@@ -47,6 +47,10 @@ impl ClientConfig {
     }
 }
 
+/// How often a long transfer tells the server the client is still there (well under the
+/// server's idle timeout).
+const KEEPALIVE: Duration = Duration::from_secs(30);
+
 /// A region opened on this connection.
 #[derive(Debug, Clone)]
 pub struct OpenRegion {
@@ -277,6 +281,20 @@ impl Client {
         }
     }
 
+    /// Ask the server to make `len` bytes at `offset` durable (a file region: `fdatasync`);
+    /// a put is acknowledged when this returns.
+    pub async fn flush(&mut self, r: &OpenRegion, offset: u64, len: u64) -> Result<()> {
+        let m = Msg::Flush {
+            handle: r.handle,
+            offset,
+            len,
+        };
+        match self.request(&m, "flushed").await? {
+            Msg::Flushed { .. } => Ok(()),
+            other => Err(reply_err(&self.conn.peer, other, "flushed")),
+        }
+    }
+
     /// Compare our CRC-32C of what moved with the server's checksum of the range.
     async fn verify(
         &mut self,
@@ -425,6 +443,7 @@ impl Client {
         let mut done = 0u64;
         let mut crc = 0u32;
         let mut by_path = [0u64; 3];
+        let mut alive = Instant::now();
         let extents = r.info.extents();
         let result: Result<()> = async {
             loop {
@@ -463,6 +482,11 @@ impl Client {
                 by_path[usize::from(!direct)] += n;
                 done += n;
                 progress(done);
+                if alive.elapsed() >= KEEPALIVE {
+                    // one-sided transfers say nothing on the control connection
+                    self.conn.send(&Msg::KeepAlive).await?;
+                    alive = Instant::now();
+                }
             }
             sink.flush()
                 .map_err(|e| Error::io("flushing the fetched data", e))
@@ -514,7 +538,17 @@ impl Client {
         let mut eof = false;
         let mut overflow = false;
         let mut by_path = [0u64; 3];
-        let extents = r.info.extents();
+        let mut alive = Instant::now();
+        // a region that holds data takes puts through the server only
+        let extents = if r.info.server_puts {
+            vec![Extent {
+                offset: 0,
+                len: r.info.size,
+                path: DataPath::Bounce,
+            }]
+        } else {
+            r.info.extents()
+        };
         let result: Result<()> = async {
             loop {
                 while window.len() < depth && !eof && posted < max {
@@ -578,6 +612,11 @@ impl Client {
                     }
                 }
                 progress(done);
+                if alive.elapsed() >= KEEPALIVE {
+                    // one-sided transfers say nothing on the control connection
+                    self.conn.send(&Msg::KeepAlive).await?;
+                    alive = Instant::now();
+                }
             }
             Ok(())
         }
@@ -595,6 +634,8 @@ impl Client {
                 ),
             });
         }
+        // acknowledged only once the server made it durable
+        self.flush(r, offset, done).await?;
         let seconds = start.elapsed().as_secs_f64();
         self.report_direct(r, offset, by_path[0], true, seconds)
             .await?;

@@ -13,6 +13,8 @@ pub(crate) struct Conn {
     stream: TcpStream,
     dec: Decoder,
     pub(crate) peer: String,
+    /// How long a send may wait for the peer to read (None: as long as it takes).
+    send_timeout: Option<Duration>,
 }
 
 impl Conn {
@@ -22,6 +24,20 @@ impl Conn {
             stream,
             dec: Decoder::new(),
             peer,
+            send_timeout: None,
+        }
+    }
+
+    /// Give up a send after `t` (a peer that stopped reading), and let the kernel probe an idle
+    /// peer (TCP keepalive), so a vanished host is noticed without a request.
+    pub(crate) fn set_send_timeout(&mut self, t: Duration) {
+        self.send_timeout = Some(t);
+        let ka = socket2::TcpKeepalive::new()
+            .with_time(Duration::from_secs(60))
+            .with_interval(Duration::from_secs(10))
+            .with_retries(6);
+        if let Err(e) = socket2::SockRef::from(&self.stream).set_tcp_keepalive(&ka) {
+            tracing::debug!(error = %e, "TCP keepalive not set");
         }
     }
 
@@ -31,10 +47,19 @@ impl Conn {
     }
 
     pub(crate) async fn send(&mut self, m: &Msg) -> Result<()> {
-        self.stream
-            .write_all(&encode(m))
-            .await
-            .map_err(|e| Error::io(format!("sending '{}' to {}", m.kind(), self.peer), e))
+        let bytes = encode(m);
+        let write = self.stream.write_all(&bytes);
+        let res = match self.send_timeout {
+            Some(t) => tokio::time::timeout(t, write)
+                .await
+                .map_err(|_| Error::Timeout {
+                    peer: self.peer.clone(),
+                    what: "the peer to read a reply (it stopped reading)",
+                    secs: t.as_secs(),
+                })?,
+            None => write.await,
+        };
+        res.map_err(|e| Error::io(format!("sending '{}' to {}", m.kind(), self.peer), e))
     }
 
     /// The next message; `want` names what the caller waits for (for error messages).

@@ -8,6 +8,8 @@
 pub mod client;
 mod conn;
 pub mod error;
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing;
 pub mod http;
 pub mod metrics;
 pub mod protocol;

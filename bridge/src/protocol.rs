@@ -9,7 +9,7 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 /// Protocol version spoken by this build.
-pub const VERSION: u16 = 2;
+pub const VERSION: u16 = 3;
 /// Largest accepted frame payload.
 pub const MAX_FRAME: usize = 1 << 20;
 
@@ -95,6 +95,11 @@ pub struct RegionInfo {
     /// migrated to host RAM, freed; P2P window use). Absent for memory that does not move.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub residency: Option<String>,
+    /// Puts go through the server (bounce requests, over the direct part too) and are durable
+    /// when [`Msg::Flushed`] answers: the memory holds data the server did not create (a file,
+    /// the embedding application's memory), so no rkey of it allows remote writes.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub server_puts: bool,
 }
 
 impl RegionInfo {
@@ -188,6 +193,9 @@ pub enum ErrorCode {
     /// Part of the range was freed or moved by the memory's owner (device-private memory)
     /// before or while it was being transferred: nothing of it was sent.
     Invalidated,
+    /// The region's file was truncated by another process: the range past its new end is gone
+    /// (the server keeps serving the rest and its other regions).
+    Truncated,
 }
 
 impl fmt::Display for ErrorCode {
@@ -315,6 +323,21 @@ pub enum Msg {
         /// How long the transfer took, as the client measured it (microseconds).
         micros: u64,
     },
+    /// Client → server, after a put: make the range durable (a file: `fdatasync`) and answer
+    /// [`Msg::Flushed`]. A put is acknowledged when this answer arrives.
+    Flush {
+        /// Open handle (opened for writing).
+        handle: u32,
+        /// Offset.
+        offset: u64,
+        /// Length.
+        len: u64,
+    },
+    /// Server → client: the range is durable.
+    Flushed {
+        /// Bytes made durable.
+        len: u64,
+    },
     /// Client → server: release a handle (its MR and rkey).
     Close {
         /// Handle.
@@ -332,6 +355,10 @@ pub enum Msg {
         /// Human message saying what to do.
         message: String,
     },
+    /// Client → server, no reply: still here (sent during long one-sided transfers, which
+    /// say nothing on the control connection, so that the server's idle timeout does not
+    /// close it).
+    KeepAlive,
     /// Client → server: done; the server closes the connection.
     Bye,
 }
@@ -353,9 +380,12 @@ impl Msg {
             Msg::Bounce { .. } => "bounce",
             Msg::BounceDone { .. } => "bounce-done",
             Msg::Transferred { .. } => "transferred",
+            Msg::Flush { .. } => "flush",
+            Msg::Flushed { .. } => "flushed",
             Msg::Close { .. } => "close",
             Msg::Closed { .. } => "closed",
             Msg::Error { .. } => "error",
+            Msg::KeepAlive => "keep-alive",
             Msg::Bye => "bye",
         }
     }
@@ -484,6 +514,10 @@ fn is_zero(n: &u64) -> bool {
     *n == 0
 }
 
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -511,6 +545,7 @@ mod tests {
                 },
             ],
             residency: Some("3 of 16 pages device-private, 13 in host RAM".into()),
+            server_puts: true,
         };
         vec![
             Msg::Hello {
@@ -527,6 +562,13 @@ mod tests {
             Msg::Regions {
                 regions: vec![info.clone()],
             },
+            Msg::Flush {
+                handle: 3,
+                offset: 4096,
+                len: 1 << 20,
+            },
+            Msg::Flushed { len: 1 << 20 },
+            Msg::KeepAlive,
             Msg::Open {
                 region: "ram".into(),
                 write: true,
@@ -556,6 +598,7 @@ mod tests {
             strategy: None,
             extents: Vec::new(),
             residency: None,
+            server_puts: false,
         };
         assert_eq!(
             r.extents(),
@@ -690,6 +733,7 @@ mod tests {
                         strategy: None,
                         extents: Vec::new(),
                         residency: None,
+                        server_puts: false,
                     },
                     addr,
                     rkey,

@@ -5,6 +5,12 @@
 //! a canary: an RDMA WRITE and an RDMA READ through that very MR on a loopback QP pair, over a
 //! scratch range that spans more than one path MTU and starts partway into a page; the bytes are
 //! compared with the CPU's view and the range is restored afterwards.
+//!
+//! The WRITE half runs only on memory the server allocated itself, before anyone can see it.
+//! Memory that holds data ([`Provider::holds_data`]: a file, the embedding application's
+//! memory, a dma-buf handed in) is never written by a canary — a crash between the write and
+//! the restore would leave a served file changed — so it is registered without remote write
+//! and only the READ half runs (its puts go through the server).
 
 use std::fmt;
 use std::ops::Range;
@@ -53,7 +59,7 @@ impl fmt::Display for CanaryReport {
             write!(
                 f,
                 "canary passed: RDMA {} of {} bytes at offset {} (path MTU {}) moved every byte right",
-                if self.write_checked { "WRITE and READ" } else { "READ (read-only memory)" },
+                if self.write_checked { "WRITE and READ" } else { "READ (memory that is read-only or holds data is never written by a canary)" },
                 self.len, self.offset, self.path_mtu
             )
         } else {
@@ -306,7 +312,9 @@ pub async fn run_canary(pd: &ProtectionDomain, region: &DeviceMr) -> Result<Cana
         ));
     }
     let base = region.start();
-    let writable = prov.writable() && region.mr().access().contains(Access::REMOTE_WRITE);
+    let writable = prov.writable()
+        && !prov.holds_data()
+        && region.mr().access().contains(Access::REMOTE_WRITE);
     let n = len as usize;
     let mut original = vec![0u8; n];
     prov.copy_out(base + offset, &mut original)?;
@@ -370,7 +378,8 @@ pub async fn register_with_canary(
     let mut attempts = Vec::new();
     let mut chosen = None;
     // the canary writes through the MR: register with local and remote write when allowed
-    let access = if provider.writable() {
+    // (never for memory that holds data: the canary does not write it, nor do remote peers)
+    let access = if provider.writable() && !provider.holds_data() {
         Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ
     } else {
         Access::REMOTE_READ

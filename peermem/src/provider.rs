@@ -54,6 +54,19 @@ pub trait Provider: Send + Sync + fmt::Debug {
     fn copy_out(&self, offset: u64, out: &mut [u8]) -> Result<(), Error>;
     /// Copy `data` into the memory at `offset`.
     fn copy_in(&self, offset: u64, data: &[u8]) -> Result<(), Error>;
+    /// Make what [`Provider::copy_in`] wrote to `offset..offset + len` durable (a file:
+    /// `fdatasync`). Memory that does not persist has nothing to do.
+    fn sync(&self, offset: u64, len: u64) -> Result<(), Error> {
+        let _ = (offset, len);
+        Ok(())
+    }
+    /// Whether the bytes were there before the server (a file, memory of the embedding
+    /// application, a dma-buf handed in): only clients' puts may change them, so a canary never
+    /// writes into such memory, and remote peers do not get to RDMA-WRITE it directly (puts go
+    /// through the server, which can make them durable).
+    fn holds_data(&self) -> bool {
+        false
+    }
     /// Whether the memory is still valid (not freed or moved by its owner). Registrations and
     /// copies check this first and refuse to touch invalidated memory.
     fn check_valid(&self) -> Result<(), Error> {
@@ -92,6 +105,8 @@ pub struct HostMemory {
     offset: u64,
     len: u64,
     writable: bool,
+    /// Memory the server did not allocate itself (see [`Provider::holds_data`]).
+    holds_data: bool,
 }
 
 impl HostMemory {
@@ -99,7 +114,10 @@ impl HostMemory {
     pub fn anonymous(len: u64, huge: bool) -> Result<HostMemory, Error> {
         let n = usize::try_from(len)
             .map_err(|_| Error::InvalidArgument(format!("{len} bytes do not fit in memory")))?;
-        Ok(Self::whole(Arc::new(SharedMemory::anonymous(n, huge)?)))
+        Ok(HostMemory {
+            holds_data: false,
+            ..Self::whole(Arc::new(SharedMemory::anonymous(n, huge)?))
+        })
     }
 
     /// The whole of a file, mapped shared (read-only unless `writable`).
@@ -107,7 +125,7 @@ impl HostMemory {
         Ok(Self::whole(Arc::new(SharedMemory::file(file, writable)?)))
     }
 
-    /// All of `mem`.
+    /// All of `mem` (memory handed in: it holds data, see [`Provider::holds_data`]).
     pub fn whole(mem: Arc<SharedMemory>) -> HostMemory {
         let len = mem.len() as u64;
         let writable = mem.writable();
@@ -116,6 +134,7 @@ impl HostMemory {
             offset: 0,
             len,
             writable,
+            holds_data: true,
         }
     }
 
@@ -136,6 +155,7 @@ impl HostMemory {
             offset,
             len,
             writable,
+            holds_data: true,
         })
     }
 }
@@ -181,6 +201,13 @@ impl Provider for HostMemory {
         }
         check_range("region", offset, data.len() as u64, self.len)?;
         Ok(self.mem.write_at(self.offset + offset, data)?)
+    }
+    fn sync(&self, offset: u64, len: u64) -> Result<(), Error> {
+        check_range("region", offset, len, self.len)?;
+        Ok(self.mem.sync(self.offset + offset, len)?)
+    }
+    fn holds_data(&self) -> bool {
+        self.holds_data
     }
 }
 
@@ -294,6 +321,9 @@ impl Provider for DmaBufMemory {
             DmaBufInner::Udmabuf(u) => u.write_at(offset, data),
             DmaBufInner::Foreign { map, .. } => Ok(map.write_at(offset, data)?),
         }
+    }
+    fn holds_data(&self) -> bool {
+        matches!(self.inner, DmaBufInner::Foreign { .. })
     }
 }
 

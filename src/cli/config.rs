@@ -44,6 +44,8 @@ pub(crate) struct Limits {
     pub(crate) max_open_per_connection: Option<usize>,
     pub(crate) max_unauthenticated: Option<usize>,
     pub(crate) hello_timeout_secs: Option<u64>,
+    pub(crate) idle_timeout_secs: Option<u64>,
+    pub(crate) send_timeout_secs: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -51,6 +53,8 @@ pub(crate) struct Limits {
 pub(crate) struct Bounce {
     /// Bytes per staging buffer (K/M/G suffixes).
     pub(crate) chunk: Option<Spanned<String>>,
+    /// Bytes of staging buffers all connections together may pin (K/M/G suffixes).
+    pub(crate) budget: Option<Spanned<String>>,
     /// Staging buffers per connection.
     pub(crate) depth: Option<usize>,
 }
@@ -83,7 +87,10 @@ pub(crate) struct ServeConfig {
     pub(crate) max_open_per_connection: Option<usize>,
     pub(crate) max_unauthenticated: Option<usize>,
     pub(crate) hello_timeout_secs: Option<u64>,
+    pub(crate) idle_timeout_secs: Option<u64>,
+    pub(crate) send_timeout_secs: Option<u64>,
     pub(crate) bounce_chunk: Option<u64>,
+    pub(crate) staging_budget: Option<u64>,
     pub(crate) bounce_depth: Option<usize>,
     pub(crate) regions: Vec<bridge::RegionSpec>,
 }
@@ -140,6 +147,8 @@ pub(crate) fn parse(file: &Path, text: &str) -> Result<ServeConfig, Usage> {
         max_open_per_connection: raw.limits.max_open_per_connection,
         max_unauthenticated: raw.limits.max_unauthenticated,
         hello_timeout_secs: raw.limits.hello_timeout_secs,
+        idle_timeout_secs: raw.limits.idle_timeout_secs,
+        send_timeout_secs: raw.limits.send_timeout_secs,
         bounce_depth: raw.bounce.depth,
         ..ServeConfig::default()
     };
@@ -170,6 +179,11 @@ pub(crate) fn parse(file: &Path, text: &str) -> Result<ServeConfig, Usage> {
             ));
         }
         c.bounce_chunk = Some(n);
+    }
+    if let Some(b) = &raw.bounce.budget {
+        let n = bridge::size::parse_size(b.get_ref())
+            .map_err(|e| bad(file, text, b.span().start, "bounce.budget", e))?;
+        c.staging_budget = Some(n);
     }
     if c.bounce_depth == Some(0) {
         return Err(Usage(format!(

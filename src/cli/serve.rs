@@ -89,8 +89,9 @@ Config file (--config, TOML; keys as the flags):\n\
   metrics = \"127.0.0.1:9471\"       device = \"mlx5_0\"    p2p = \"preferred\"    reg = \"auto\"\n\
   drain_timeout_secs = 30\n\
   [limits]  max_connections = 64  max_outstanding = 16  max_open_per_connection = 64\n\
-            max_unauthenticated = 256  hello_timeout_secs = 10\n\
-  [bounce]  chunk = \"1M\"  depth = 8\n\
+            max_unauthenticated = 256  hello_timeout_secs = 10  idle_timeout_secs = 600\n\
+            send_timeout_secs = 30\n\
+  [bounce]  chunk = \"1M\"  depth = 8  budget = \"1G\" (pinned staging, all connections)\n\
   [[region]]  name = \"cmb\"  memory = \"cmb:nvme0:16M\"  p2p = \"required\"   (also reg, window,\n\
               policy)\n\
 \n\
@@ -162,6 +163,15 @@ pub(crate) async fn run(a: ServeArgs) -> anyhow::Result<()> {
     }
     if let Some(s) = file.hello_timeout_secs {
         cfg.hello_timeout = Duration::from_secs(s.max(1));
+    }
+    if let Some(s) = file.idle_timeout_secs {
+        cfg.idle_timeout = Duration::from_secs(s.max(1));
+    }
+    if let Some(s) = file.send_timeout_secs {
+        cfg.send_timeout = Duration::from_secs(s.max(1));
+    }
+    if let Some(n) = file.staging_budget {
+        cfg.max_staging_bytes = n;
     }
     if let Some(s) = a.drain_timeout.or(file.drain_timeout_secs) {
         cfg.drain_timeout = Duration::from_secs(s);

@@ -50,6 +50,14 @@ pub enum Call {
     Mmap,
     /// registering the completion channel's fd with tokio
     AsyncFd,
+    /// `pread` of a served file (the CPU's copy out of a file region)
+    Pread,
+    /// `pwrite` of a served file (the CPU's copy into a file region)
+    Pwrite,
+    /// `fstat` of a served file
+    Fstat,
+    /// `fdatasync` of a served file (making acknowledged puts durable)
+    Fdatasync,
 }
 
 impl Call {
@@ -76,6 +84,10 @@ impl Call {
             Call::PostRecv => "ibv_post_recv",
             Call::Mmap => "mmap",
             Call::AsyncFd => "AsyncFd::register_with_interest",
+            Call::Pread => "pread",
+            Call::Pwrite => "pwrite",
+            Call::Fstat => "fstat",
+            Call::Fdatasync => "fdatasync",
         }
     }
 }
@@ -335,6 +347,23 @@ pub enum Error {
     /// A caller-supplied value is invalid.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// A served file became shorter than its mapping (another process truncated it): the
+    /// bytes past its new end are gone, and reaching them through the mapping would fault.
+    #[error(
+        "the served file is now {now} bytes, shorter than the {mapped} bytes served (another \
+         process truncated it): bytes {offset}..{end} are gone; restore the file's size or \
+         remove the region"
+    )]
+    FileShrank {
+        /// Bytes mapped (the region's size).
+        mapped: u64,
+        /// The file's size now.
+        now: u64,
+        /// Start of the refused range.
+        offset: u64,
+        /// End of the refused range.
+        end: u64,
+    },
 }
 
 impl Error {

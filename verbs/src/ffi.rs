@@ -212,9 +212,10 @@ impl Mapping {
             libc::PROT_READ
         };
         // SAFETY: a fresh shared mapping of an open file at an address of the kernel's choosing
-        // touches no existing memory; the result is checked for MAP_FAILED. (Truncating the file
-        // behind our back would make later accesses fault: the file is opened by the server,
-        // which documents that served files must not shrink.)
+        // touches no existing memory; the result is checked for MAP_FAILED. (A file truncated
+        // behind our back makes accesses past its new end fault: `SharedMemory` therefore never
+        // copies a file through the mapping, only through pread/pwrite on the file; the mapping
+        // is for the NIC, whose accesses to pinned pages do not fault.)
         let ptr = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),

@@ -472,11 +472,17 @@ impl HostBuffer {
 /// mapped file. The CPU reaches it only by copying ([`SharedMemory::read_at`] /
 /// [`SharedMemory::write_at`]), never through references, because remote peers may write it at
 /// any time.
+///
+/// The CPU copies of a file go through the file itself (`pread`/`pwrite` on the same page
+/// cache the mapping shows), never through the mapping: a file that another process truncates
+/// then yields [`Error::FileShrank`] instead of a SIGBUS that would kill the process.
 #[derive(Debug)]
 pub struct SharedMemory {
     map: Mapping,
     writable: bool,
     kind: &'static str,
+    /// The mapped file (files only).
+    file: Option<std::fs::File>,
 }
 
 impl SharedMemory {
@@ -497,6 +503,7 @@ impl SharedMemory {
             map,
             writable: true,
             kind: if huge { "host-huge" } else { "host" },
+            file: None,
         })
     }
 
@@ -522,10 +529,14 @@ impl SharedMemory {
                 e,
             )
         })?;
+        let file = file
+            .try_clone()
+            .map_err(|e| Error::verbs(Call::Mmap, "dup of the file to serve", e))?;
         Ok(SharedMemory {
             map,
             writable,
             kind: "file",
+            file: Some(file),
         })
     }
 
@@ -552,6 +563,7 @@ impl SharedMemory {
             map,
             writable,
             kind,
+            file: None,
         })
     }
 
@@ -607,8 +619,19 @@ impl SharedMemory {
     /// Copy bytes out.
     pub fn read_at(&self, offset: u64, out: &mut [u8]) -> Result<()> {
         let o = self.check(offset, out.len())?;
-        self.map.copy_out(o, out);
-        Ok(())
+        match &self.file {
+            Some(f) => {
+                use std::os::unix::fs::FileExt as _;
+                f.read_exact_at(out, offset).map_err(|e| match e.kind() {
+                    std::io::ErrorKind::UnexpectedEof => self.shrank(f, offset, out.len()),
+                    _ => Error::verbs(Call::Pread, format!("{} bytes at {offset}", out.len()), e),
+                })
+            }
+            None => {
+                self.map.copy_out(o, out);
+                Ok(())
+            }
+        }
     }
 
     /// Copy bytes in.
@@ -619,9 +642,58 @@ impl SharedMemory {
             ));
         }
         let o = self.check(offset, data.len())?;
-        self.map.copy_in(o, data);
-        Ok(())
+        match &self.file {
+            Some(f) => {
+                use std::os::unix::fs::FileExt as _;
+                // never extend a file that shrank: the bytes past its end are not served
+                let end = offset + data.len() as u64;
+                if file_len(f)? < end {
+                    return Err(self.shrank(f, offset, data.len()));
+                }
+                f.write_all_at(data, offset).map_err(|e| {
+                    Error::verbs(Call::Pwrite, format!("{} bytes at {offset}", data.len()), e)
+                })
+            }
+            None => {
+                self.map.copy_in(o, data);
+                Ok(())
+            }
+        }
     }
+
+    /// Make what was written to `offset..offset + len` durable: `fdatasync` of a file (the
+    /// server's own writes, by [`SharedMemory::write_at`], are in its page cache). Memory that
+    /// is not a file has nothing to make durable. Fails with [`Error::FileShrank`] when the
+    /// range is past the end of a file that shrank.
+    pub fn sync(&self, offset: u64, len: u64) -> Result<()> {
+        let Some(f) = &self.file else {
+            return Ok(());
+        };
+        self.check(offset, len as usize)?;
+        if file_len(f)? < offset + len {
+            return Err(self.shrank(f, offset, len as usize));
+        }
+        f.sync_data()
+            .map_err(|e| Error::verbs(Call::Fdatasync, format!("{len} bytes at {offset}"), e))
+    }
+
+    fn shrank(&self, f: &std::fs::File, offset: u64, len: usize) -> Error {
+        match file_len(f) {
+            Ok(now) => Error::FileShrank {
+                mapped: self.len() as u64,
+                now,
+                offset,
+                end: offset + len as u64,
+            },
+            Err(e) => e,
+        }
+    }
+}
+
+fn file_len(f: &std::fs::File) -> Result<u64> {
+    f.metadata()
+        .map(|m| m.len())
+        .map_err(|e| Error::verbs(Call::Fstat, "the served file's size", e))
 }
 
 impl ProtectionDomain {
@@ -780,5 +852,68 @@ mod tests {
             len: 10,
         };
         assert_eq!(edge.slice(9, 1).unwrap().addr, u64::MAX - 1);
+    }
+}
+
+#[cfg(test)]
+mod file_tests {
+    use super::{Error, SharedMemory};
+
+    fn served(len: usize) -> (std::path::PathBuf, std::fs::File, SharedMemory) {
+        let path =
+            std::env::temp_dir().join(format!("p2p-rdma-shrink-{}-{len}", std::process::id()));
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .unwrap();
+        f.set_len(len as u64).unwrap();
+        let m = SharedMemory::file(&f, true).unwrap();
+        (path, f, m)
+    }
+
+    /// Before: a file truncated by another process turned the next copy into SIGBUS (the
+    /// process died). Now the copy fails with FileShrank and the memory stays usable.
+    #[test]
+    fn a_truncated_file_is_refused_not_faulted() {
+        let (path, f, m) = served(64 << 10);
+        m.write_at(60 << 10, &[7u8; 4096]).unwrap();
+        let mut out = [0u8; 4096];
+        m.read_at(60 << 10, &mut out).unwrap();
+        assert_eq!(out, [7u8; 4096]);
+        f.set_len(16 << 10).unwrap();
+        for e in [
+            m.read_at(60 << 10, &mut out).unwrap_err(),
+            m.write_at(60 << 10, &out).unwrap_err(),
+            m.sync(20 << 10, 4096).unwrap_err(),
+        ] {
+            assert!(
+                matches!(
+                    e,
+                    Error::FileShrank {
+                        mapped: 65536,
+                        now: 16384,
+                        ..
+                    }
+                ),
+                "{e}"
+            );
+            assert!(e.to_string().contains("truncated it"), "{e}");
+        }
+        assert_eq!(
+            f.metadata().unwrap().len(),
+            16 << 10,
+            "a refused write does not extend the file"
+        );
+        // what is left is still served
+        m.write_at(0, b"still here").unwrap();
+        m.sync(0, 10).unwrap();
+        let mut head = [0u8; 10];
+        m.read_at(0, &mut head).unwrap();
+        assert_eq!(&head, b"still here");
+        assert_eq!(&std::fs::read(&path).unwrap()[..10], b"still here");
+        std::fs::remove_file(path).unwrap();
     }
 }

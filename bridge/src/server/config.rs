@@ -1,0 +1,137 @@
+//! What a server is told: its settings and the regions over memory the application provides.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use peermem::plan::{P2pPolicy, RegChoice};
+use peermem::regcache::Limits;
+use peermem::{HostMemory, Provider};
+use verbs::SharedMemory;
+
+use crate::error::{Error, Result};
+use crate::metrics::Metrics;
+use crate::spec::{RegionOptions, RegionSpec};
+
+/// A region over memory the embedding application provides: any [`Provider`] (a window of its
+/// own RAM, a dma-buf fd it exported, device memory).
+#[derive(Debug, Clone)]
+pub struct MemoryRegionSpec {
+    /// Name clients use.
+    pub name: String,
+    /// The memory.
+    pub provider: Arc<dyn Provider>,
+    /// Refuse puts (and register without remote write).
+    pub read_only: bool,
+    /// Overrides.
+    pub options: RegionOptions,
+}
+
+impl MemoryRegionSpec {
+    /// A window of host memory the application keeps writing through its own `Arc`.
+    pub fn window(
+        name: impl Into<String>,
+        mem: Arc<SharedMemory>,
+        offset: u64,
+        len: u64,
+        read_only: bool,
+    ) -> Result<MemoryRegionSpec> {
+        let name = name.into();
+        let provider = HostMemory::window(mem, offset, len, !read_only)
+            .map_err(|e| Error::Config(format!("region '{name}': {e}")))?;
+        Ok(MemoryRegionSpec {
+            name,
+            provider: Arc::new(provider),
+            read_only,
+            options: RegionOptions::default(),
+        })
+    }
+}
+
+/// Server settings.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// RDMA device (None: first active).
+    pub device: Option<String>,
+    /// Where to listen.
+    pub listen: SocketAddr,
+    /// The shared secret.
+    pub token: crate::Token,
+    /// Regions to serve.
+    pub regions: Vec<RegionSpec>,
+    /// Regions over memory the embedding application provides.
+    pub memory_regions: Vec<MemoryRegionSpec>,
+    /// Most concurrent authenticated connections; more are refused with `busy`.
+    pub max_connections: usize,
+    /// Most connections that have not said hello yet (each for at most `hello_timeout`);
+    /// more are closed at once. Kept apart from `max_connections` so that silent sockets
+    /// cannot lock authenticated clients out.
+    pub max_unauthenticated: usize,
+    /// RDMA READ/WRITEs a client may keep in flight (the QP's responder resources).
+    pub max_outstanding: u32,
+    /// Regions one connection may hold open at once.
+    pub max_open_per_connection: usize,
+    /// How long a new connection may take to say hello.
+    pub hello_timeout: Duration,
+    /// How long shutdown waits for connections to finish.
+    pub drain_timeout: Duration,
+    /// How long an authenticated connection may stay silent on its control connection with
+    /// nothing in flight before it is closed (its handles and registrations released).
+    /// One-sided transfers end with a report, so a working client is never idle this long.
+    pub idle_timeout: Duration,
+    /// How long a reply may wait for a client that stopped reading before the connection is
+    /// closed (a full socket buffer must not hold a connection's resources forever).
+    pub send_timeout: Duration,
+    /// Bytes of pinned staging buffers all connections together may hold; a bounce request
+    /// that would need more waits for one of its own connection's buffers, or is refused with
+    /// `busy` when the connection has none in flight.
+    pub max_staging_bytes: u64,
+    /// P2P policy for regions that do not set their own.
+    pub p2p: P2pPolicy,
+    /// Registration strategies for regions that do not set their own.
+    pub reg: RegChoice,
+    /// Bytes per staging buffer of the bounce path (the largest bounce request).
+    pub bounce_chunk: usize,
+    /// Staging buffers per connection (bounce copies and RDMA in flight at once).
+    pub bounce_depth: usize,
+    /// Registration cache limits, per connection.
+    pub cache: Limits,
+    /// sysfs root (for CMB devices).
+    pub sysfs: PathBuf,
+    /// Where the server counts what it does (share it with a [`crate::http::MetricsServer`]).
+    pub metrics: Arc<Metrics>,
+}
+
+impl ServerConfig {
+    /// Defaults for everything but device, address, token and regions.
+    pub fn new(
+        listen: SocketAddr,
+        token: impl Into<crate::Token>,
+        regions: Vec<RegionSpec>,
+    ) -> ServerConfig {
+        ServerConfig {
+            device: None,
+            listen,
+            token: token.into(),
+            regions,
+            memory_regions: Vec::new(),
+            max_connections: 64,
+            max_unauthenticated: 256,
+            max_outstanding: 16,
+            max_open_per_connection: 64,
+            hello_timeout: Duration::from_secs(10),
+            drain_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(600),
+            send_timeout: Duration::from_secs(30),
+            max_staging_bytes: 1 << 30,
+            p2p: P2pPolicy::Preferred,
+            reg: RegChoice::Auto,
+            bounce_chunk: 1 << 20,
+            bounce_depth: 8,
+            cache: Limits::default(),
+            sysfs: PathBuf::from("/sys"),
+            metrics: Arc::new(Metrics::new()),
+        }
+    }
+}

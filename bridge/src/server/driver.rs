@@ -1,0 +1,554 @@
+//! The connection task: reads frames, asks the [`Session`] what they mean, and carries out its
+//! steps with sockets and verbs (the QP, registrations, the bounce pipeline, checksums).
+//!
+//! Bounce requests are pipelined (several in flight); every reply goes out in request order,
+//! so a request of another kind first waits for the bounces before it.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use peermem::canary::{register_mode, DeviceMr};
+use peermem::regcache::{Lease, Limits, RegCache};
+use tokio::sync::watch;
+use verbs::{Access, Context, ProtectionDomain, QpOptions, QueuePair, RegisteredBuffer};
+
+use super::bounce::InFlight;
+use super::regions::crc_of;
+use super::session::{self, Catalog, HelloFault, Refusal, Rules, Session, Step};
+use super::Shared;
+use crate::conn::Conn;
+use crate::error::{Error, Result};
+use crate::metrics::{Direction, Metrics, XferPath};
+use crate::protocol::{AccessMode, ErrorCode, Msg, VERSION};
+
+/// What a handle holds: the registration of the region's direct part (None: bounce only, or
+/// the region was removed).
+pub(super) type HandleMr = Option<Lease<DeviceMr>>;
+
+/// Decrements a gauge when dropped.
+struct GaugeGuard<'a>(&'a prometheus_client::metrics::gauge::Gauge);
+impl Drop for GaugeGuard<'_> {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+struct ActiveGuard<'a>(&'a AtomicUsize);
+impl Drop for ActiveGuard<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Per-connection state; dropping it destroys the MRs, the QP and the PD.
+pub(super) struct ConnState {
+    // drop order: the session (its handles' leases), in-flight bounces, cache, staging ring,
+    // QP, PD
+    pub(super) session: Session<HandleMr>,
+    pub(super) inflight: VecDeque<InFlight>,
+    /// Keyed by (region index, writable): an open for reading gets an MR without remote write.
+    cache: Option<RegCache<(usize, bool), DeviceMr>>,
+    pub(super) ring: Vec<RegisteredBuffer>,
+    /// MRs of device-private window mappings, by the mapping's address (the MR holds the
+    /// mapping, so the address is not reused while the entry exists). Entries whose mapping the
+    /// region gave up (evicted or invalidated: the MR holds the last reference) are dropped.
+    pub(super) window_mrs: HashMap<usize, Arc<DeviceMr>>,
+    pub(super) qp: Option<QueuePair>,
+    pd: Option<ProtectionDomain>,
+    /// The cache's counters as last added to the metrics.
+    cache_seen: peermem::regcache::Stats,
+    /// Bytes of staging buffers this connection allocated (for the metrics).
+    pub(super) staging_bytes: u64,
+}
+
+pub(super) fn internal(e: impl std::fmt::Display) -> Refusal {
+    (ErrorCode::Internal, e.to_string())
+}
+
+fn access_for(mode: AccessMode) -> Access {
+    match mode {
+        AccessMode::ReadOnly => Access::REMOTE_READ,
+        AccessMode::ReadWrite => Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE,
+    }
+}
+
+pub(super) async fn connection(
+    shared: Arc<Shared>,
+    mut conn: Conn,
+    mut stop: watch::Receiver<bool>,
+) {
+    let m = shared.metrics();
+    m.connections_accepted.inc();
+    m.connections.inc();
+    let _gauge = GaugeGuard(&m.connections);
+    // Before the hello, a connection holds a slot of its own budget, not an authenticated
+    // client's: sockets that never say hello cannot lock real clients out. Over that budget
+    // the socket is closed at once, without a byte in reply.
+    let pending = shared.unauthenticated.fetch_add(1, Ordering::SeqCst) + 1;
+    let pre = ActiveGuard(&shared.unauthenticated);
+    if pending > shared.cfg.max_unauthenticated {
+        tracing::warn!(
+            limit = shared.cfg.max_unauthenticated,
+            "connection dropped: too many connections have not said hello yet"
+        );
+        return;
+    }
+    conn.set_max_frame(crate::protocol::MAX_HELLO_FRAME);
+    conn.set_send_timeout(shared.cfg.send_timeout);
+    let hello = authenticate(&shared, &mut conn).await;
+    drop(pre);
+    if let Err(e) = hello {
+        tracing::info!(error = %e, "connection refused before authentication");
+        conn.shutdown().await;
+        return;
+    }
+    conn.set_max_frame(crate::protocol::MAX_FRAME);
+    let n = shared.active.fetch_add(1, Ordering::SeqCst) + 1;
+    let _guard = ActiveGuard(&shared.active);
+    if n > shared.cfg.max_connections {
+        tracing::warn!(
+            limit = shared.cfg.max_connections,
+            "connection refused: limit reached"
+        );
+        let _ = conn
+            .send(&Msg::error(
+                ErrorCode::Busy,
+                format!(
+                    "the server is at its limit of {} connections; retry later",
+                    shared.cfg.max_connections
+                ),
+            ))
+            .await;
+        return;
+    }
+    match serve_connection(&shared, &mut conn, &mut stop).await {
+        Ok(()) => tracing::info!("connection closed"),
+        Err(e) => tracing::info!(error = %e, "connection ended"),
+    }
+    conn.shutdown().await;
+}
+
+/// The hello: version and token. Nothing about a region is said before it succeeds.
+async fn authenticate(shared: &Shared, conn: &mut Conn) -> Result<()> {
+    let msg = match conn.recv(Some(shared.cfg.hello_timeout), "hello").await {
+        Ok(m) => m,
+        Err(e) => {
+            if let Error::Protocol { source, .. } = &e {
+                let _ = conn
+                    .send(&Msg::error(ErrorCode::BadRequest, source.to_string()))
+                    .await;
+            }
+            return Err(e);
+        }
+    };
+    let checked = {
+        let expected = shared.token.read().unwrap_or_else(|p| p.into_inner());
+        session::check_hello(msg, &expected)
+    };
+    let refused = match checked {
+        Ok(client) => {
+            tracing::info!(client, "client authenticated");
+            return Ok(());
+        }
+        Err(r) => r,
+    };
+    let _ = conn.send(&Msg::error(refused.code, &refused.message)).await;
+    Err(match refused.fault {
+        HelloFault::NotHello(got) => Error::Unexpected {
+            peer: conn.peer.clone(),
+            got,
+            want: "hello",
+        },
+        HelloFault::Version(theirs) => Error::Version {
+            peer: conn.peer.clone(),
+            theirs,
+            ours: VERSION,
+        },
+        HelloFault::Token(client) => {
+            tracing::warn!(client, "wrong token");
+            shared.metrics().auth_failures.inc();
+            shared.metrics().error(&ErrorCode::Unauthorized.to_string());
+            Error::Server {
+                code: ErrorCode::Unauthorized,
+                message: format!("client '{client}' sent a wrong token"),
+            }
+        }
+    })
+}
+
+async fn serve_connection(
+    shared: &Shared,
+    conn: &mut Conn,
+    stop: &mut watch::Receiver<bool>,
+) -> Result<()> {
+    conn.send(&Msg::Welcome {
+        version: VERSION,
+        server: format!(
+            "p2p-rdma {} on {}",
+            env!("CARGO_PKG_VERSION"),
+            shared.ctx.name()
+        ),
+        max_outstanding: shared.cfg.max_outstanding,
+    })
+    .await?;
+
+    let mut st = ConnState::new(Rules {
+        max_open: shared.cfg.max_open_per_connection,
+        bounce_chunk: shared.cfg.bounce_chunk as u64,
+    });
+    let mut removals = shared.removals.subscribe();
+    removals.borrow_and_update();
+    let m = shared.metrics();
+    let mut stopping = false;
+    let result = loop {
+        // draining (the server is stopping): a client with nothing open is told and let go; one
+        // with open handles finishes its transfers (new opens are refused) until it closes them
+        if st.session.may_leave() && st.inflight.is_empty() {
+            let reply = Msg::error(ErrorCode::ShuttingDown, "the server is shutting down");
+            count_reply(m, &reply);
+            let _ = conn.send(&reply).await;
+            break Ok(());
+        }
+        // silent with nothing in flight: idle; a bounce in flight answers on its own
+        let idle = st.inflight.is_empty().then_some(shared.cfg.idle_timeout);
+        let msg = tokio::select! {
+            biased;
+            _ = stop.changed(), if !stopping => {
+                stopping = true;
+                st.session.drain();
+                continue;
+            }
+            _ = removals.changed() => {
+                st.revoke_removed(shared);
+                st.sync_metrics(m, false);
+                continue;
+            }
+            done = super::bounce::next_done(&mut st.inflight) => {
+                let f = st.inflight.pop_front().expect("a bounce was in flight");
+                let reply = st.complete(shared, f, done);
+                if let Err(e) = conn.send(&reply).await {
+                    break Err(e);
+                }
+                continue;
+            }
+            m = conn.recv(idle, "a request (idle timeout)") => m,
+        };
+        let msg = match msg {
+            Ok(m) => m,
+            Err(Error::Protocol { peer, source }) => {
+                let _ = st.drain(shared, conn).await;
+                m.error(&ErrorCode::BadRequest.to_string());
+                let _ = conn
+                    .send(&Msg::error(ErrorCode::BadRequest, source.to_string()))
+                    .await;
+                break Err(Error::Protocol { peer, source });
+            }
+            Err(e) => break Err(e),
+        };
+        let reply = match st.session.step(msg, &shared.regions) {
+            Step::Leave => break st.drain(shared, conn).await,
+            Step::Ignore => continue,
+            Step::Report {
+                region,
+                len,
+                to_region,
+                micros,
+            } => {
+                let dir = Direction::of(to_region);
+                m.transfer(
+                    &shared.regions.info(region).name,
+                    dir,
+                    XferPath::direct,
+                    len,
+                );
+                m.observe(dir, XferPath::direct, micros as f64 / 1e6);
+                continue;
+            }
+            Step::Bounce(req) => match st.start_bounce(shared, conn, req).await {
+                Err(e) => break Err(e),
+                Ok(Ok(())) => continue,
+                Ok(Err((code, message))) => {
+                    tracing::debug!(%code, message, "bounce refused");
+                    Msg::Error { code, message }
+                }
+            },
+            other => {
+                if let Err(e) = st.drain(shared, conn).await {
+                    break Err(e);
+                }
+                st.execute(shared, other)
+                    .await
+                    .unwrap_or_else(|(code, message)| {
+                        tracing::debug!(%code, message, "request refused");
+                        Msg::Error { code, message }
+                    })
+            }
+        };
+        if let Err(e) = st.drain(shared, conn).await {
+            break Err(e);
+        }
+        count_reply(m, &reply);
+        if let Err(e) = conn.send(&reply).await {
+            break Err(e);
+        }
+    };
+    m.open_handles.dec_by(st.session.open_count() as i64);
+    shared
+        .staging
+        .fetch_sub(st.staging_bytes, std::sync::atomic::Ordering::SeqCst);
+    st.sync_metrics(m, true);
+    result
+}
+
+/// Count an error reply by its code.
+pub(super) fn count_reply(m: &Metrics, reply: &Msg) {
+    if let Msg::Error { code, .. } = reply {
+        m.error(&code.to_string());
+    }
+}
+
+impl ConnState {
+    fn new(rules: Rules) -> ConnState {
+        ConnState {
+            session: Session::new(rules),
+            inflight: VecDeque::new(),
+            cache: None,
+            ring: Vec::new(),
+            window_mrs: HashMap::new(),
+            qp: None,
+            pd: None,
+            cache_seen: Default::default(),
+            staging_bytes: 0,
+        }
+    }
+
+    /// This connection's PD, created on first use.
+    pub(super) fn pd(&mut self, ctx: &Context) -> std::result::Result<ProtectionDomain, Refusal> {
+        if let Some(pd) = &self.pd {
+            return Ok(pd.clone());
+        }
+        let pd = ProtectionDomain::new(ctx).map_err(internal)?;
+        self.pd = Some(pd.clone());
+        Ok(pd)
+    }
+
+    /// Drop this connection's registrations of removed regions, and its MRs of window mappings
+    /// that were evicted or invalidated.
+    fn revoke_removed(&mut self, shared: &Shared) {
+        self.sweep_window_mrs();
+        let gone = |idx: &usize| shared.regions.is_removed(*idx);
+        for (handle, region, lease) in self.session.payloads_mut() {
+            if gone(&region) && lease.take().is_some() {
+                tracing::info!(
+                    handle,
+                    region = shared.regions.info(region).name,
+                    "revoked the MR of a removed region"
+                );
+            }
+        }
+        if let Some(c) = &self.cache {
+            // no lease is left (handles dropped theirs): deregisters at once
+            if let Err(e) = c.invalidate(|k| gone(&k.0), Duration::from_secs(1)) {
+                tracing::warn!(error = %e, "registrations of a removed region are still in use");
+            }
+        }
+    }
+
+    /// Carry out a step that replies (the bounces before it have been answered).
+    async fn execute(
+        &mut self,
+        shared: &Shared,
+        step: Step<HandleMr>,
+    ) -> std::result::Result<Msg, Refusal> {
+        match step {
+            Step::Reply(m) => Ok(m),
+            Step::List => Ok(Msg::Regions {
+                regions: shared.regions.listing(),
+            }),
+            Step::Connect(endpoint) => self.connect(shared, endpoint),
+            Step::Open { region, writable } => {
+                let r = shared.regions.get(region);
+                let lease = self.register(shared, region, writable)?;
+                let (addr, rkey) = lease
+                    .as_ref()
+                    .map_or((0, 0), |l| (l.mr().addr(), l.mr().rkey()));
+                let handle = self.session.opened(region, writable, lease);
+                shared.metrics().open_handles.inc();
+                self.sync_metrics(shared.metrics(), false);
+                tracing::info!(region = r.info.name, handle, writable, path = %r.info.path, "region opened");
+                Ok(Msg::Opened {
+                    handle,
+                    info: r.info.clone(),
+                    addr,
+                    rkey,
+                    len: r.direct_len,
+                    bounce_chunk: shared.cfg.bounce_chunk as u64,
+                })
+            }
+            Step::Checksum {
+                region,
+                offset,
+                len,
+            } => {
+                let provider = shared.regions.get(region).provider()?;
+                let crc = tokio::task::spawn_blocking(move || crc_of(&*provider, offset, len))
+                    .await
+                    .map_err(internal)?
+                    .map_err(|e| {
+                        (
+                            super::bounce::copy_error_code(&e),
+                            format!("checksum of {len} bytes at {offset}: {e}"),
+                        )
+                    })?;
+                Ok(Msg::ChecksumIs { crc32c: crc })
+            }
+            Step::Flush {
+                region,
+                offset,
+                len,
+            } => {
+                let provider = shared.regions.get(region).provider()?;
+                tokio::task::spawn_blocking(move || provider.sync(offset, len))
+                    .await
+                    .map_err(internal)?
+                    .map_err(|e| {
+                        (
+                            super::bounce::copy_error_code(&e),
+                            format!("making {len} bytes at {offset} durable: {e}"),
+                        )
+                    })?;
+                Ok(Msg::Flushed { len })
+            }
+            Step::Close {
+                handle,
+                region,
+                payload,
+                last,
+            } => {
+                shared.metrics().open_handles.dec();
+                drop(payload);
+                // the rkey dies with the handle: once no other handle of this connection uses
+                // the region, its registration goes (no lease is left, so at once), before
+                // the client hears Closed
+                if last {
+                    if let Some(c) = &self.cache {
+                        if let Err(e) = c.invalidate(|k| k.0 == region, Duration::from_secs(1)) {
+                            tracing::warn!(error = %e, "a closed region's registration is still in use");
+                        }
+                    }
+                    self.sync_metrics(shared.metrics(), false);
+                }
+                Ok(Msg::Closed { handle })
+            }
+            Step::Bounce(_) | Step::Report { .. } | Step::Ignore | Step::Leave => {
+                Err(internal("a step without a reply reached the reply path"))
+            }
+        }
+    }
+
+    fn connect(
+        &mut self,
+        shared: &Shared,
+        endpoint: crate::protocol::WireEndpoint,
+    ) -> std::result::Result<Msg, Refusal> {
+        let pd = self.pd(&shared.ctx)?;
+        let qp = QueuePair::new(
+            &pd,
+            QpOptions {
+                // a device-private bounce request may take one work request per window
+                // unit it covers, and one per run of staged units
+                max_send_wr: (shared.cfg.bounce_depth
+                    * (shared
+                        .cfg
+                        .bounce_chunk
+                        .div_ceil(peermem::hmm::UNIT as usize)
+                        + 2)
+                    + 1)
+                .min(4096) as u32,
+                max_recv_wr: 1,
+                max_rd_atomic: shared.cfg.max_outstanding.clamp(1, 255) as u8,
+                ..QpOptions::default()
+            },
+        )
+        .map_err(internal)?;
+        let remote = verbs::Endpoint::from(endpoint);
+        qp.connect(&remote).map_err(internal)?;
+        let ep = qp.endpoint();
+        tracing::info!(qpn = qp.qpn(), remote_qpn = remote.qpn, "QP connected");
+        self.qp = Some(qp);
+        self.session.connected();
+        Ok(Msg::Connected {
+            endpoint: ep.into(),
+        })
+    }
+
+    /// The registration of a region's direct part for an open (None: the region has none).
+    fn register(
+        &mut self,
+        shared: &Shared,
+        region: usize,
+        writable: bool,
+    ) -> std::result::Result<HandleMr, Refusal> {
+        let r = shared.regions.get(region);
+        let Some(mode) = r.mode.filter(|_| r.direct_len > 0) else {
+            return Ok(None);
+        };
+        // memory that holds data takes puts through the server only
+        let writable = writable && !r.info.server_puts;
+        let pd = self.pd(&shared.ctx)?;
+        let provider = r.provider()?;
+        // least privilege: the rkey allows remote writes only to an open for writing
+        let access = access_for(if writable {
+            AccessMode::ReadWrite
+        } else {
+            AccessMode::ReadOnly
+        });
+        let direct = r.direct_len;
+        let lease = self
+            .cache(shared.cfg.cache)
+            .get(&(region, writable), 0..direct, direct, |range| {
+                register_mode(&pd, &provider, range, access, mode)
+            })
+            .map_err(|e| {
+                (
+                    ErrorCode::Internal,
+                    format!("registering region '{}' ({mode}): {e}", r.info.name),
+                )
+            })?;
+        Ok(Some(lease))
+    }
+
+    fn cache(&mut self, limits: Limits) -> &RegCache<(usize, bool), DeviceMr> {
+        self.cache.get_or_insert_with(|| RegCache::new(limits))
+    }
+
+    /// Add what the registration cache did since the last call to the metrics; `closing`:
+    /// the connection ends, so its registrations and staging buffers go away.
+    pub(super) fn sync_metrics(&mut self, m: &Metrics, closing: bool) {
+        let now = match (&self.cache, closing) {
+            (Some(c), false) => c.stats(),
+            (Some(c), true) => peermem::regcache::Stats {
+                cached_bytes: 0,
+                draining_bytes: 0,
+                ..c.stats()
+            },
+            (None, _) => peermem::regcache::Stats::default(),
+        };
+        let was = self.cache_seen;
+        m.regcache_hits.inc_by(now.hits.saturating_sub(was.hits));
+        m.regcache_misses
+            .inc_by(now.misses.saturating_sub(was.misses));
+        m.regcache_evictions
+            .inc_by(now.evictions.saturating_sub(was.evictions));
+        let bytes = |s: &peermem::regcache::Stats| (s.cached_bytes + s.draining_bytes) as i64;
+        m.regcache_registered_bytes
+            .inc_by(bytes(&now) - bytes(&was));
+        self.cache_seen = now;
+        if closing {
+            m.staging_bytes.dec_by(self.staging_bytes as i64);
+            self.staging_bytes = 0;
+        }
+    }
+}

@@ -1,0 +1,335 @@
+//! The server: a catalog of regions served over RC QPs, one PD + QP per connection.
+//!
+//! Each region's memory comes from a [`Provider`] (host RAM, a file, NVMe CMB through P2PDMA,
+//! a dma-buf). At start-up the server decides, per region, the path its bytes take
+//! ([`peermem::plan::decide`]): **direct** — one-sided RDMA on an MR of the memory, with the
+//! first registration strategy that a canary proves — or **bounce** — the provider's copy
+//! engine plus a ring of registered host staging buffers per connection, the server
+//! RDMA-WRITEs (fetch) or RDMA-READs (put) the client's buffer. A region may be direct for its
+//! first `window` bytes and bounce for the rest (mixed); clients see the split in `ls`.
+//!
+//! Each connection gets its own protection domain, so an rkey handed to one client is useless
+//! on another client's QP; MRs are registered per connection through a registration cache
+//! (a reopened region is a hit) and released when the connection ends, so a vanished client
+//! leaves nothing behind. A region can be removed while clients use it
+//! ([`ServerHandle::remove_region`]): its registrations are revoked, in-flight bounce copies
+//! finish, and the memory is freed only when nothing refers to it any more.
+//!
+//! The code is split by concern: [`config`] (settings), `regions` (the region table),
+//! `session` (the protocol rules of a connection, sans-IO), `driver` (the connection task that
+//! feeds the session and carries out its steps) and `bounce` (the staging pipeline).
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+use tracing::Instrument as _;
+use verbs::Context;
+
+use crate::conn::Conn;
+use crate::error::{Error, Result};
+use crate::metrics::Metrics;
+use crate::protocol::RegionInfo;
+
+mod bounce;
+pub mod config;
+mod driver;
+mod regions;
+pub(crate) mod session;
+#[cfg(any(test, feature = "fuzzing"))]
+pub(crate) mod testkit;
+
+pub use crate::spec::{RegionOptions, RegionSource, RegionSpec};
+pub use config::{MemoryRegionSpec, ServerConfig};
+use regions::RegionTable;
+pub use regions::{crc_of, RegionReport, Removal};
+
+#[derive(Debug)]
+struct Shared {
+    cfg: ServerConfig,
+    ctx: Context,
+    regions: RegionTable,
+    active: AtomicUsize,
+    /// Connections that have not said hello yet.
+    unauthenticated: AtomicUsize,
+    removals: watch::Sender<u64>,
+    /// The token clients must present (replaced by [`ServerHandle::set_token`]).
+    token: RwLock<crate::Token>,
+    /// Bytes of staging buffers all connections hold (bounded by `max_staging_bytes`).
+    staging: std::sync::atomic::AtomicU64,
+}
+
+impl Shared {
+    fn metrics(&self) -> &Metrics {
+        &self.cfg.metrics
+    }
+}
+
+/// A bound server, ready to [`Server::run`].
+#[derive(Debug)]
+pub struct Server {
+    shared: Arc<Shared>,
+    listener: TcpListener,
+}
+
+/// Controls a server while it runs (cheap to clone).
+#[derive(Debug, Clone)]
+pub struct ServerHandle {
+    shared: Arc<Shared>,
+}
+
+impl Server {
+    /// Open the device, build the regions (deciding each one's path), bind the listener.
+    pub async fn bind(cfg: ServerConfig) -> Result<Server> {
+        if cfg.token.is_empty() {
+            return Err(Error::Config(
+                "the token is empty: put a secret in the token file".into(),
+            ));
+        }
+        if cfg.regions.is_empty() && cfg.memory_regions.is_empty() {
+            return Err(Error::Config(
+                "no region to serve: give at least one --region".into(),
+            ));
+        }
+        if cfg.bounce_chunk == 0 || cfg.bounce_depth == 0 {
+            return Err(Error::Config(
+                "bounce chunk and depth must be at least 1".into(),
+            ));
+        }
+        cfg.metrics.set_ready(false);
+        let ctx = Context::open(cfg.device.as_deref())?;
+        let regions = regions::build_regions(&cfg, &ctx).await?;
+        let listener = TcpListener::bind(cfg.listen)
+            .await
+            .map_err(|e| Error::io(format!("cannot listen on {}", cfg.listen), e))?;
+        cfg.metrics.regions.set(regions.len() as i64);
+        let token = RwLock::new(cfg.token.clone());
+        Ok(Server {
+            shared: Arc::new(Shared {
+                cfg,
+                ctx,
+                regions,
+                active: AtomicUsize::new(0),
+                unauthenticated: AtomicUsize::new(0),
+                removals: watch::Sender::new(0),
+                token,
+                staging: std::sync::atomic::AtomicU64::new(0),
+            }),
+            listener,
+        })
+    }
+
+    /// The bound address (useful with port 0).
+    pub fn local_addr(&self) -> Result<SocketAddr> {
+        self.listener
+            .local_addr()
+            .map_err(|e| Error::io("local address", e))
+    }
+
+    /// What is served.
+    pub fn regions(&self) -> Vec<RegionInfo> {
+        self.handle().regions()
+    }
+
+    /// What is served, with every registration attempt.
+    pub fn reports(&self) -> Vec<RegionReport> {
+        self.shared
+            .regions
+            .all()
+            .map(|r| RegionReport {
+                info: r.info.clone(),
+                attempts: r.attempts.clone(),
+            })
+            .collect()
+    }
+
+    /// The RDMA device in use.
+    pub fn device(&self) -> &str {
+        self.shared.ctx.name()
+    }
+
+    /// A handle to control the server while it runs.
+    pub fn handle(&self) -> ServerHandle {
+        ServerHandle {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+
+    /// Serve until `shutdown` resolves; then stop accepting, tell connections to finish, wait
+    /// for them (at most `drain_timeout`), and release everything.
+    pub async fn run(self, shutdown: impl std::future::Future<Output = ()>) -> Result<()> {
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let mut tasks = JoinSet::new();
+        tokio::pin!(shutdown);
+        self.shared.metrics().set_ready(true);
+        loop {
+            tokio::select! {
+                () = &mut shutdown => break,
+                res = self.listener.accept() => {
+                    let (stream, peer) = match res {
+                        Ok(x) => x,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "accept failed");
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            continue;
+                        }
+                    };
+                    let shared = Arc::clone(&self.shared);
+                    let stop = stop_rx.clone();
+                    let span = tracing::info_span!("conn", %peer);
+                    tasks.spawn(async move { driver::connection(shared, Conn::new(stream, peer.to_string()), stop).await }.instrument(span));
+                }
+                Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+            }
+        }
+        tracing::info!(
+            connections = tasks.len(),
+            "shutting down: no new connections or opens; open handles finish their transfers"
+        );
+        self.shared.metrics().set_ready(false);
+        drop(self.listener);
+        let _ = stop_tx.send(true);
+        let drain = async { while tasks.join_next().await.is_some() {} };
+        if tokio::time::timeout(self.shared.cfg.drain_timeout, drain)
+            .await
+            .is_err()
+        {
+            tracing::warn!("connections did not finish in time; closing them");
+            tasks.shutdown().await;
+        }
+        Ok(())
+    }
+}
+
+impl ServerHandle {
+    /// Replace the token new clients must present (connections already authenticated are
+    /// not disturbed). An empty token is refused.
+    pub fn set_token(&self, token: impl Into<crate::Token>) -> Result<()> {
+        let token = token.into();
+        if token.is_empty() {
+            return Err(Error::Config(
+                "the token is empty: put a secret in the token file".into(),
+            ));
+        }
+        *self.shared.token.write().unwrap_or_else(|p| p.into_inner()) = token;
+        tracing::info!("token replaced");
+        Ok(())
+    }
+
+    /// The server's metrics.
+    pub fn metrics(&self) -> Arc<Metrics> {
+        Arc::clone(&self.shared.cfg.metrics)
+    }
+
+    /// The regions still served.
+    pub fn regions(&self) -> Vec<RegionInfo> {
+        self.shared.regions.live().map(|r| r.info.clone()).collect()
+    }
+
+    /// Stop serving a region: new opens are refused, every connection revokes its
+    /// registrations of it (clients' one-sided operations on the old rkey then fail with a
+    /// remote access error), in-flight bounce copies finish, and the memory is released once
+    /// nothing refers to it. Waits at most `timeout` for that release.
+    pub async fn remove_region(&self, name: &str, timeout: Duration) -> Result<Removal> {
+        let start = Instant::now();
+        let r = self
+            .shared
+            .regions
+            .live_named(name)
+            .ok_or_else(|| Error::Config(format!("no region '{name}' is being served")))?;
+        r.removed.store(true, Ordering::SeqCst);
+        drop(r.provider.lock().unwrap_or_else(|p| p.into_inner()).take());
+        self.shared.removals.send_modify(|g| *g += 1);
+        let released = loop {
+            if r.weak.strong_count() == 0 {
+                break true;
+            }
+            if start.elapsed() >= timeout {
+                break false;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        tracing::info!(region = name, released, "region removed");
+        Ok(Removal {
+            region: name.to_string(),
+            released,
+            seconds: start.elapsed().as_secs_f64(),
+        })
+    }
+}
+
+impl ServerHandle {
+    /// The owner of a device-private region (`devpriv:memfd`) freed or moved the units
+    /// overlapping `range`: their window mappings are revoked (waiting at most `timeout` for
+    /// transfers using them), transfers planned before fail with [`ErrorCode::Invalidated`],
+    /// and a freed unit is never read or written again. Returns how many window mappings were
+    /// revoked.
+    pub fn invalidate(
+        &self,
+        name: &str,
+        range: std::ops::Range<u64>,
+        how: peermem::hmm::Invalidation,
+        timeout: Duration,
+    ) -> Result<usize> {
+        let r = self
+            .shared
+            .regions
+            .live_named(name)
+            .ok_or_else(|| Error::Config(format!("no region '{name}' is being served")))?;
+        let p = r.provider().map_err(|(_, m)| Error::Config(m))?;
+        let d = p.as_device_private().ok_or_else(|| {
+            Error::Config(format!(
+                "region '{name}' ({}) is not device-private memory: its owner cannot invalidate units",
+                p.kind()
+            ))
+        })?;
+        let n = d.invalidate(range.clone(), how, timeout).map_err(|e| {
+            Error::Config(format!(
+                "region '{name}': units {}..{} are still in use after {timeout:?}: {e}",
+                range.start, range.end
+            ))
+        })?;
+        tracing::info!(
+            region = name,
+            ?range,
+            ?how,
+            revoked = n,
+            "units invalidated by their owner"
+        );
+        // connections drop their MRs of the revoked window mappings
+        self.shared.removals.send_modify(|g| *g += 1);
+        Ok(n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::{Msg, VERSION};
+
+    #[test]
+    fn the_config_never_prints_its_token() {
+        let cfg = ServerConfig::new(
+            "127.0.0.1:1".parse().unwrap(),
+            "super-secret-token",
+            vec!["r=host:1M".parse().unwrap()],
+        );
+        let d = format!("{cfg:?}");
+        assert!(
+            !d.contains("super-secret-token") && d.contains("redacted"),
+            "{d}"
+        );
+        let c = crate::ClientConfig::new("127.0.0.1:1", "super-secret-token");
+        assert!(!format!("{c:?}").contains("super-secret-token"));
+        let hello = Msg::Hello {
+            version: VERSION,
+            token: "super-secret-token".into(),
+            client: "x".into(),
+        };
+        assert!(!format!("{hello:?}").contains("super-secret-token"));
+    }
+}

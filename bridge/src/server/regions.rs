@@ -1,0 +1,421 @@
+//! The region table: each region's memory opened, its path decided (registration attempts
+//! proved by canaries, policy applied), and what clients see of it.
+
+use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+
+use peermem::canary::Attempt;
+use peermem::plan::{decide, PathKind};
+use peermem::{DmaBufMemory, HostMemory, Provider};
+use verbs::{Context, ProtectionDomain, RegMode};
+
+use super::config::ServerConfig;
+use super::session::{Catalog, Refusal};
+use crate::error::{Error, Result};
+use crate::protocol::{AccessMode, DataPath, ErrorCode, Extent, RegionInfo};
+use crate::spec::{RegionOptions, RegionSource, RegionSpec};
+
+pub(super) struct Region {
+    pub(super) info: RegionInfo,
+    /// None once removed.
+    pub(super) provider: Mutex<Option<Arc<dyn Provider>>>,
+    /// To know when the memory is really gone after removal.
+    pub(super) weak: Weak<dyn Provider>,
+    /// Bytes `[0, direct_len)` are direct (with `mode`); the rest bounce.
+    pub(super) direct_len: u64,
+    pub(super) mode: Option<RegMode>,
+    pub(super) attempts: Vec<Attempt>,
+    pub(super) removed: AtomicBool,
+    /// Device-private regions: the strategy a canary proved for MRs of window mappings, so the
+    /// NIC moves windowed units straight to and from the client (None: the CPU copies them).
+    pub(super) window_mode: Option<RegMode>,
+}
+
+impl fmt::Debug for Region {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Region").field("info", &self.info).finish()
+    }
+}
+
+impl Region {
+    pub(super) fn provider(&self) -> std::result::Result<Arc<dyn Provider>, Refusal> {
+        self.provider
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .ok_or_else(|| removed(&self.info.name))
+    }
+}
+
+pub(super) fn removed(name: &str) -> Refusal {
+    (
+        ErrorCode::Removed,
+        format!("region '{name}' was removed from this server"),
+    )
+}
+
+/// What [`ServerHandle::remove_region`] did.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Removal {
+    /// Region.
+    pub region: String,
+    /// Whether the memory was released (nothing refers to it any more) within the timeout.
+    pub released: bool,
+    /// How long it took.
+    pub seconds: f64,
+}
+
+/// A region's registration attempts, as decided at start-up.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct RegionReport {
+    /// What clients see.
+    pub info: RegionInfo,
+    /// Every attempt.
+    pub attempts: Vec<Attempt>,
+}
+
+/// A region's memory, name, read-only flag and options, before its path is decided.
+type Opened = (String, Arc<dyn Provider>, bool, RegionOptions);
+
+/// Open the memory of every region (allocate RAM, map files, allocate CMB, export dma-bufs).
+fn open_providers(cfg: &ServerConfig) -> Result<Vec<Opened>> {
+    let mut out: Vec<Opened> = Vec::new();
+    let mut names: Vec<&str> = Vec::new();
+    for n in cfg
+        .memory_regions
+        .iter()
+        .map(|m| m.name.as_str())
+        .chain(cfg.regions.iter().map(|r| r.name.as_str()))
+    {
+        if names.contains(&n) {
+            return Err(Error::Config(format!("region name '{n}' is given twice")));
+        }
+        names.push(n);
+    }
+    for m in &cfg.memory_regions {
+        out.push((
+            m.name.clone(),
+            Arc::clone(&m.provider),
+            m.read_only || !m.provider.writable(),
+            m.options,
+        ));
+    }
+    for spec in &cfg.regions {
+        let (p, ro) = spec.open(&cfg.sysfs)?;
+        out.push((spec.name.clone(), p, ro, spec.options));
+    }
+    Ok(out)
+}
+
+impl RegionSpec {
+    /// A device-private region over `dev`, with this spec's window and policy (default: no
+    /// window, copy).
+    fn device_private(&self, dev: Arc<dyn peermem::hmm::DeviceBacking>) -> Arc<dyn Provider> {
+        Arc::new(peermem::hmm::DevicePrivate::new(
+            dev,
+            self.options.window.unwrap_or(0),
+            self.options.policy.unwrap_or(peermem::hmm::Policy::Copy),
+        ))
+    }
+
+    /// Open the memory: allocate RAM, map the file, allocate CMB (P2PDMA, sysfs at `sysfs`),
+    /// export a dma-buf. Returns the provider and whether the region is read-only.
+    pub fn open(&self, sysfs: &std::path::Path) -> Result<(Arc<dyn Provider>, bool)> {
+        let name = &self.name;
+        let cfg_err = |e: peermem::Error| Error::Config(format!("region '{name}': {e}"));
+        Ok(match &self.source {
+            RegionSource::Host { size, huge } => (
+                Arc::new(HostMemory::anonymous(*size, *huge).map_err(cfg_err)?),
+                false,
+            ),
+            RegionSource::File { path, read_only } => {
+                let file = std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(!read_only)
+                    .open(path)
+                    .map_err(|e| {
+                        Error::io(
+                            format!(
+                                "region '{name}': cannot open {} {}",
+                                path.display(),
+                                if *read_only {
+                                    "for reading"
+                                } else {
+                                    "for reading and writing (add :ro to serve it read-only)"
+                                }
+                            ),
+                            e,
+                        )
+                    })?;
+                let mem = HostMemory::file(&file, !read_only).map_err(|e| {
+                    Error::Config(format!("region '{name}' ({}): {e}", path.display()))
+                })?;
+                (Arc::new(mem), *read_only)
+            }
+            RegionSource::Cmb { device, size } => (
+                Arc::new(peermem::cmb::CmbMemory::allocate(sysfs, device, *size).map_err(cfg_err)?),
+                false,
+            ),
+            RegionSource::DmaBuf { size } => (
+                Arc::new(DmaBufMemory::udmabuf(*size).map_err(cfg_err)?),
+                false,
+            ),
+            RegionSource::DevPriv { size } => {
+                let dev = peermem::hmm::MemfdDevice::new(*size).map_err(cfg_err)?;
+                (self.device_private(Arc::new(dev)), false)
+            }
+            RegionSource::DevPrivHmm { size } => {
+                let mem = peermem::dmirror::DmirrorMemory::new(None, *size).map_err(cfg_err)?;
+                // populate every page (zeros) so that all of them have something to migrate
+                mem.copy_in(0, &vec![0; *size as usize]).map_err(cfg_err)?;
+                let moved = mem.migrate_to_device(0..*size).map_err(cfg_err)?;
+                tracing::info!(
+                    region = %name,
+                    pages = moved,
+                    residency = %mem.residency().map_err(cfg_err)?,
+                    "migrated to HMM device-private memory"
+                );
+                (Arc::new(mem), false)
+            }
+            RegionSource::DevPrivCuda { gpu, size } => {
+                let driver = peermem::cuda::load().map_err(cfg_err)?;
+                let dev =
+                    peermem::cuda::CudaDevice::allocate(driver, *gpu, *size).map_err(cfg_err)?;
+                (self.device_private(Arc::new(dev)), false)
+            }
+            RegionSource::Cuda { gpu, size } => {
+                let driver = peermem::cuda::load().map_err(cfg_err)?;
+                (
+                    Arc::new(
+                        peermem::cuda::CudaMemory::allocate(driver, *gpu, *size)
+                            .map_err(cfg_err)?,
+                    ),
+                    false,
+                )
+            }
+        })
+    }
+}
+
+/// Decide each region's path (registration attempts proved by canaries, policy applied).
+pub(super) async fn build_regions(cfg: &ServerConfig, ctx: &Context) -> Result<RegionTable> {
+    let providers = open_providers(cfg)?;
+    let pd = ProtectionDomain::new(ctx)?;
+    let mut out = Vec::new();
+    for (name, provider, read_only, opts) in providers {
+        let policy = opts.p2p.unwrap_or(cfg.p2p);
+        let choice = opts.reg.unwrap_or(cfg.reg);
+        let len = provider.len();
+        let window = opts.window.map_or(len, |w| w.min(len));
+        let residency_before = provider.residency();
+        let planned = decide(&pd, &provider, 0..window, choice, policy)
+            .await
+            .map_err(|r| {
+                Error::Config(format!(
+                    "region '{name}' ({}) is refused: {r}",
+                    provider.describe()
+                ))
+            })?;
+        drop(planned.mr);
+        let d = planned.decision;
+        for a in &d.attempts {
+            let result = match &a.outcome {
+                peermem::canary::AttemptOutcome::NotApplicable { .. } => "not-applicable",
+                peermem::canary::AttemptOutcome::RegistrationFailed { .. } => "registration-failed",
+                peermem::canary::AttemptOutcome::CanaryFailed { .. } => "canary-failed",
+                peermem::canary::AttemptOutcome::CanaryError { .. } => "canary-error",
+                peermem::canary::AttemptOutcome::Works { .. } => "works",
+            };
+            cfg.metrics
+                .canary
+                .get_or_create(&crate::metrics::CanaryLabels {
+                    region: name.clone(),
+                    strategy: a.mode.to_string(),
+                    result: result.to_string(),
+                })
+                .inc();
+        }
+        let direct_len = if d.path == PathKind::Direct {
+            window
+        } else {
+            0
+        };
+        let mut extents = Vec::new();
+        if direct_len > 0 {
+            extents.push(Extent {
+                offset: 0,
+                len: direct_len,
+                path: DataPath::Direct,
+            });
+        }
+        if direct_len < len {
+            extents.push(Extent {
+                offset: direct_len,
+                len: len - direct_len,
+                path: DataPath::Bounce,
+            });
+        }
+        let path = match (direct_len, direct_len == len) {
+            (_, true) => DataPath::Direct,
+            (0, _) => DataPath::Bounce,
+            _ => DataPath::Mixed,
+        };
+        let mut reason = d.reason.clone();
+        if let (Some(before), Some(after)) = (residency_before, provider.residency()) {
+            reason.push_str(&format!(
+                "; pages before registration: {before}; after: {after}"
+            ));
+        }
+        if direct_len > 0 && direct_len < len {
+            reason.push_str(&format!(
+                "; bytes from {direct_len} on are beyond the {direct_len}-byte P2P window and go through bounce buffers"
+            ));
+        }
+        let mut window_mode = None;
+        if let Some(dp) = provider.as_device_private().filter(|d| d.window_size() > 0) {
+            let proof = peermem::plan::prove_window(&pd, dp, choice, policy).await;
+            tracing::info!(region = %name, mode = ?proof.mode, why = proof.reason, "P2P window units");
+            window_mode = proof.mode;
+            reason.push_str(&format!("; window units: {}", proof.reason));
+        }
+        let access = if read_only {
+            AccessMode::ReadOnly
+        } else {
+            AccessMode::ReadWrite
+        };
+        let server_puts = !read_only && provider.holds_data();
+        if server_puts {
+            reason.push_str(
+                "; puts go through the server and are made durable before they are acknowledged \
+                 (the memory holds data the server did not create: no rkey allows remote writes)",
+            );
+        }
+        tracing::info!(region = %name, %path, reason, "region ready");
+        let weak = Arc::downgrade(&provider);
+        out.push(Region {
+            info: RegionInfo {
+                name,
+                size: len,
+                access,
+                kind: provider.kind().to_string(),
+                path,
+                reason,
+                strategy: d.mode.filter(|_| direct_len > 0).map(|m| m.to_string()),
+                extents,
+                residency: None,
+                server_puts,
+            },
+            provider: Mutex::new(Some(provider)),
+            weak,
+            direct_len,
+            mode: d.mode,
+            attempts: d.attempts,
+            removed: AtomicBool::new(false),
+            window_mode,
+        });
+    }
+    Ok(RegionTable(out))
+}
+
+/// CRC-32C of a range of a region's memory, reading it in chunks through its copy engine.
+pub fn crc_of(
+    mem: &dyn Provider,
+    offset: u64,
+    len: u64,
+) -> std::result::Result<u32, peermem::Error> {
+    let mut crc = 0u32;
+    let mut buf = vec![0u8; (len as usize).min(1 << 20)];
+    let mut done = 0u64;
+    while done < len {
+        let n = ((len - done) as usize).min(buf.len());
+        mem.copy_out(offset + done, &mut buf[..n])?;
+        crc = crc32c::crc32c_append(crc, &buf[..n]);
+        done += n as u64;
+    }
+    Ok(crc)
+}
+
+/// The regions of a server, in the order they were given (a region's index never changes;
+/// a removed one stays, marked, so indexes held by connections stay valid).
+#[derive(Debug)]
+pub(super) struct RegionTable(Vec<Region>);
+
+impl RegionTable {
+    /// Region `idx`.
+    pub(super) fn get(&self, idx: usize) -> &Region {
+        &self.0[idx]
+    }
+
+    /// Every region, removed ones too.
+    pub(super) fn all(&self) -> impl Iterator<Item = &Region> {
+        self.0.iter()
+    }
+
+    /// The regions still served.
+    pub(super) fn live(&self) -> impl Iterator<Item = &Region> {
+        self.0.iter().filter(|r| !r.removed.load(Ordering::SeqCst))
+    }
+
+    /// A region still served, by name.
+    pub(super) fn live_named(&self, name: &str) -> Option<&Region> {
+        self.live().find(|r| r.info.name == name)
+    }
+
+    /// How many regions were given.
+    pub(super) fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// What a listing shows: the regions still served, with their residency now.
+    pub(super) fn listing(&self) -> Vec<RegionInfo> {
+        self.live()
+            .map(|r| {
+                let mut info = r.info.clone();
+                info.residency = r.provider().ok().and_then(|p| p.residency());
+                info
+            })
+            .collect()
+    }
+}
+
+impl Catalog for RegionTable {
+    fn find(&self, name: &str) -> Option<usize> {
+        self.0
+            .iter()
+            .position(|r| r.info.name == name && !r.removed.load(Ordering::SeqCst))
+    }
+
+    fn info(&self, idx: usize) -> &RegionInfo {
+        &self.0[idx].info
+    }
+
+    fn direct_len(&self, idx: usize) -> u64 {
+        self.0[idx].direct_len
+    }
+
+    fn is_removed(&self, idx: usize) -> bool {
+        self.0[idx].removed.load(Ordering::SeqCst)
+    }
+
+    fn names(&self) -> Vec<String> {
+        self.live().map(|r| r.info.name.clone()).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn crc_matches_the_reference() {
+        let m = HostMemory::anonymous(3 << 20, false).unwrap();
+        let data: Vec<u8> = (0..(3 << 20)).map(|i| (i * 7 + 3) as u8).collect();
+        m.copy_in(0, &data).unwrap();
+        assert_eq!(
+            crc_of(&m, 5, (3 << 20) - 9).unwrap(),
+            crc32c::crc32c(&data[5..(3 << 20) - 4])
+        );
+        assert_eq!(crc_of(&m, 0, 0).unwrap(), 0);
+    }
+}

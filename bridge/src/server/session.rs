@@ -1,0 +1,520 @@
+//! The protocol rules of one connection, without sockets or verbs: messages in, steps out.
+//!
+//! A [`Session`] knows what a client may do and when: the hello (version, token), the limit
+//! of open handles, the access an open asks for, the ranges of a region, which bytes are
+//! served direct (one-sided RDMA on an rkey) and which go through the bounce path, and what
+//! is refused while the server drains. It decides; the I/O driver (`driver.rs`) carries out
+//! the steps it returns (registering memory, connecting the QP, posting the bounce) and tells
+//! the session what came of them ([`Session::opened`]). Host tests drive it with a fake
+//! [`Catalog`], and the fuzzer drives it with arbitrary messages.
+//!
+//! Handles are slots of a [`Slab`] (bounded by the open limit) tagged with the slot's
+//! generation (how many times it was freed), so a handle number is never that of a live handle
+//! of another open, and a stale one (closed, then its slot reused) is refused as not open.
+
+use slab::Slab;
+
+use crate::protocol::{AccessMode, ErrorCode, Msg, RegionInfo, WireEndpoint, VERSION};
+use crate::token::Token;
+
+/// A refusal sent back to the client: a code and a message that says what to do.
+pub(crate) type Refusal = (ErrorCode, String);
+
+/// Most handles one connection may hold (the slot number lives in a handle's low 16 bits).
+pub(crate) const MAX_HANDLES: usize = 1 << 16;
+
+/// What the session needs to know of the regions served.
+pub(crate) trait Catalog {
+    /// The index of a region served under `name` (not removed).
+    fn find(&self, name: &str) -> Option<usize>;
+    /// What clients see of region `idx`.
+    fn info(&self, idx: usize) -> &RegionInfo;
+    /// Bytes `[0, direct_len)` of region `idx` are served direct.
+    fn direct_len(&self, idx: usize) -> u64;
+    /// Whether region `idx` was removed.
+    fn is_removed(&self, idx: usize) -> bool;
+    /// The names of the regions served (for an unknown-region refusal).
+    fn names(&self) -> Vec<String>;
+}
+
+/// The limits a session enforces.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Rules {
+    /// Handles one connection may hold open at once (at most [`MAX_HANDLES`]).
+    pub(crate) max_open: usize,
+    /// The largest bounce request.
+    pub(crate) bounce_chunk: u64,
+}
+
+/// Why a hello was refused (the reply is `code` and `message`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum HelloFault {
+    /// The first message was not a hello.
+    NotHello(&'static str),
+    /// Another protocol version.
+    Version(u16),
+    /// A wrong token, from a client that calls itself this.
+    Token(String),
+}
+
+/// A hello refused: what to reply and why.
+#[derive(Debug, Clone)]
+pub(crate) struct HelloRefused {
+    pub(crate) code: ErrorCode,
+    pub(crate) message: String,
+    pub(crate) fault: HelloFault,
+}
+
+/// Check a connection's first message. Returns the client's name.
+pub(crate) fn check_hello(msg: Msg, expected: &Token) -> Result<String, HelloRefused> {
+    let (version, token, client) = match msg {
+        Msg::Hello {
+            version,
+            token,
+            client,
+        } => (version, token, client),
+        other => {
+            return Err(HelloRefused {
+                code: ErrorCode::Unauthorized,
+                message: "say hello with the token first".into(),
+                fault: HelloFault::NotHello(other.kind()),
+            })
+        }
+    };
+    if version != VERSION {
+        return Err(HelloRefused {
+            code: ErrorCode::BadVersion,
+            message: format!(
+                "server speaks protocol version {VERSION}, client {version}; use matching p2p-rdma versions"
+            ),
+            fault: HelloFault::Version(version),
+        });
+    }
+    if !expected.matches(&token) {
+        return Err(HelloRefused {
+            code: ErrorCode::Unauthorized,
+            message: "wrong token".into(),
+            fault: HelloFault::Token(client),
+        });
+    }
+    Ok(client)
+}
+
+/// A bounce request the session accepted: the driver stages it and posts the RDMA.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Bounce {
+    pub(crate) handle: u32,
+    pub(crate) region: usize,
+    pub(crate) offset: u64,
+    pub(crate) len: u64,
+    /// A put (the server RDMA-READs the client's buffer) rather than a fetch.
+    pub(crate) to_region: bool,
+    /// The client's buffer.
+    pub(crate) addr: u64,
+    pub(crate) rkey: u32,
+}
+
+/// What the driver does with a request.
+#[derive(Debug)]
+pub(crate) enum Step<T> {
+    /// Send this reply (after the replies of the bounces in flight: replies go out in request
+    /// order). Refusals are `Msg::Error`.
+    Reply(Msg),
+    /// Reply with the regions served.
+    List,
+    /// Create the connection's QP and connect it to the client's endpoint.
+    Connect(WireEndpoint),
+    /// Register the direct part of region `region` (with remote write if `writable`), then
+    /// call [`Session::opened`].
+    Open { region: usize, writable: bool },
+    /// Reply with the CRC-32C of a range (checked) of a region.
+    Checksum {
+        region: usize,
+        offset: u64,
+        len: u64,
+    },
+    /// Make a range (checked) of a region durable, then reply `Flushed`.
+    Flush {
+        region: usize,
+        offset: u64,
+        len: u64,
+    },
+    /// A handle was closed: release `payload` (its registration); when `last`, no other handle
+    /// of this connection uses the region, so its registrations go too. Then reply `Closed`.
+    Close {
+        handle: u32,
+        region: usize,
+        payload: T,
+        last: bool,
+    },
+    /// Start a bounce transfer (no reply until it completes).
+    Bounce(Bounce),
+    /// The client reports a one-sided transfer it finished inside the direct part of a region
+    /// it holds open: count it. No reply.
+    Report {
+        region: usize,
+        len: u64,
+        to_region: bool,
+        micros: u64,
+    },
+    /// Nothing to do (a report that does not hold up is ignored).
+    Ignore,
+    /// The client said goodbye: finish the bounces in flight, then close.
+    Leave,
+}
+
+#[derive(Debug)]
+struct Entry<T> {
+    region: usize,
+    writable: bool,
+    generation: u16,
+    payload: T,
+}
+
+/// One authenticated connection's protocol state; `T` is what the driver keeps per handle
+/// (the registration behind its rkey).
+#[derive(Debug)]
+pub(crate) struct Session<T> {
+    rules: Rules,
+    handles: Slab<Entry<T>>,
+    /// Per slot: how many times it was freed.
+    generations: Vec<u16>,
+    qp: bool,
+    draining: bool,
+}
+
+fn refuse<T>(code: ErrorCode, message: impl Into<String>) -> Step<T> {
+    Step::Reply(Msg::error(code, message))
+}
+
+fn out_of_range(info: &RegionInfo, offset: u64, len: u64) -> Option<Refusal> {
+    match offset.checked_add(len) {
+        Some(end) if end <= info.size => None,
+        _ => Some((
+            ErrorCode::OutOfRange,
+            format!(
+                "offset {offset} + length {len} is outside region '{}' of {} bytes",
+                info.name, info.size
+            ),
+        )),
+    }
+}
+
+impl<T> Session<T> {
+    /// A session that has just said welcome.
+    pub(crate) fn new(rules: Rules) -> Session<T> {
+        let rules = Rules {
+            max_open: rules.max_open.min(MAX_HANDLES),
+            ..rules
+        };
+        Session {
+            rules,
+            handles: Slab::new(),
+            generations: Vec::new(),
+            qp: false,
+            draining: false,
+        }
+    }
+
+    /// The server is stopping: no new opens; the client may finish with what it holds.
+    pub(crate) fn drain(&mut self) {
+        self.draining = true;
+    }
+
+    /// Whether the server is stopping and this client holds nothing: tell it and let it go.
+    pub(crate) fn may_leave(&self) -> bool {
+        self.draining && self.handles.is_empty()
+    }
+
+    /// Handles open.
+    pub(crate) fn open_count(&self) -> usize {
+        self.handles.len()
+    }
+
+    /// The driver connected the QP.
+    pub(crate) fn connected(&mut self) {
+        self.qp = true;
+    }
+
+    /// The region behind an open handle.
+    pub(crate) fn region_of(&self, handle: u32) -> Option<usize> {
+        self.entry(handle).map(|e| e.region)
+    }
+
+    /// Every open handle's region and payload (to revoke the registrations of removed regions).
+    pub(crate) fn payloads_mut(&mut self) -> impl Iterator<Item = (u32, usize, &mut T)> {
+        self.handles
+            .iter_mut()
+            .map(|(slot, e)| (handle_number(slot, e.generation), e.region, &mut e.payload))
+    }
+
+    /// The open the driver carried out: a new handle for it.
+    pub(crate) fn opened(&mut self, region: usize, writable: bool, payload: T) -> u32 {
+        let slot = self.handles.vacant_key();
+        if self.generations.len() <= slot {
+            self.generations.resize(slot + 1, 0);
+        }
+        let generation = self.generations[slot];
+        self.handles.insert(Entry {
+            region,
+            writable,
+            generation,
+            payload,
+        });
+        handle_number(slot, generation)
+    }
+
+    fn entry(&self, handle: u32) -> Option<&Entry<T>> {
+        let (slot, generation) = split_handle(handle);
+        self.handles
+            .get(slot)
+            .filter(|e| e.generation == generation)
+    }
+
+    fn not_open(handle: u32) -> Refusal {
+        (
+            ErrorCode::NotOpen,
+            format!("handle {handle} is not open on this connection"),
+        )
+    }
+
+    /// What to do with a request of an authenticated client.
+    pub(crate) fn step(&mut self, msg: Msg, regions: &dyn Catalog) -> Step<T> {
+        match msg {
+            Msg::List => Step::List,
+            Msg::Bye => Step::Leave,
+            Msg::KeepAlive => Step::Ignore,
+            Msg::Connect { endpoint } => {
+                if self.qp {
+                    return refuse(ErrorCode::BadRequest, "this connection already has a QP");
+                }
+                Step::Connect(endpoint)
+            }
+            Msg::Open { region, write } => self.open(&region, write, regions),
+            Msg::Close { handle } => {
+                let (slot, generation) = split_handle(handle);
+                match self.handles.get(slot) {
+                    Some(e) if e.generation == generation => {
+                        let e = self.handles.remove(slot);
+                        self.generations[slot] = self.generations[slot].wrapping_add(1);
+                        let last = !self.handles.iter().any(|(_, o)| o.region == e.region);
+                        Step::Close {
+                            handle,
+                            region: e.region,
+                            payload: e.payload,
+                            last,
+                        }
+                    }
+                    _ => {
+                        let (code, message) = Self::not_open(handle);
+                        refuse(code, message)
+                    }
+                }
+            }
+            Msg::Checksum {
+                handle,
+                offset,
+                len,
+            } => {
+                let Some(region) = self.region_of(handle) else {
+                    let (code, message) = Self::not_open(handle);
+                    return refuse(code, message);
+                };
+                if let Some((code, message)) = out_of_range(regions.info(region), offset, len) {
+                    return refuse(code, message);
+                }
+                Step::Checksum {
+                    region,
+                    offset,
+                    len,
+                }
+            }
+            Msg::Flush {
+                handle,
+                offset,
+                len,
+            } => {
+                let Some(e) = self.entry(handle) else {
+                    let (code, message) = Self::not_open(handle);
+                    return refuse(code, message);
+                };
+                let info = regions.info(e.region);
+                if !e.writable {
+                    return refuse(
+                        ErrorCode::ReadOnly,
+                        format!(
+                            "handle {handle} of region '{}' was opened for reading: nothing to flush",
+                            info.name
+                        ),
+                    );
+                }
+                if let Some((code, message)) = out_of_range(info, offset, len) {
+                    return refuse(code, message);
+                }
+                Step::Flush {
+                    region: e.region,
+                    offset,
+                    len,
+                }
+            }
+            Msg::Bounce {
+                handle,
+                offset,
+                len,
+                to_region,
+                addr,
+                rkey,
+            } => match self.bounce(handle, offset, len, to_region, regions) {
+                Ok(region) => Step::Bounce(Bounce {
+                    handle,
+                    region,
+                    offset,
+                    len,
+                    to_region,
+                    addr,
+                    rkey,
+                }),
+                Err((code, message)) => refuse(code, message),
+            },
+            Msg::Transferred {
+                handle,
+                offset,
+                len,
+                to_region,
+                micros,
+            } => {
+                // only ranges inside the direct part of a region the client holds open (for
+                // writing, if it says it wrote) count: a report cannot inflate another
+                // region's figures
+                let Some(e) = self.entry(handle) else {
+                    return Step::Ignore;
+                };
+                let inside = offset
+                    .checked_add(len)
+                    .is_some_and(|end| end <= regions.direct_len(e.region));
+                if !inside || regions.is_removed(e.region) || (to_region && !e.writable) {
+                    return Step::Ignore;
+                }
+                Step::Report {
+                    region: e.region,
+                    len,
+                    to_region,
+                    micros,
+                }
+            }
+            other => refuse(
+                ErrorCode::BadRequest,
+                format!("'{}' is not a request a client may send now", other.kind()),
+            ),
+        }
+    }
+
+    fn open(&mut self, name: &str, write: bool, regions: &dyn Catalog) -> Step<T> {
+        if self.draining {
+            return refuse(
+                ErrorCode::ShuttingDown,
+                "the server is shutting down: no new opens; finish with what is open",
+            );
+        }
+        let Some(region) = regions.find(name) else {
+            return refuse(
+                ErrorCode::UnknownRegion,
+                format!(
+                    "no region '{name}' on this server; it serves: {}",
+                    regions.names().join(", ")
+                ),
+            );
+        };
+        if write && regions.info(region).access == AccessMode::ReadOnly {
+            return refuse(
+                ErrorCode::ReadOnly,
+                format!("region '{name}' is read-only; puts are refused"),
+            );
+        }
+        if self.handles.len() >= self.rules.max_open {
+            return refuse(
+                ErrorCode::Busy,
+                format!(
+                    "at most {} regions may be open per connection; close one first",
+                    self.rules.max_open
+                ),
+            );
+        }
+        Step::Open {
+            region,
+            writable: write,
+        }
+    }
+
+    fn bounce(
+        &self,
+        handle: u32,
+        offset: u64,
+        len: u64,
+        to_region: bool,
+        regions: &dyn Catalog,
+    ) -> Result<usize, Refusal> {
+        let e = self.entry(handle).ok_or_else(|| Self::not_open(handle))?;
+        let info = regions.info(e.region);
+        if regions.is_removed(e.region) {
+            return Err((
+                ErrorCode::Removed,
+                format!("region '{}' was removed from this server", info.name),
+            ));
+        }
+        if let Some(r) = out_of_range(info, offset, len) {
+            return Err(r);
+        }
+        let direct = regions.direct_len(e.region);
+        // puts to a region that holds data go through the server, over its direct part too
+        if offset < direct && !(to_region && info.server_puts) {
+            return Err((
+                ErrorCode::NotBounce,
+                format!(
+                    "bytes 0..{direct} of region '{}' are served direct: use one-sided RDMA on its rkey",
+                    info.name
+                ),
+            ));
+        }
+        let chunk = self.rules.bounce_chunk;
+        if len == 0 || len > chunk {
+            return Err((
+                ErrorCode::BadRequest,
+                format!("a bounce request moves 1 to {chunk} bytes, not {len}"),
+            ));
+        }
+        if to_region && info.access == AccessMode::ReadOnly {
+            return Err((
+                ErrorCode::ReadOnly,
+                format!("region '{}' is read-only; puts are refused", info.name),
+            ));
+        }
+        if to_region && !e.writable {
+            return Err((
+                ErrorCode::ReadOnly,
+                format!(
+                    "handle {handle} of region '{}' was opened for reading; open it for writing to put",
+                    info.name
+                ),
+            ));
+        }
+        if !self.qp {
+            return Err((
+                ErrorCode::BadRequest,
+                "connect a QP before bounce requests".into(),
+            ));
+        }
+        Ok(e.region)
+    }
+}
+
+fn handle_number(slot: usize, generation: u16) -> u32 {
+    (u32::from(generation) << 16) | slot as u32
+}
+
+fn split_handle(handle: u32) -> (usize, u16) {
+    ((handle & 0xffff) as usize, (handle >> 16) as u16)
+}
+
+#[cfg(test)]
+mod tests;

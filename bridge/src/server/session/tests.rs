@@ -1,0 +1,549 @@
+//! The connection's protocol rules, driven on the host with a fake region table.
+
+use proptest::prelude::*;
+
+use super::*;
+
+use crate::server::testkit::{Fake, Model, ENDPOINT, RULES};
+
+fn fake() -> Fake {
+    Fake::new()
+}
+
+fn code<T: std::fmt::Debug>(s: Step<T>) -> ErrorCode {
+    match s {
+        Step::Reply(Msg::Error { code, .. }) => code,
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+fn message<T: std::fmt::Debug>(s: Step<T>) -> String {
+    match s {
+        Step::Reply(Msg::Error { message, .. }) => message,
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+/// Open `name` through the session as the driver would, with payload `p`.
+fn open(s: &mut Session<u32>, c: &Fake, name: &str, write: bool, p: u32) -> u32 {
+    match s.step(
+        Msg::Open {
+            region: name.into(),
+            write,
+        },
+        c,
+    ) {
+        Step::Open { region, writable } => s.opened(region, writable, p),
+        other => panic!("open {name}: {other:?}"),
+    }
+}
+
+fn bounce(handle: u32, offset: u64, len: u64, to_region: bool) -> Msg {
+    Msg::Bounce {
+        handle,
+        offset,
+        len,
+        to_region,
+        addr: 0x1000,
+        rkey: 7,
+    }
+}
+
+fn connected(c: &Fake) -> Session<u32> {
+    let mut s = Session::new(RULES);
+    assert!(matches!(
+        s.step(Msg::Connect { endpoint: ENDPOINT }, c),
+        Step::Connect(_)
+    ));
+    s.connected();
+    assert_eq!(
+        code(s.step(Msg::Connect { endpoint: ENDPOINT }, c)),
+        ErrorCode::BadRequest,
+        "a second QP"
+    );
+    s
+}
+
+#[test]
+fn the_hello_checks_kind_version_and_token() {
+    let t = Token::new("secret");
+    let hello = |version, token: &str| Msg::Hello {
+        version,
+        token: Token::new(token),
+        client: "c1".into(),
+    };
+    assert_eq!(check_hello(hello(VERSION, "secret"), &t).unwrap(), "c1");
+    let e = check_hello(Msg::List, &t).unwrap_err();
+    assert_eq!(
+        (e.code, e.fault),
+        (ErrorCode::Unauthorized, HelloFault::NotHello("list"))
+    );
+    let e = check_hello(hello(VERSION + 1, "secret"), &t).unwrap_err();
+    assert_eq!(e.code, ErrorCode::BadVersion);
+    assert!(e.message.contains("use matching p2p-rdma versions"));
+    let e = check_hello(hello(VERSION, "secreT"), &t).unwrap_err();
+    assert_eq!(
+        (e.code, e.fault),
+        (ErrorCode::Unauthorized, HelloFault::Token("c1".into()))
+    );
+    assert!(!e.message.contains("secret"), "{}", e.message);
+    let e = check_hello(hello(VERSION, ""), &t).unwrap_err();
+    assert_eq!(e.code, ErrorCode::Unauthorized);
+}
+
+#[test]
+fn opens_are_checked_and_bounded() {
+    let c = fake();
+    let mut s: Session<u32> = Session::new(RULES);
+    let m = message(s.step(
+        Msg::Open {
+            region: "nope".into(),
+            write: false,
+        },
+        &c,
+    ));
+    assert!(m.contains("it serves: rw, ro"), "{m}");
+    assert_eq!(
+        code(s.step(
+            Msg::Open {
+                region: "gone".into(),
+                write: false
+            },
+            &c
+        )),
+        ErrorCode::UnknownRegion,
+        "a removed region cannot be opened"
+    );
+    assert_eq!(
+        code(s.step(
+            Msg::Open {
+                region: "ro".into(),
+                write: true
+            },
+            &c
+        )),
+        ErrorCode::ReadOnly
+    );
+    let hs: Vec<u32> = (0..4)
+        .map(|i| open(&mut s, &c, "rw", i % 2 == 0, i))
+        .collect();
+    let mut unique = hs.clone();
+    unique.sort_unstable();
+    unique.dedup();
+    assert_eq!(unique.len(), 4, "handles are distinct: {hs:?}");
+    assert_eq!(
+        code(s.step(
+            Msg::Open {
+                region: "ro".into(),
+                write: false
+            },
+            &c
+        )),
+        ErrorCode::Busy,
+        "the fifth open is over the limit"
+    );
+    assert_eq!(s.open_count(), 4);
+}
+
+#[test]
+fn a_closed_handle_stays_closed_even_when_its_slot_is_reused() {
+    let c = fake();
+    let mut s: Session<u32> = Session::new(RULES);
+    let a = open(&mut s, &c, "rw", false, 10);
+    let b = open(&mut s, &c, "rw", false, 11);
+    match s.step(Msg::Close { handle: a }, &c) {
+        Step::Close {
+            handle,
+            region,
+            payload,
+            last,
+        } => {
+            assert_eq!((handle, region, payload), (a, 0, 10));
+            assert!(!last, "b still uses the region");
+        }
+        other => panic!("{other:?}"),
+    }
+    // the slot of `a` is reused, under another number
+    let d = open(&mut s, &c, "ro", false, 12);
+    assert_ne!(d, a);
+    assert_eq!(
+        code(s.step(Msg::Close { handle: a }, &c)),
+        ErrorCode::NotOpen
+    );
+    assert_eq!(
+        code(s.step(bounce(a, 0, 1, false), &c)),
+        ErrorCode::NotOpen,
+        "a stale handle does not reach the region now in its slot"
+    );
+    match s.step(Msg::Close { handle: b }, &c) {
+        Step::Close { last, payload, .. } => assert!(last && payload == 11),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(s.region_of(d), Some(1));
+}
+
+#[test]
+fn bounce_requests_are_checked_in_order() {
+    let c = fake();
+    let mut s = Session::new(RULES);
+    let rw = open(&mut s, &c, "rw", false, 0);
+    assert_eq!(
+        code(s.step(bounce(rw, 64 << 10, 4096, false), &c)),
+        ErrorCode::BadRequest,
+        "no QP yet"
+    );
+    let mut s = connected(&c);
+    let rw = open(&mut s, &c, "rw", false, 0);
+    let rww = open(&mut s, &c, "rw", true, 1);
+    let ro = open(&mut s, &c, "ro", false, 2);
+    let base = 64u64 << 10;
+    assert_eq!(
+        code(s.step(bounce(99, base, 1, false), &c)),
+        ErrorCode::NotOpen
+    );
+    assert_eq!(
+        code(s.step(bounce(rw, 0, 4096, false), &c)),
+        ErrorCode::NotBounce,
+        "the direct part goes by one-sided RDMA"
+    );
+    for (off, len) in [(1 << 20, 1), (u64::MAX, 2), ((1 << 20) - 1, 2)] {
+        assert_eq!(
+            code(s.step(bounce(rw, off, len, false), &c)),
+            ErrorCode::OutOfRange,
+            "{off}+{len}"
+        );
+    }
+    assert_eq!(
+        code(s.step(bounce(rw, base, 0, false), &c)),
+        ErrorCode::BadRequest
+    );
+    assert_eq!(
+        code(s.step(bounce(rw, base, (1 << 16) + 1, false), &c)),
+        ErrorCode::BadRequest,
+        "over the chunk"
+    );
+    assert_eq!(
+        code(s.step(bounce(ro, 0, 1, true), &c)),
+        ErrorCode::ReadOnly
+    );
+    let m = message(s.step(bounce(rw, base, 1, true), &c));
+    assert!(m.contains("opened for reading"), "{m}");
+    match s.step(bounce(rww, base, 1 << 16, true), &c) {
+        Step::Bounce(b) => assert_eq!(
+            (b.region, b.offset, b.len, b.to_region, b.rkey),
+            (0, base, 1 << 16, true, 7)
+        ),
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        s.step(bounce(ro, (1 << 20) - 1, 1, false), &c),
+        Step::Bounce(_)
+    ));
+}
+
+#[test]
+fn a_removed_region_refuses_bounces_and_reports() {
+    let mut c = fake();
+    let mut s = connected(&c);
+    let h = open(&mut s, &c, "rw", true, 0);
+    c.removed[0] = true;
+    assert_eq!(
+        code(s.step(bounce(h, 1 << 17, 1, false), &c)),
+        ErrorCode::Removed
+    );
+    assert!(matches!(
+        s.step(
+            Msg::Transferred {
+                handle: h,
+                offset: 0,
+                len: 1,
+                to_region: false,
+                micros: 1
+            },
+            &c
+        ),
+        Step::Ignore
+    ));
+}
+
+#[test]
+fn reports_count_only_the_direct_part_of_an_open_handle() {
+    let c = fake();
+    let mut s: Session<u32> = Session::new(RULES);
+    let r = open(&mut s, &c, "rw", false, 0);
+    let w = open(&mut s, &c, "rw", true, 0);
+    let report = |handle, offset, len, to_region| Msg::Transferred {
+        handle,
+        offset,
+        len,
+        to_region,
+        micros: 5,
+    };
+    assert!(matches!(
+        s.step(report(r, 0, 64 << 10, false), &c),
+        Step::Report {
+            region: 0,
+            len: 65536,
+            to_region: false,
+            micros: 5
+        }
+    ));
+    for bad in [
+        report(r, 1, 64 << 10, false),
+        report(r, u64::MAX, 2, false),
+        report(r, 0, 1, true),
+        report(1234, 0, 1, false),
+    ] {
+        assert!(matches!(s.step(bad, &c), Step::Ignore));
+    }
+    assert!(matches!(
+        s.step(report(w, 0, 1, true), &c),
+        Step::Report { .. }
+    ));
+}
+
+#[test]
+fn draining_refuses_opens_and_lets_an_idle_client_go() {
+    let c = fake();
+    let mut s: Session<u32> = Session::new(RULES);
+    let h = open(&mut s, &c, "rw", false, 0);
+    s.drain();
+    assert!(!s.may_leave(), "it holds a handle");
+    assert_eq!(
+        code(s.step(
+            Msg::Open {
+                region: "rw".into(),
+                write: false
+            },
+            &c
+        )),
+        ErrorCode::ShuttingDown
+    );
+    assert!(matches!(
+        s.step(
+            Msg::Checksum {
+                handle: h,
+                offset: 0,
+                len: 1
+            },
+            &c
+        ),
+        Step::Checksum { .. }
+    ));
+    assert!(matches!(
+        s.step(Msg::Close { handle: h }, &c),
+        Step::Close { .. }
+    ));
+    assert!(s.may_leave());
+}
+
+#[test]
+fn server_messages_and_a_second_hello_are_refused() {
+    let c = fake();
+    let mut s: Session<u32> = Session::new(RULES);
+    for m in [
+        Msg::Hello {
+            version: VERSION,
+            token: Token::new("x"),
+            client: "c".into(),
+        },
+        Msg::Closed { handle: 1 },
+        Msg::BounceDone {
+            len: 1,
+            zero_copy: 0,
+        },
+        Msg::error(ErrorCode::Internal, "x"),
+    ] {
+        let m = message(s.step(m, &c));
+        assert!(m.contains("is not a request a client may send now"), "{m}");
+    }
+    assert!(matches!(s.step(Msg::Bye, &c), Step::Leave));
+    assert!(matches!(s.step(Msg::List, &c), Step::List));
+}
+
+#[test]
+fn checksums_check_the_handle_and_the_range() {
+    let c = fake();
+    let mut s: Session<u32> = Session::new(RULES);
+    let h = open(&mut s, &c, "ro", false, 0);
+    assert_eq!(
+        code(s.step(
+            Msg::Checksum {
+                handle: h + 1,
+                offset: 0,
+                len: 1
+            },
+            &c
+        )),
+        ErrorCode::NotOpen
+    );
+    assert_eq!(
+        code(s.step(
+            Msg::Checksum {
+                handle: h,
+                offset: 1,
+                len: 1 << 20
+            },
+            &c
+        )),
+        ErrorCode::OutOfRange
+    );
+}
+
+fn any_msg() -> impl Strategy<Value = Msg> {
+    let handle = prop_oneof![0u32..4, Just(0x10000u32), Just(0x20001), any::<u32>()];
+    let offset = prop_oneof![
+        Just(0u64),
+        Just(64 << 10),
+        Just((1 << 20) - 1),
+        any::<u64>()
+    ];
+    let len = prop_oneof![Just(0u64), Just(1), Just(1 << 16), any::<u64>()];
+    let name = prop_oneof![Just("rw"), Just("ro"), Just("gone"), Just("held"), Just("x")];
+    prop_oneof![
+        (name, any::<bool>()).prop_map(|(n, write)| Msg::Open {
+            region: n.into(),
+            write
+        }),
+        handle.clone().prop_map(|handle| Msg::Close { handle }),
+        (handle.clone(), offset.clone(), len.clone(), any::<bool>())
+            .prop_map(|(handle, offset, len, to_region)| bounce(handle, offset, len, to_region)),
+        (handle.clone(), offset.clone(), len.clone()).prop_map(|(handle, offset, len)| {
+            Msg::Checksum {
+                handle,
+                offset,
+                len,
+            }
+        }),
+        (handle, offset, len, any::<bool>()).prop_map(|(handle, offset, len, to_region)| {
+            Msg::Transferred {
+                handle,
+                offset,
+                len,
+                to_region,
+                micros: 1,
+            }
+        }),
+        Just(Msg::List),
+    ]
+}
+
+proptest! {
+    /// Whatever a client sends, the session never exceeds its limits, never lets a request
+    /// reach outside a region or a put reach a read-only handle, and its handle table
+    /// matches a model (the same checks the fuzzers run).
+    #[test]
+    fn any_sequence_keeps_the_rules(
+        msgs in prop::collection::vec(any_msg(), 1..64),
+        drain_at in 0usize..80,
+    ) {
+        let mut m = Model::new();
+        m.apply(Msg::Connect { endpoint: ENDPOINT });
+        for (i, msg) in msgs.into_iter().enumerate() {
+            if i == drain_at {
+                m.drain();
+            }
+            m.apply(msg);
+        }
+    }
+}
+
+#[test]
+fn the_fuzzers_script_reader_reaches_every_request_and_live_handles() {
+    let mut x = 0x9e37_79b9u32;
+    let bytes: Vec<u8> = (0..20_000)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x as u8
+        })
+        .collect();
+    let mut kinds = std::collections::HashMap::new();
+    let mut m = Model::new();
+    let mut script = crate::server::testkit::Script::new(&bytes);
+    let mut steps = std::collections::HashSet::new();
+    while let Some(msg) = script.next_msg() {
+        *kinds.entry(msg.kind()).or_insert(0) += 1;
+        if matches!(msg, Msg::Bye) {
+            continue;
+        }
+        let before = m.live();
+        m.apply(msg);
+        let after = m.live();
+        steps.insert(match after.len().cmp(&before.len()) {
+            std::cmp::Ordering::Greater => "opened",
+            std::cmp::Ordering::Less => "closed",
+            std::cmp::Ordering::Equal => "same",
+        });
+        script.live = after;
+    }
+    for k in [
+        "open",
+        "close",
+        "bounce",
+        "checksum",
+        "transferred",
+        "flush",
+        "connect",
+        "list",
+        "bye",
+    ] {
+        assert!(kinds.contains_key(k), "{k} never produced: {kinds:?}");
+    }
+    assert!(
+        steps.contains("opened") && steps.contains("closed"),
+        "handles are opened and closed: {steps:?}"
+    );
+}
+
+#[test]
+fn flushes_need_a_handle_opened_for_writing_and_a_range_inside() {
+    let c = fake();
+    let mut s: Session<u32> = Session::new(RULES);
+    let r = open(&mut s, &c, "rw", false, 0);
+    let w = open(&mut s, &c, "rw", true, 0);
+    let flush = |handle, offset, len| Msg::Flush {
+        handle,
+        offset,
+        len,
+    };
+    assert_eq!(code(s.step(flush(r, 0, 1), &c)), ErrorCode::ReadOnly);
+    assert_eq!(code(s.step(flush(77, 0, 1), &c)), ErrorCode::NotOpen);
+    assert_eq!(
+        code(s.step(flush(w, 1, 1 << 20), &c)),
+        ErrorCode::OutOfRange
+    );
+    assert!(matches!(
+        s.step(flush(w, 5, 10), &c),
+        Step::Flush {
+            region: 0,
+            offset: 5,
+            len: 10
+        }
+    ));
+}
+
+#[test]
+fn a_region_that_holds_data_takes_puts_over_its_direct_part_through_the_server() {
+    let mut c = fake();
+    c.infos[0].server_puts = true;
+    let mut s = connected(&c);
+    let w = open(&mut s, &c, "rw", true, 0);
+    assert!(matches!(
+        s.step(bounce(w, 0, 4096, true), &c),
+        Step::Bounce(_)
+    ));
+    assert_eq!(
+        code(s.step(bounce(w, 0, 4096, false), &c)),
+        ErrorCode::NotBounce,
+        "fetches of the direct part still use the rkey"
+    );
+}
+
+#[test]
+fn keepalives_need_no_reply() {
+    let c = fake();
+    let mut s: Session<u32> = Session::new(RULES);
+    assert!(matches!(s.step(Msg::KeepAlive, &c), Step::Ignore));
+}
