@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bridge::protocol::WireEndpoint;
 use peermem::canary::DeviceMr;
 use peermem::plan::{decide, P2pPolicy, PathKind, RegChoice};
 use peermem::Provider;
@@ -26,8 +27,8 @@ use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt as _, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use verbs::{
-    Access, Context, CqMode, Endpoint, HostBuffer, Local, ProtectionDomain, QpOptions, QueuePair,
-    RegMode, RegisteredBuffer, RemoteSlice, SendOp, SendWr, SinkBuffer,
+    Access, Context, CqMode, HostBuffer, Local, ProtectionDomain, QpOptions, QueuePair, RegMode,
+    RegisteredBuffer, RemoteSlice, SendOp, SendWr, SinkBuffer,
 };
 
 /// What to measure.
@@ -255,11 +256,11 @@ enum Msg {
         /// The shared secret (the same token as `serve`'s).
         token: bridge::Token,
         params: BenchParams,
-        endpoints: Vec<Endpoint>,
+        endpoints: Vec<WireEndpoint>,
         keys: Keys,
     },
     Ready {
-        endpoints: Vec<Endpoint>,
+        endpoints: Vec<WireEndpoint>,
         keys: Keys,
         path: String,
         strategy: String,
@@ -585,6 +586,15 @@ async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem) -> Result<
         }
     };
 
+    // memory that holds data (a file) is never written by the benchmark: no pattern to check
+    let keep = provider.as_ref().is_some_and(|m| m.holds_data());
+    if keep && p.validate {
+        return Err(BenchError::Config(format!(
+            "--validate needs the server to write its pattern into the memory, and {} holds data; \
+             run without --validate",
+            mem.spec.as_deref().unwrap_or("the memory")
+        )));
+    }
     if path == "bounce" {
         let provider =
             provider.ok_or_else(|| BenchError::Config("bounce without memory".into()))?;
@@ -598,14 +608,14 @@ async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem) -> Result<
         1
     };
     let mut qps = Vec::new();
-    for ep in &endpoints {
+    for &ep in &endpoints {
         let qp = QueuePair::new(&pd, qp_options(side, &p, recv))?;
-        qp.connect(ep)?;
+        qp.connect(&ep.into())?;
         qps.push(qp);
     }
     let my_keys = target.keys(max as u64)?;
     c.send(&Msg::Ready {
-        endpoints: qps.iter().map(|q| q.endpoint()).collect(),
+        endpoints: qps.iter().map(|q| q.endpoint().into()).collect(),
         keys: my_keys,
         path: path.clone(),
         strategy: strategy.clone(),
@@ -693,8 +703,9 @@ async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem) -> Result<
         match c.recv().await? {
             Msg::Run { size } => {
                 let n = size as usize;
-                if p.op == BenchOp::Read || p.validate {
+                if !keep && (p.op == BenchOp::Read || p.validate) {
                     // READs fetch the pattern; WRITEs are checked against it afterwards.
+                    // (Never into memory that holds data: `keep`.)
                     let fill: Vec<u8> = if p.op == BenchOp::Read {
                         pat[..n].to_vec()
                     } else {
@@ -787,6 +798,13 @@ async fn serve_bounce(
     strategy: String,
     token: &bridge::Token,
 ) -> Result<()> {
+    if provider.holds_data() && p.op != BenchOp::Read {
+        return Err(BenchError::Config(format!(
+            "the server memory holds data ({}): a write benchmark would overwrite it; \
+             benchmark reads of it, or writes to host:, cmb: or dmabuf: memory",
+            provider.describe()
+        )));
+    }
     if p.op == BenchOp::Send || p.lat || p.bidir {
         return Err(BenchError::Config(
             "the server memory goes through bounce buffers: only write and read bandwidth runs (put/fetch through the bridge) are measured on that path".into(),
@@ -829,7 +847,7 @@ async fn serve_bounce(
     loop {
         match c.recv().await? {
             Msg::Run { size } => {
-                if p.op == BenchOp::Read {
+                if p.op == BenchOp::Read && !provider.holds_data() {
                     // every message the client may fetch in one pipelined span holds the pattern
                     let span = bounce_span(size, p.tx_depth, provider.len());
                     let mut off = 0;
@@ -1081,7 +1099,7 @@ pub async fn run_client(
     c.send(&Msg::Hello {
         token: o.token.clone(),
         params: p.clone(),
-        endpoints: qps.iter().map(|q| q.endpoint()).collect(),
+        endpoints: qps.iter().map(|q| q.endpoint().into()).collect(),
         keys: mine_keys,
     })
     .await?;
@@ -1196,8 +1214,8 @@ pub async fn run_client(
             "the server answered with a different number of QPs".into(),
         ));
     }
-    for (qp, ep) in qps.iter().zip(&endpoints) {
-        qp.connect(ep)?;
+    for (qp, &ep) in qps.iter().zip(&endpoints) {
+        qp.connect(&ep.into())?;
     }
     for &size in &p.sizes {
         let n = size as usize;

@@ -3,6 +3,7 @@
 //! the library or the `p2p-rdma` binary.
 
 mod common;
+use common::rdma_resources;
 use common::{code_of, data, lab_ip, raw, start, TOKEN};
 
 use std::io::Write as _;
@@ -120,18 +121,6 @@ async fn lab_bridge_four_clients_at_once() {
         t.await.unwrap();
     }
     s.stop().await;
-}
-
-/// How many lines of `rdma resource show KIND` contain `marker`.
-fn rdma_resources(kind: &str, marker: &str) -> usize {
-    let out = Command::new("rdma")
-        .args(["resource", "show", kind])
-        .output()
-        .expect("rdma tool (iproute2)");
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter(|l| l.contains(marker))
-        .count()
 }
 
 fn rc_qps() -> usize {

@@ -105,6 +105,10 @@ pub struct Metrics {
     pub connections: Gauge,
     /// Connections accepted since start.
     pub connections_accepted: Counter,
+    /// Connections that have not said hello yet.
+    pub unauthenticated: Gauge,
+    /// Connections closed before their hello to make room for newer ones.
+    pub preauth_evictions: Counter,
     /// Region handles now open across connections.
     pub open_handles: Gauge,
     /// Hellos refused for a wrong token.
@@ -148,6 +152,8 @@ impl Metrics {
             errors: Family::default(),
             connections: Gauge::default(),
             connections_accepted: Counter::default(),
+            unauthenticated: Gauge::default(),
+            preauth_evictions: Counter::default(),
             open_handles: Gauge::default(),
             auth_failures: Counter::default(),
             regcache_hits: Counter::default(),
@@ -192,6 +198,16 @@ impl Metrics {
                 "connections_accepted",
                 "Control connections accepted since start",
                 m.connections_accepted.clone(),
+            );
+            r.register(
+                "unauthenticated_connections",
+                "Connections that have not said hello yet",
+                m.unauthenticated.clone(),
+            );
+            r.register(
+                "preauth_evictions",
+                "Connections closed before their hello to make room for newer ones",
+                m.preauth_evictions.clone(),
             );
             r.register(
                 "open_handles",

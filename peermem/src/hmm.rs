@@ -160,7 +160,7 @@ struct Unit {
     host: Option<Vec<u8>>,
 }
 
-/// A device-private region.
+/// A device-private region (from a `dyn Provider`: [`DevicePrivate::of`]).
 pub struct DevicePrivate {
     dev: Arc<dyn DeviceBacking>,
     policy: Policy,
@@ -189,6 +189,13 @@ const MAPS: usize = 5;
 const FALLBACKS: usize = 6;
 const INVALIDATED: usize = 7;
 const WINDOW_RDMA: usize = 8;
+
+impl DevicePrivate {
+    /// The device-private region behind `p`, if it is one (its owner may free or move units).
+    pub fn of(p: &dyn Provider) -> Option<&DevicePrivate> {
+        p.as_any().downcast_ref::<DevicePrivate>()
+    }
+}
 
 impl DevicePrivate {
     /// A region over all of `dev`, with a P2P window of `window_bytes` (0: none).
@@ -690,9 +697,6 @@ impl Provider for DevicePrivate {
     }
     fn copy_in(&self, offset: u64, data: &[u8]) -> Result<(), Error> {
         self.write(offset, data)
-    }
-    fn as_device_private(&self) -> Option<&DevicePrivate> {
-        Some(self)
     }
     fn residency(&self) -> Option<String> {
         let (device, mapped, host, freed) = DevicePrivate::residency(self);

@@ -17,7 +17,7 @@ use crate::error::Error;
 use crate::udmabuf::Udmabuf;
 
 /// One kind of memory a region may live in.
-pub trait Provider: Send + Sync + fmt::Debug {
+pub trait Provider: AsAny + Send + Sync + fmt::Debug {
     /// Short name: "host", "host-huge", "file", "cmb", "dmabuf", "cuda".
     fn kind(&self) -> &'static str;
     /// One line for humans: what and where.
@@ -81,9 +81,18 @@ pub trait Provider: Send + Sync + fmt::Debug {
     fn residency(&self) -> Option<String> {
         None
     }
-    /// This memory as a device-private region, whose owner may free or move its units.
-    fn as_device_private(&self) -> Option<&crate::hmm::DevicePrivate> {
-        None
+}
+
+/// The concrete type behind a `dyn Provider`, for kinds that offer more than the trait
+/// (`hmm::DevicePrivate::of`): the trait itself names no provider type.
+pub trait AsAny {
+    /// `self` as `Any`.
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+impl<T: std::any::Any> AsAny for T {
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }
 

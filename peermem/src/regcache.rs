@@ -18,7 +18,6 @@
 
 use std::fmt;
 use std::ops::{Deref, Range};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
@@ -193,7 +192,6 @@ impl<K, V> Inner<K, V> {
 pub struct RegCache<K, V> {
     inner: Mutex<Inner<K, V>>,
     limits: Limits,
-    lookups: AtomicU64,
 }
 
 impl<K: PartialEq + Clone, V> fmt::Debug for RegCache<K, V> {
@@ -265,7 +263,6 @@ impl<K: PartialEq + Clone, V> RegCache<K, V> {
                 stats: Stats::default(),
             }),
             limits,
-            lookups: AtomicU64::new(0),
         }
     }
 
@@ -285,7 +282,6 @@ impl<K: PartialEq + Clone, V> RegCache<K, V> {
         size: u64,
         register: impl FnOnce(Range<u64>) -> Result<V, E>,
     ) -> Result<Lease<V>, CacheError<E>> {
-        self.lookups.fetch_add(1, Ordering::Relaxed);
         let mut i = lock(&self.inner);
         i.tick += 1;
         let tick = i.tick;
@@ -439,7 +435,7 @@ impl<K: PartialEq + Clone, V> RegCache<K, V> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::AtomicUsize;
+    use std::sync::atomic::{AtomicUsize, Ordering};
 
     /// A registration that counts live instances and remembers whether it was "freed".
     #[derive(Debug)]

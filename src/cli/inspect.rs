@@ -154,7 +154,7 @@ pub(crate) async fn doctor(
         .await
         .map_err(|r| anyhow::anyhow!("{r}"))?;
     let residency_after = provider.residency();
-    let window_proof = match provider.as_device_private() {
+    let window_proof = match peermem::hmm::DevicePrivate::of(&*provider) {
         Some(dp) if dp.window_size() > 0 => {
             Some(peermem::plan::prove_window(&pd, dp, reg, P2pPolicy::Preferred).await)
         }

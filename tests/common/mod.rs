@@ -110,3 +110,15 @@ pub(crate) fn code_of(
         _ => None,
     })
 }
+
+/// How many lines of `rdma resource show KIND` contain `marker`.
+pub(crate) fn rdma_resources(kind: &str, marker: &str) -> usize {
+    let out = std::process::Command::new("rdma")
+        .args(["resource", "show", kind])
+        .output()
+        .expect("rdma tool (iproute2)");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.contains(marker))
+        .count()
+}

@@ -19,7 +19,7 @@ use tokio::sync::oneshot;
 
 use crate::device::{io_of, Context};
 use crate::error::{Call, Error, Result, WcStatus};
-use crate::qp::Local;
+use crate::local::Local;
 
 /// How completions are waited for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -333,17 +333,6 @@ pub enum Error {
         /// Queue capacity.
         capacity: usize,
     },
-    /// The connection bootstrap failed.
-    #[error("connection bootstrap with {peer} failed: {reason}")]
-    Bootstrap {
-        /// The remote side.
-        peer: String,
-        /// What went wrong.
-        reason: String,
-        /// The I/O error, if any.
-        #[source]
-        source: Option<io::Error>,
-    },
     /// A caller-supplied value is invalid.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
@@ -387,9 +376,6 @@ impl Error {
     pub fn raw_os_error(&self) -> Option<i32> {
         match self {
             Error::Verbs { source, .. } => source.raw_os_error(),
-            Error::Bootstrap {
-                source: Some(s), ..
-            } => s.raw_os_error(),
             _ => None,
         }
     }

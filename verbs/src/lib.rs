@@ -5,19 +5,18 @@
 //!   dma-buf registration, with typed errors that explain the errno;
 //! - [`QueuePair`]: RC QPs with their own tokio-driven CQ, the INIT→RTR→RTS state machine and
 //!   posting of WRITE/READ/SEND/RECV (with immediate data, in batches). The safe API owns the
-//!   buffers until completion; [`QueuePair::post_send_raw`] is the unsafe hot-path variant;
-//! - [`bootstrap`]: exchanging endpoints over a TCP side channel.
+//!   buffers until completion, even when the future is dropped;
 //!
 //! Unsafe code is confined to the FFI-facing modules (`ffi`, `mr`, `cq`, `qp`), each block with
 //! a `// SAFETY:` argument.
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
-pub mod bootstrap;
 mod cq;
 mod device;
 mod error;
 mod ffi;
+mod local;
 mod mr;
 mod qp;
 
@@ -27,11 +26,12 @@ pub use device::{
     GidInfo, GidKind, OdpCaps, PortInfo,
 };
 pub use error::{meaning, Call, Error, Result, WcStatus};
+pub use local::{Local, RegionRef, SinkBuffer};
 pub use mr::{
     Access, DmabufSupport, HostBuffer, MemoryRegion, ProtectionDomain, RegMode, RegisteredBuffer,
     RemoteSlice, SharedMemory, SharedRegion,
 };
 pub use qp::{
-    negotiate_mtu, Endpoint, Local, Pending, PendingRecv, QpOptions, QpState, QueuePair, RawSendWr,
-    RecvInfo, RegionRef, SendOp, SendWr, SinkBuffer,
+    negotiate_mtu, Endpoint, Pending, PendingRecv, QpOptions, QpState, QueuePair, RecvInfo, SendOp,
+    SendWr,
 };

@@ -697,16 +697,6 @@ fn file_len(f: &std::fs::File) -> Result<u64> {
 }
 
 impl ProtectionDomain {
-    /// Register shared memory; the region keeps it alive. Write access needs writable memory.
-    pub fn register_shared(
-        &self,
-        mem: &Arc<SharedMemory>,
-        access: Access,
-        mode: RegMode,
-    ) -> Result<SharedRegion> {
-        self.register_shared_range(mem, 0..mem.len(), access, mode)
-    }
-
     /// Register `range` of shared memory (e.g. one object of an arena).
     pub fn register_shared_range(
         &self,

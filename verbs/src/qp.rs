@@ -2,14 +2,12 @@
 //!
 //! The safe API moves the local buffer into the operation and hands it back on completion; if
 //! the future is dropped, the buffer stays in the CQ's pending table until the device reports
-//! the work request done. [`QueuePair::post_send_raw`] is the `unsafe` variant for hot paths that
-//! manage buffer lifetimes themselves.
+//! the work request done.
 #![allow(unsafe_code)]
 
 use std::fmt;
 use std::future::Future;
 use std::net::Ipv6Addr;
-use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
@@ -26,175 +24,8 @@ use tracing::Instrument as _;
 use crate::cq::{Cq, CqMode, Done, Queue};
 use crate::device::{io_of, pick_gid, GidInfo};
 use crate::error::{Call, Error, Result};
-use crate::mr::{ProtectionDomain, RegisteredBuffer, RemoteSlice};
-
-/// A local buffer handed to a work request, with the byte range it covers.
-///
-/// `Owned` buffers may be written by the device (RECV, READ destination); `Shared` ones only read
-/// (SEND, WRITE source), so several work requests may use one shared buffer at once. `Sink`
-/// buffers may be written by several work requests at once (READ destinations of a benchmark,
-/// like perftest's): the CPU cannot see their bytes until every work request is done.
-#[derive(Debug)]
-pub enum Local {
-    /// Exclusively owned.
-    Owned(RegisteredBuffer, Range<usize>),
-    /// Shared, read-only for the device.
-    Shared(Arc<RegisteredBuffer>, Range<usize>),
-    /// Shared, written by the device, unreadable by the CPU while shared.
-    Sink(Arc<SinkBuffer>, Range<usize>),
-    /// Memory registered elsewhere (a device's memory region: a P2P window, a dma-buf): the
-    /// device reads or writes it, the CPU never sees it through this handle. The region is kept
-    /// alive until the work request completes.
-    Region(Arc<dyn RegionRef>, Range<usize>),
-}
-
-/// Registered memory a work request may use that is not a [`RegisteredBuffer`]: a device's MR
-/// kept alive, with whatever backs it, by the implementor.
-pub trait RegionRef: Send + Sync + std::fmt::Debug {
-    /// The memory region; its byte 0 is the work request's range start 0.
-    fn memory_region(&self) -> &crate::mr::MemoryRegion;
-}
-
-/// A registered buffer that work requests may write concurrently. It offers no access to its
-/// bytes: only [`SinkBuffer::into_inner`], once no work request holds it any more, gives the
-/// buffer back, so the CPU never reads bytes the device may still be writing.
-#[derive(Debug)]
-pub struct SinkBuffer(RegisteredBuffer);
-
-impl SinkBuffer {
-    /// Wrap a buffer.
-    pub fn new(buf: RegisteredBuffer) -> Arc<SinkBuffer> {
-        Arc::new(SinkBuffer(buf))
-    }
-
-    /// Length in bytes.
-    pub fn len(&self) -> usize {
-        self.0.len()
-    }
-
-    /// Whether empty.
-    pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
-
-    /// The buffer back, when nothing else holds the sink (every work request that wrote it
-    /// completed and gave its reference back); the sink itself otherwise.
-    pub fn into_inner(
-        this: Arc<SinkBuffer>,
-    ) -> std::result::Result<RegisteredBuffer, Arc<SinkBuffer>> {
-        Arc::try_unwrap(this).map(|s| s.0)
-    }
-}
-
-impl Local {
-    /// The whole of an owned buffer.
-    pub fn owned(buf: RegisteredBuffer) -> Local {
-        let n = buf.len();
-        Local::Owned(buf, 0..n)
-    }
-
-    /// `range` of an owned buffer.
-    pub fn owned_range(buf: RegisteredBuffer, range: Range<usize>) -> Result<Local> {
-        check_range(&range, buf.len())?;
-        Ok(Local::Owned(buf, range))
-    }
-
-    /// `range` of a shared buffer.
-    pub fn shared(buf: Arc<RegisteredBuffer>, range: Range<usize>) -> Result<Local> {
-        check_range(&range, buf.len())?;
-        Ok(Local::Shared(buf, range))
-    }
-
-    /// `range` of memory registered elsewhere (see [`RegionRef`]).
-    pub fn region(mr: Arc<dyn RegionRef>, range: Range<usize>) -> Result<Local> {
-        check_range(&range, mr.memory_region().len())?;
-        Ok(Local::Region(mr, range))
-    }
-
-    /// `range` of a sink (see [`SinkBuffer`]).
-    pub fn sink(buf: Arc<SinkBuffer>, range: Range<usize>) -> Result<Local> {
-        check_range(&range, buf.len())?;
-        Ok(Local::Sink(buf, range))
-    }
-
-    fn registered(&self) -> Option<&RegisteredBuffer> {
-        match self {
-            Local::Owned(b, _) => Some(b),
-            Local::Shared(b, _) => Some(b),
-            Local::Sink(b, _) => Some(&b.0),
-            Local::Region(..) => None,
-        }
-    }
-
-    /// The byte range.
-    pub fn range(&self) -> Range<usize> {
-        match self {
-            Local::Owned(_, r) | Local::Shared(_, r) | Local::Sink(_, r) | Local::Region(_, r) => {
-                r.clone()
-            }
-        }
-    }
-
-    /// Length of the range.
-    pub fn len(&self) -> usize {
-        let r = self.range();
-        r.end - r.start
-    }
-
-    /// Whether the range is empty.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// The bytes of the range (None for a sink or a device's region, whose bytes the CPU may
-    /// not see).
-    pub fn bytes(&self) -> Option<&[u8]> {
-        match self {
-            Local::Sink(..) | Local::Region(..) => None,
-            _ => Some(&self.registered()?.as_slice()[self.range()]),
-        }
-    }
-
-    /// Give back an owned buffer (None for a shared one or a sink).
-    pub fn into_owned(self) -> Option<RegisteredBuffer> {
-        match self {
-            Local::Owned(b, _) => Some(b),
-            Local::Shared(..) | Local::Sink(..) | Local::Region(..) => None,
-        }
-    }
-
-    fn sge(&self) -> Result<(u32, u64, u32)> {
-        let r = self.range();
-        let len = u32::try_from(r.end - r.start).map_err(|_| {
-            Error::InvalidArgument("one work request moves at most 4 GiB - 1".into())
-        })?;
-        let (lkey, addr) = match self {
-            Local::Region(m, _) => {
-                let mr = m.memory_region();
-                (mr.lkey(), mr.addr())
-            }
-            _ => {
-                let b = self
-                    .registered()
-                    .expect("host buffers are registered buffers");
-                (b.mr().lkey(), b.addr())
-            }
-        };
-        Ok((lkey, addr + r.start as u64, len))
-    }
-}
-
-fn check_range(range: &Range<usize>, size: usize) -> Result<()> {
-    if range.start > range.end || range.end > size {
-        return Err(Error::OutOfBounds {
-            what: "local buffer",
-            offset: range.start as u64,
-            len: range.end.saturating_sub(range.start) as u64,
-            size: size as u64,
-        });
-    }
-    Ok(())
-}
+use crate::local::Local;
+use crate::mr::{ProtectionDomain, RemoteSlice};
 
 /// A send-queue operation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -244,17 +75,16 @@ pub struct SendWr {
     pub local: Local,
 }
 
-/// One send work request of the raw API: the caller vouches for the local memory.
+/// One send work request as posted: the safe API built it from a [`Local`] it owns.
 #[derive(Debug, Clone, Copy)]
-pub struct RawSendWr {
-    /// What to do.
-    pub op: SendOp,
+pub(crate) struct RawSendWr {
+    pub(crate) op: SendOp,
     /// lkey of the MR covering the local range.
-    pub lkey: u32,
+    pub(crate) lkey: u32,
     /// Local address.
-    pub addr: u64,
+    pub(crate) addr: u64,
     /// Length.
-    pub len: u32,
+    pub(crate) len: u32,
 }
 
 /// What a completed RECV reports.
@@ -266,7 +96,8 @@ pub struct RecvInfo {
     pub imm: Option<u32>,
 }
 
-/// Everything the peer needs to connect its QP to ours (exchanged by [`crate::bootstrap`]).
+/// Everything the peer needs to connect its QP to ours (exchanged over the caller's control
+/// connection; [`QueuePair::connect`] checks every field, whatever carried it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Endpoint {
     /// LID (InfiniBand; 0 on RoCE).
@@ -279,6 +110,33 @@ pub struct Endpoint {
     pub psn: u32,
     /// Active path MTU of our port, in bytes.
     pub mtu: u32,
+}
+
+impl Endpoint {
+    /// Refuse what no QP can connect to: a QPN or PSN over 24 bits, an MTU that is not one of
+    /// the five path MTUs. Peers send endpoints over the network: this is checked before any
+    /// field reaches the device.
+    pub fn check(&self) -> Result<()> {
+        if self.qpn > 0xff_ffff {
+            return Err(Error::InvalidArgument(format!(
+                "peer endpoint: QPN {:#x} has more than 24 bits",
+                self.qpn
+            )));
+        }
+        if self.psn > 0xff_ffff {
+            return Err(Error::InvalidArgument(format!(
+                "peer endpoint: PSN {:#x} has more than 24 bits",
+                self.psn
+            )));
+        }
+        if ![256, 512, 1024, 2048, 4096].contains(&self.mtu) {
+            return Err(Error::InvalidArgument(format!(
+                "peer endpoint: MTU {} is not 256, 512, 1024, 2048 or 4096",
+                self.mtu
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// QP state, as reported by `ibv_query_qp`.
@@ -368,11 +226,7 @@ struct QpInner {
 /// A reliable-connected queue pair with its own CQ. Cheap to clone.
 ///
 /// A QP keeps its PD (and so the device context) alive, and an MR keeps its PD alive: neither
-/// can outlive what it depends on. An MR cannot be created without a PD:
-///
-/// ```compile_fail
-/// let mr = verbs::MemoryRegion::new(); // no public constructor: only ProtectionDomain::register*
-/// ```
+/// can outlive what it depends on (an MR is made only by `ProtectionDomain::register*`).
 #[derive(Clone)]
 pub struct QueuePair {
     inner: Arc<QpInner>,
@@ -538,6 +392,7 @@ impl QueuePair {
 
     /// Connect to `remote`: INIT → RTR → RTS. The path MTU is the smaller of both ports'.
     pub fn connect(&self, remote: &Endpoint) -> Result<()> {
+        remote.check()?;
         let i = &self.inner;
         let dev = i.pd.context().name().to_string();
         let mtu = negotiate_mtu(i.mtu, remote.mtu);
@@ -701,34 +556,6 @@ impl QueuePair {
             } else {
                 covered.push(id);
             }
-        }
-        drop(state);
-        Ok(Pending {
-            qp: self.clone(),
-            rxs,
-        })
-    }
-
-    /// Post send work requests on memory the caller manages.
-    ///
-    /// # Safety
-    /// Every `(addr, len)` must lie inside the MR of `lkey` (of this QP's PD) and stay valid —
-    /// and, for READ destinations, not be accessed by the CPU — until the returned [`Pending`]
-    /// resolves for that work request, even if the `Pending` is dropped before (then until the
-    /// QP is in the error state and drained, or destroyed).
-    pub unsafe fn post_send_raw(&self, wrs: &[RawSendWr]) -> Result<Pending> {
-        let mut state = self.inner.cq.lock();
-        self.check_send_room(&state, wrs.len())?;
-        let mut ids = Vec::with_capacity(wrs.len());
-        let mut rxs = Vec::with_capacity(wrs.len());
-        for wr in wrs {
-            let (id, rx) = state.register(None, Queue::Send);
-            ids.push(id);
-            rxs.push((id, rx, wr.op.name()));
-        }
-        if let Err(e) = self.post_locked(&ids, wrs, &vec![true; wrs.len()]) {
-            state.unregister(&ids);
-            return Err(e);
         }
         drop(state);
         Ok(Pending {
@@ -1120,6 +947,27 @@ fn signal_plan(n: usize, every: usize) -> Vec<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn peer_endpoints_are_checked_before_they_reach_the_device() {
+        let ok = Endpoint {
+            lid: 0,
+            gid: std::net::Ipv6Addr::LOCALHOST,
+            qpn: 0xff_ffff,
+            psn: 0xff_ffff,
+            mtu: 4096,
+        };
+        assert!(ok.check().is_ok());
+        for (bad, why) in [
+            (Endpoint { qpn: 1 << 24, ..ok }, "QPN"),
+            (Endpoint { psn: 1 << 24, ..ok }, "PSN"),
+            (Endpoint { mtu: 1500, ..ok }, "MTU 1500"),
+            (Endpoint { mtu: 0, ..ok }, "MTU 0"),
+        ] {
+            let e = bad.check().unwrap_err().to_string();
+            assert!(e.contains(why), "{e}");
+        }
+    }
 
     #[test]
     fn moderation_signals_every_nth_and_the_last() {

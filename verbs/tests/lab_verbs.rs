@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use verbs::{
-    bootstrap, Access, Context, CqMode, Error, HostBuffer, Local, ProtectionDomain, QpOptions,
-    QpState, QueuePair, RegMode, RegisteredBuffer, SendOp, SendWr, WcStatus,
+    Access, Context, CqMode, Error, HostBuffer, Local, ProtectionDomain, QpOptions, QpState,
+    QueuePair, RegMode, RegisteredBuffer, SendOp, SendWr, WcStatus,
 };
 
 const LAB: &str = "lab test: needs an RDMA device; run it with soft-roce/lab (see README), or set P2P_RDMA_DEVICE";
@@ -513,43 +513,6 @@ async fn lab_dmabuf_registration_on_udmabuf_reports_unsupported() {
         s.contains("ibv_reg_dmabuf_mr") && s.contains("does not support dma-buf MRs"),
         "{s}"
     );
-}
-
-#[tokio::test]
-#[ignore = "lab"]
-async fn lab_bootstrap_over_tcp_then_transfer() {
-    let ctx = device();
-    let pd = ProtectionDomain::new(&ctx).unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let server_pd = pd.clone();
-    let server = tokio::spawn(async move {
-        let (mut s, peer) = listener.accept().await.unwrap();
-        let qp = QueuePair::new(&server_pd, QpOptions::default()).unwrap();
-        let mut b = server_pd
-            .register(HostBuffer::new(4096).unwrap(), Access::ALL, RegMode::Pinned)
-            .unwrap();
-        b.as_mut_slice()[..5].copy_from_slice(b"ready");
-        let recv = qp.post_recv(vec![Local::owned(b)]).unwrap();
-        bootstrap::connect_qp(&qp, &mut s, &peer.to_string())
-            .await
-            .unwrap();
-        let (b, info) = recv.await.unwrap().pop().unwrap();
-        (b.bytes().unwrap()[..info.byte_len as usize].to_vec(), qp)
-    });
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let qp = QueuePair::new(&pd, QpOptions::default()).unwrap();
-    let remote = bootstrap::connect_qp(&qp, &mut s, &addr.to_string())
-        .await
-        .unwrap();
-    assert_ne!(remote.qpn, qp.qpn());
-    let mut m = buf(&pd, 4096);
-    m.as_mut_slice()[..11].copy_from_slice(b"hello, peer");
-    qp.send(Local::owned_range(m, 0..11).unwrap(), None)
-        .await
-        .unwrap();
-    let (got, _sqp) = server.await.unwrap();
-    assert_eq!(got, b"hello, peer");
 }
 
 #[test]

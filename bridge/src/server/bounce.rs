@@ -226,7 +226,7 @@ impl ConnState {
                 "bounce staging buffer still in use after its completion",
             );
         };
-        let Some(dp) = provider.as_device_private() else {
+        let Some(dp) = peermem::hmm::DevicePrivate::of(&**provider) else {
             self.ring.push(buf);
             return Msg::error(ErrorCode::Internal, "not a device-private region");
         };
@@ -305,7 +305,7 @@ impl ConnState {
         meta: BounceMeta,
     ) -> std::result::Result<(), Refusal> {
         let name = &shared.regions.info(req.region).name;
-        let dp = provider.as_device_private().expect("checked by the caller");
+        let dp = peermem::hmm::DevicePrivate::of(&**provider).expect("checked by the caller");
         let segs = match dp.plan(req.offset, req.len) {
             Ok(s) => s,
             Err(e) => {
@@ -499,7 +499,7 @@ impl ConnState {
         };
         if let Some(mode) = r
             .window_mode
-            .filter(|_| provider.as_device_private().is_some())
+            .filter(|_| peermem::hmm::DevicePrivate::of(&*provider).is_some())
         {
             return Ok(self.start_window(shared, &req, &provider, mode, buf, meta));
         }

@@ -83,22 +83,31 @@ pub(super) async fn connection(
     m.connections_accepted.inc();
     m.connections.inc();
     let _gauge = GaugeGuard(&m.connections);
-    // Before the hello, a connection holds a slot of its own budget, not an authenticated
-    // client's: sockets that never say hello cannot lock real clients out. Over that budget
-    // the socket is closed at once, without a byte in reply.
-    let pending = shared.unauthenticated.fetch_add(1, Ordering::SeqCst) + 1;
-    let pre = ActiveGuard(&shared.unauthenticated);
-    if pending > shared.cfg.max_unauthenticated {
+    // Before the hello, a connection holds a place in a waiting room of its own, not an
+    // authenticated client's slot: sockets that never say hello cannot lock real clients out.
+    // When the room is full, the oldest waiting socket is closed (without a byte in reply).
+    let (mut ticket, evicted) = shared.preauth.admit();
+    m.unauthenticated.set(shared.preauth.waiting() as i64);
+    if evicted {
+        m.preauth_evictions.inc();
         tracing::warn!(
             limit = shared.cfg.max_unauthenticated,
-            "connection dropped: too many connections have not said hello yet"
+            "too many connections have not said hello: closed the oldest"
         );
-        return;
     }
     conn.set_max_frame(crate::protocol::MAX_HELLO_FRAME);
     conn.set_send_timeout(shared.cfg.send_timeout);
-    let hello = authenticate(&shared, &mut conn).await;
-    drop(pre);
+    let hello = tokio::select! {
+        h = authenticate(&shared, &mut conn) => h,
+        _ = &mut ticket.evicted => {
+            tracing::info!("connection closed before its hello: a newer one took its place");
+            drop(ticket);
+            m.unauthenticated.set(shared.preauth.waiting() as i64);
+            return;
+        }
+    };
+    drop(ticket);
+    m.unauthenticated.set(shared.preauth.waiting() as i64);
     if let Err(e) = hello {
         tracing::info!(error = %e, "connection refused before authentication");
         conn.shutdown().await;

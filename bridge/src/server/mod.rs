@@ -38,6 +38,7 @@ use crate::protocol::RegionInfo;
 mod bounce;
 pub mod config;
 mod driver;
+mod preauth;
 mod regions;
 pub(crate) mod session;
 #[cfg(any(test, feature = "fuzzing"))]
@@ -55,7 +56,7 @@ struct Shared {
     regions: RegionTable,
     active: AtomicUsize,
     /// Connections that have not said hello yet.
-    unauthenticated: AtomicUsize,
+    preauth: preauth::PreAuth,
     removals: watch::Sender<u64>,
     /// The token clients must present (replaced by [`ServerHandle::set_token`]).
     token: RwLock<crate::Token>,
@@ -108,13 +109,14 @@ impl Server {
             .map_err(|e| Error::io(format!("cannot listen on {}", cfg.listen), e))?;
         cfg.metrics.regions.set(regions.len() as i64);
         let token = RwLock::new(cfg.token.clone());
+        let preauth = preauth::PreAuth::new(cfg.max_unauthenticated);
         Ok(Server {
             shared: Arc::new(Shared {
                 cfg,
                 ctx,
                 regions,
                 active: AtomicUsize::new(0),
-                unauthenticated: AtomicUsize::new(0),
+                preauth,
                 removals: watch::Sender::new(0),
                 token,
                 staging: std::sync::atomic::AtomicU64::new(0),
@@ -281,7 +283,7 @@ impl ServerHandle {
             .live_named(name)
             .ok_or_else(|| Error::Config(format!("no region '{name}' is being served")))?;
         let p = r.provider().map_err(|(_, m)| Error::Config(m))?;
-        let d = p.as_device_private().ok_or_else(|| {
+        let d = peermem::hmm::DevicePrivate::of(&*p).ok_or_else(|| {
             Error::Config(format!(
                 "region '{name}' ({}) is not device-private memory: its owner cannot invalidate units",
                 p.kind()

@@ -273,7 +273,9 @@ pub(super) async fn build_regions(cfg: &ServerConfig, ctx: &Context) -> Result<R
             ));
         }
         let mut window_mode = None;
-        if let Some(dp) = provider.as_device_private().filter(|d| d.window_size() > 0) {
+        if let Some(dp) =
+            peermem::hmm::DevicePrivate::of(&*provider).filter(|d| d.window_size() > 0)
+        {
             let proof = peermem::plan::prove_window(&pd, dp, choice, policy).await;
             tracing::info!(region = %name, mode = ?proof.mode, why = proof.reason, "P2P window units");
             window_mode = proof.mode;

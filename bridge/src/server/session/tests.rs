@@ -399,7 +399,13 @@ fn any_msg() -> impl Strategy<Value = Msg> {
         any::<u64>()
     ];
     let len = prop_oneof![Just(0u64), Just(1), Just(1 << 16), any::<u64>()];
-    let name = prop_oneof![Just("rw"), Just("ro"), Just("gone"), Just("held"), Just("x")];
+    let name = prop_oneof![
+        Just("rw"),
+        Just("ro"),
+        Just("gone"),
+        Just("held"),
+        Just("x")
+    ];
     prop_oneof![
         (name, any::<bool>()).prop_map(|(n, write)| Msg::Open {
             region: n.into(),
