@@ -420,3 +420,23 @@ fn the_shipped_example_config_and_unit_agree_with_the_binary() {
         assert!(unit.contains(s), "the unit lacks {s}");
     }
 }
+
+#[test]
+fn serve_explains_a_bad_token_file_before_opening_anything() {
+    let dir = std::env::temp_dir().join(format!("p2p-rdma-tokens-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let f = dir.join("tokens");
+    std::fs::write(&f, "# admin\nadmin-secret\nreader img:rx\n").unwrap();
+    let out = bin()
+        .args(["serve", "--region", "img=host:1M", "--token-file"])
+        .arg(&f)
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{e}");
+    assert!(
+        e.contains("line 3") && e.contains("ro or rw") && !e.contains("admin-secret"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}

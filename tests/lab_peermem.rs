@@ -733,6 +733,7 @@ async fn invalidation_under_fetches(s: common::Running, name: &str) {
                 Invalidation::Move,
                 Duration::from_secs(20),
             )
+            .await
             .unwrap();
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -744,6 +745,7 @@ async fn invalidation_under_fetches(s: common::Running, name: &str) {
             Invalidation::Free,
             Duration::from_secs(20),
         )
+        .await
         .unwrap();
     tokio::time::sleep(Duration::from_millis(1500)).await;
     stop.store(true, Ordering::SeqCst);

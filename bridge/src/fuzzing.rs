@@ -6,20 +6,31 @@
 use crate::protocol::{encode, Decoder, Msg, MAX_FRAME, MAX_HELLO_FRAME};
 use crate::server::session::check_hello;
 use crate::server::testkit::{Model, Script};
-use crate::token::Token;
+use crate::token::{Grant, Scope, Token};
 
-/// The token the fuzzers' hellos must carry to get past authentication.
+/// The token the fuzzers' hellos must carry to get past authentication (every region).
 pub const TOKEN: &str = "fuzz-token";
+
+/// A second token, scoped: `rw` for reading, `held` for writing.
+pub const READER_TOKEN: &str = "fuzz-reader";
+
+fn reader_scope() -> Scope {
+    Scope::Regions(vec![("rw".into(), false), ("held".into(), true)])
+}
 
 /// A structured session: the bytes are read as requests (aimed at live handles and region
 /// edges) of a client that is already authenticated; the first byte decides when the server
-/// starts draining.
+/// starts draining and whether the client's token is scoped.
 pub fn session(data: &[u8]) {
     let Some((&first, rest)) = data.split_first() else {
         return;
     };
-    let drain_after = (first >> 1) as usize;
-    let mut model = Model::new();
+    let drain_after = (first >> 2) as usize;
+    let mut model = if first & 2 == 2 {
+        Model::scoped(reader_scope())
+    } else {
+        Model::new()
+    };
     let mut script = Script::new(rest);
     let mut n = 0;
     while let Some(m) = script.next_msg() {
@@ -44,7 +55,13 @@ pub fn frames(data: &[u8]) {
     d.set_max_frame(MAX_HELLO_FRAME);
     let mut limit = MAX_HELLO_FRAME;
     let mut model: Option<Model> = None;
-    let expected = Token::new(TOKEN);
+    let grants = [
+        Grant::all(TOKEN),
+        Grant {
+            token: Token::new(READER_TOKEN),
+            scope: reader_scope(),
+        },
+    ];
     for piece in rest.chunks(step) {
         d.feed(piece);
         loop {
@@ -64,9 +81,9 @@ pub fn frames(data: &[u8]) {
                 "a message changed through its encoding"
             );
             match &mut model {
-                None => match check_hello(m, &expected) {
-                    Ok(_) => {
-                        model = Some(Model::new());
+                None => match check_hello(m, &grants) {
+                    Ok((_, scope)) => {
+                        model = Some(Model::scoped(scope));
                         limit = MAX_FRAME;
                         d.set_max_frame(MAX_FRAME);
                     }

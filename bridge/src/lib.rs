@@ -24,4 +24,4 @@ pub use server::{
     MemoryRegionSpec, RegionOptions, RegionSource, RegionSpec, Removal, Server, ServerConfig,
     ServerHandle,
 };
-pub use token::Token;
+pub use token::{Grant, Scope, Token};

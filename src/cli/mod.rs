@@ -22,6 +22,18 @@ pub(crate) fn emit(text: &str) -> anyhow::Result<()> {
     }
 }
 
+/// The server's tokens: `file` read as a token file (one `SECRET [REGION[:ro|:rw]]...` per
+/// line, see `serve --help`), or the one secret of P2P_RDMA_TOKEN (every region).
+pub(crate) fn read_grants(file: Option<&std::path::Path>) -> anyhow::Result<Vec<bridge::Grant>> {
+    let text = read_token(file)?;
+    match file {
+        Some(p) => bridge::token::parse_grants(&text).map_err(|e| {
+            anyhow::anyhow!(exit::Usage(format!("the token file {}: {e}", p.display())))
+        }),
+        None => Ok(vec![bridge::Grant::all(text)]),
+    }
+}
+
 /// The token from `file` (surrounding whitespace ignored), or from P2P_RDMA_TOKEN.
 pub(crate) fn read_token(file: Option<&std::path::Path>) -> anyhow::Result<String> {
     use anyhow::Context as _;

@@ -10,7 +10,7 @@ use bridge::size::human;
 
 use super::config;
 use super::exit::Usage;
-use super::read_token;
+use super::read_grants;
 
 /// `serve`'s arguments (every one may also come from `--config`).
 #[derive(clap::Args, Debug)]
@@ -29,7 +29,9 @@ pub(crate) struct ServeArgs {
     /// Control address to listen on [default: 0.0.0.0:7471].
     #[arg(long, value_name = "ADDR:PORT")]
     listen: Option<SocketAddr>,
-    /// File holding the shared secret (re-read on SIGHUP). Default: P2P_RDMA_TOKEN.
+    /// Token file (re-read on SIGHUP): one secret per line, alone (every region) or followed by
+    /// the regions it grants, `NAME` or `NAME:ro` for reading, `NAME:rw` for writing too.
+    /// Default: the one secret of P2P_RDMA_TOKEN.
     #[arg(long, value_name = "FILE")]
     token_file: Option<PathBuf>,
     /// A region to serve (repeatable); the grammar is below.
@@ -83,6 +85,13 @@ Operating: --metrics serves /metrics, /healthz and /readyz; readiness (and syste
 when started with Type=notify) comes once every region is proved. SIGTERM/SIGINT stop accepting\n\
 and refuse new opens, let open transfers finish (--drain-timeout), exit 0. SIGHUP re-reads\n\
 --token-file; connected clients are not disturbed. A unit file: contrib/p2p-rdma.service.\n\
+\n\
+Token file: one secret per line; alone it grants every region, followed by region names it\n\
+grants only those (NAME or NAME:ro for reading, NAME:rw for writing too); other regions are\n\
+not listed to its holder. Clients give only their own secret.\n\
+  8f0c...admin\n\
+  3b1e...reader   img:ro logs\n\
+  c9d2...ingest   scratch:rw\n\
 \n\
 Config file (--config, TOML; keys as the flags):\n\
   listen = \"0.0.0.0:7471\"          token_file = \"/etc/p2p-rdma/token\"\n\
@@ -141,8 +150,9 @@ pub(crate) async fn run(a: ServeArgs) -> anyhow::Result<()> {
         .or(file.listen)
         .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 7471)));
     let token_file = a.token_file.or(file.token_file);
-    let token = read_token(token_file.as_deref())?;
-    let mut cfg = bridge::ServerConfig::new(listen, token, regions);
+    let grants = read_grants(token_file.as_deref())?;
+    let mut cfg = bridge::ServerConfig::new(listen, bridge::Token::default(), regions);
+    cfg.grants = grants;
     cfg.device = a.device.or(file.device);
     cfg.p2p = a.p2p.or(file.p2p).unwrap_or(cfg.p2p);
     cfg.reg = a.reg.or(file.reg).unwrap_or(cfg.reg);
@@ -267,8 +277,8 @@ async fn reload_on_sighup(handle: bridge::ServerHandle, token_file: Option<PathB
             None => eprintln!(
                 "p2p-rdma: SIGHUP: the token came from P2P_RDMA_TOKEN, not a file: nothing to reload"
             ),
-            Some(f) => match read_token(Some(f)).map(|t| handle.set_token(t)) {
-                Ok(Ok(())) => eprintln!("p2p-rdma: SIGHUP: token reloaded from {}", f.display()),
+            Some(f) => match read_grants(Some(f)).map(|g| handle.set_grants(g)) {
+                Ok(Ok(())) => eprintln!("p2p-rdma: SIGHUP: tokens reloaded from {}", f.display()),
                 Ok(Err(e)) => eprintln!("p2p-rdma: SIGHUP: keeping the old token: {e}"),
                 Err(e) => eprintln!("p2p-rdma: SIGHUP: keeping the old token: {e:#}"),
             },

@@ -56,8 +56,10 @@ pub struct ServerConfig {
     pub device: Option<String>,
     /// Where to listen.
     pub listen: SocketAddr,
-    /// The shared secret.
+    /// The shared secret that grants every region (may be empty when `grants` has some).
     pub token: crate::Token,
+    /// More tokens, each with its scope (some regions, for reading or writing).
+    pub grants: Vec<crate::Grant>,
     /// Regions to serve.
     pub regions: Vec<RegionSpec>,
     /// Regions over memory the embedding application provides.
@@ -114,6 +116,7 @@ impl ServerConfig {
             device: None,
             listen,
             token: token.into(),
+            grants: Vec::new(),
             regions,
             memory_regions: Vec::new(),
             max_connections: 64,

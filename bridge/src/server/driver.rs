@@ -22,6 +22,7 @@ use crate::conn::Conn;
 use crate::error::{Error, Result};
 use crate::metrics::{Direction, Metrics, XferPath};
 use crate::protocol::{AccessMode, ErrorCode, Msg, VERSION};
+use crate::token::Scope;
 
 /// What a handle holds: the registration of the region's direct part (None: bounce only, or
 /// the region was removed).
@@ -61,6 +62,17 @@ pub(super) struct ConnState {
     cache_seen: peermem::regcache::Stats,
     /// Bytes of staging buffers this connection allocated (for the metrics).
     pub(super) staging_bytes: u64,
+}
+
+/// Run `f`, which may block for long (a registration pins every page of a region), without
+/// stalling the other connections: on a multi-threaded runtime the worker hands its other
+/// tasks to another thread first. (A current-thread runtime has no other thread to hand
+/// them to: there `f` just runs.)
+pub(super) fn blocking<R>(f: impl FnOnce() -> R) -> R {
+    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),
+        _ => f(),
+    }
 }
 
 pub(super) fn internal(e: impl std::fmt::Display) -> Refusal {
@@ -108,11 +120,14 @@ pub(super) async fn connection(
     };
     drop(ticket);
     m.unauthenticated.set(shared.preauth.waiting() as i64);
-    if let Err(e) = hello {
-        tracing::info!(error = %e, "connection refused before authentication");
-        conn.shutdown().await;
-        return;
-    }
+    let scope = match hello {
+        Ok(scope) => scope,
+        Err(e) => {
+            tracing::info!(error = %e, "connection refused before authentication");
+            conn.shutdown().await;
+            return;
+        }
+    };
     conn.set_max_frame(crate::protocol::MAX_FRAME);
     let n = shared.active.fetch_add(1, Ordering::SeqCst) + 1;
     let _guard = ActiveGuard(&shared.active);
@@ -132,7 +147,7 @@ pub(super) async fn connection(
             .await;
         return;
     }
-    match serve_connection(&shared, &mut conn, &mut stop).await {
+    match serve_connection(&shared, &mut conn, &mut stop, scope).await {
         Ok(()) => tracing::info!("connection closed"),
         Err(e) => tracing::info!(error = %e, "connection ended"),
     }
@@ -140,7 +155,7 @@ pub(super) async fn connection(
 }
 
 /// The hello: version and token. Nothing about a region is said before it succeeds.
-async fn authenticate(shared: &Shared, conn: &mut Conn) -> Result<()> {
+async fn authenticate(shared: &Shared, conn: &mut Conn) -> Result<Scope> {
     let msg = match conn.recv(Some(shared.cfg.hello_timeout), "hello").await {
         Ok(m) => m,
         Err(e) => {
@@ -153,13 +168,13 @@ async fn authenticate(shared: &Shared, conn: &mut Conn) -> Result<()> {
         }
     };
     let checked = {
-        let expected = shared.token.read().unwrap_or_else(|p| p.into_inner());
-        session::check_hello(msg, &expected)
+        let grants = shared.grants.read().unwrap_or_else(|p| p.into_inner());
+        session::check_hello(msg, &grants)
     };
     let refused = match checked {
-        Ok(client) => {
-            tracing::info!(client, "client authenticated");
-            return Ok(());
+        Ok((client, scope)) => {
+            tracing::info!(client, ?scope, "client authenticated");
+            return Ok(scope);
         }
         Err(r) => r,
     };
@@ -191,6 +206,7 @@ async fn serve_connection(
     shared: &Shared,
     conn: &mut Conn,
     stop: &mut watch::Receiver<bool>,
+    scope: Scope,
 ) -> Result<()> {
     conn.send(&Msg::Welcome {
         version: VERSION,
@@ -203,10 +219,13 @@ async fn serve_connection(
     })
     .await?;
 
-    let mut st = ConnState::new(Rules {
-        max_open: shared.cfg.max_open_per_connection,
-        bounce_chunk: shared.cfg.bounce_chunk as u64,
-    });
+    let mut st = ConnState::new(
+        Rules {
+            max_open: shared.cfg.max_open_per_connection,
+            bounce_chunk: shared.cfg.bounce_chunk as u64,
+        },
+        scope,
+    );
     let mut removals = shared.removals.subscribe();
     removals.borrow_and_update();
     let m = shared.metrics();
@@ -319,9 +338,9 @@ pub(super) fn count_reply(m: &Metrics, reply: &Msg) {
 }
 
 impl ConnState {
-    fn new(rules: Rules) -> ConnState {
+    fn new(rules: Rules, scope: Scope) -> ConnState {
         ConnState {
-            session: Session::new(rules),
+            session: Session::new(rules, scope),
             inflight: VecDeque::new(),
             cache: None,
             ring: Vec::new(),
@@ -374,7 +393,12 @@ impl ConnState {
         match step {
             Step::Reply(m) => Ok(m),
             Step::List => Ok(Msg::Regions {
-                regions: shared.regions.listing(),
+                regions: shared
+                    .regions
+                    .listing()
+                    .into_iter()
+                    .filter(|r| self.session.scope().sees(&r.name))
+                    .collect(),
             }),
             Step::Connect(endpoint) => self.connect(shared, endpoint),
             Step::Open { region, writable } => {
@@ -515,17 +539,19 @@ impl ConnState {
             AccessMode::ReadOnly
         });
         let direct = r.direct_len;
-        let lease = self
-            .cache(shared.cfg.cache)
-            .get(&(region, writable), 0..direct, direct, |range| {
+        let cache = self.cache(shared.cfg.cache);
+        // registering pins (or maps) every page of the direct part: long for a large region
+        let lease = blocking(|| {
+            cache.get(&(region, writable), 0..direct, direct, |range| {
                 register_mode(&pd, &provider, range, access, mode)
             })
-            .map_err(|e| {
-                (
-                    ErrorCode::Internal,
-                    format!("registering region '{}' ({mode}): {e}", r.info.name),
-                )
-            })?;
+        })
+        .map_err(|e| {
+            (
+                ErrorCode::Internal,
+                format!("registering region '{}' ({mode}): {e}", r.info.name),
+            )
+        })?;
         Ok(Some(lease))
     }
 

@@ -49,6 +49,29 @@ pub use config::{MemoryRegionSpec, ServerConfig};
 use regions::RegionTable;
 pub use regions::{crc_of, RegionReport, Removal};
 
+/// The full-access token (when not empty) and the scoped ones; none, or an empty one, is an
+/// error.
+fn grants_of(token: &crate::Token, scoped: &[crate::Grant]) -> Result<Vec<crate::Grant>> {
+    let mut out = Vec::new();
+    if !token.is_empty() {
+        out.push(crate::Grant::all(token.clone()));
+    }
+    for g in scoped {
+        if g.token.is_empty() {
+            return Err(Error::Config(
+                "an empty token: every token needs a secret".into(),
+            ));
+        }
+        out.push(g.clone());
+    }
+    if out.is_empty() {
+        return Err(Error::Config(
+            "the token is empty: put a secret in the token file".into(),
+        ));
+    }
+    Ok(out)
+}
+
 #[derive(Debug)]
 struct Shared {
     cfg: ServerConfig,
@@ -58,8 +81,9 @@ struct Shared {
     /// Connections that have not said hello yet.
     preauth: preauth::PreAuth,
     removals: watch::Sender<u64>,
-    /// The token clients must present (replaced by [`ServerHandle::set_token`]).
-    token: RwLock<crate::Token>,
+    /// The tokens clients may present, with their scopes (replaced by
+    /// [`ServerHandle::set_grants`]).
+    grants: RwLock<Vec<crate::Grant>>,
     /// Bytes of staging buffers all connections hold (bounded by `max_staging_bytes`).
     staging: std::sync::atomic::AtomicU64,
 }
@@ -86,11 +110,7 @@ pub struct ServerHandle {
 impl Server {
     /// Open the device, build the regions (deciding each one's path), bind the listener.
     pub async fn bind(cfg: ServerConfig) -> Result<Server> {
-        if cfg.token.is_empty() {
-            return Err(Error::Config(
-                "the token is empty: put a secret in the token file".into(),
-            ));
-        }
+        let grants = grants_of(&cfg.token, &cfg.grants)?;
         if cfg.regions.is_empty() && cfg.memory_regions.is_empty() {
             return Err(Error::Config(
                 "no region to serve: give at least one --region".into(),
@@ -108,7 +128,7 @@ impl Server {
             .await
             .map_err(|e| Error::io(format!("cannot listen on {}", cfg.listen), e))?;
         cfg.metrics.regions.set(regions.len() as i64);
-        let token = RwLock::new(cfg.token.clone());
+        let grants = RwLock::new(grants);
         let preauth = preauth::PreAuth::new(cfg.max_unauthenticated);
         Ok(Server {
             shared: Arc::new(Shared {
@@ -118,7 +138,7 @@ impl Server {
                 active: AtomicUsize::new(0),
                 preauth,
                 removals: watch::Sender::new(0),
-                token,
+                grants,
                 staging: std::sync::atomic::AtomicU64::new(0),
             }),
             listener,
@@ -211,14 +231,20 @@ impl ServerHandle {
     /// Replace the token new clients must present (connections already authenticated are
     /// not disturbed). An empty token is refused.
     pub fn set_token(&self, token: impl Into<crate::Token>) -> Result<()> {
-        let token = token.into();
-        if token.is_empty() {
-            return Err(Error::Config(
-                "the token is empty: put a secret in the token file".into(),
-            ));
-        }
-        *self.shared.token.write().unwrap_or_else(|p| p.into_inner()) = token;
-        tracing::info!("token replaced");
+        self.set_grants(vec![crate::Grant::all(token)])
+    }
+
+    /// Replace every token new clients may present, with their scopes (connections already
+    /// authenticated keep theirs). Empty tokens, or none at all, are refused.
+    pub fn set_grants(&self, grants: Vec<crate::Grant>) -> Result<()> {
+        let grants = grants_of(&crate::Token::default(), &grants)?;
+        let n = grants.len();
+        *self
+            .shared
+            .grants
+            .write()
+            .unwrap_or_else(|p| p.into_inner()) = grants;
+        tracing::info!(tokens = n, "tokens replaced");
         Ok(())
     }
 
@@ -270,7 +296,7 @@ impl ServerHandle {
     /// transfers using them), transfers planned before fail with [`ErrorCode::Invalidated`],
     /// and a freed unit is never read or written again. Returns how many window mappings were
     /// revoked.
-    pub fn invalidate(
+    pub async fn invalidate(
         &self,
         name: &str,
         range: std::ops::Range<u64>,
@@ -283,13 +309,21 @@ impl ServerHandle {
             .live_named(name)
             .ok_or_else(|| Error::Config(format!("no region '{name}' is being served")))?;
         let p = r.provider().map_err(|(_, m)| Error::Config(m))?;
-        let d = peermem::hmm::DevicePrivate::of(&*p).ok_or_else(|| {
-            Error::Config(format!(
+        if peermem::hmm::DevicePrivate::of(&*p).is_none() {
+            return Err(Error::Config(format!(
                 "region '{name}' ({}) is not device-private memory: its owner cannot invalidate units",
                 p.kind()
-            ))
-        })?;
-        let n = d.invalidate(range.clone(), how, timeout).map_err(|e| {
+            )));
+        }
+        // waiting for the transfers that use the units blocks: not on the runtime's workers
+        let units = range.clone();
+        let res = tokio::task::spawn_blocking(move || {
+            let d = peermem::hmm::DevicePrivate::of(&*p).expect("checked above");
+            d.invalidate(units, how, timeout)
+        })
+        .await
+        .map_err(|e| Error::Config(format!("region '{name}': invalidation task: {e}")))?;
+        let n = res.map_err(|e| {
             Error::Config(format!(
                 "region '{name}': units {}..{} are still in use after {timeout:?}: {e}",
                 range.start, range.end

@@ -15,7 +15,7 @@
 use slab::Slab;
 
 use crate::protocol::{AccessMode, ErrorCode, Msg, RegionInfo, WireEndpoint, VERSION};
-use crate::token::Token;
+use crate::token::{find_grant, Grant, Scope};
 
 /// A refusal sent back to the client: a code and a message that says what to do.
 pub(crate) type Refusal = (ErrorCode, String);
@@ -65,8 +65,8 @@ pub(crate) struct HelloRefused {
     pub(crate) fault: HelloFault,
 }
 
-/// Check a connection's first message. Returns the client's name.
-pub(crate) fn check_hello(msg: Msg, expected: &Token) -> Result<String, HelloRefused> {
+/// Check a connection's first message. Returns the client's name and what its token grants.
+pub(crate) fn check_hello(msg: Msg, grants: &[Grant]) -> Result<(String, Scope), HelloRefused> {
     let (version, token, client) = match msg {
         Msg::Hello {
             version,
@@ -90,14 +90,14 @@ pub(crate) fn check_hello(msg: Msg, expected: &Token) -> Result<String, HelloRef
             fault: HelloFault::Version(version),
         });
     }
-    if !expected.matches(&token) {
-        return Err(HelloRefused {
+    match find_grant(grants, &token) {
+        Some(scope) => Ok((client, scope)),
+        None => Err(HelloRefused {
             code: ErrorCode::Unauthorized,
             message: "wrong token".into(),
             fault: HelloFault::Token(client),
-        });
+        }),
     }
-    Ok(client)
 }
 
 /// A bounce request the session accepted: the driver stages it and posts the RDMA.
@@ -176,6 +176,8 @@ struct Entry<T> {
 #[derive(Debug)]
 pub(crate) struct Session<T> {
     rules: Rules,
+    /// What the client's token grants.
+    scope: Scope,
     handles: Slab<Entry<T>>,
     /// Per slot: how many times it was freed.
     generations: Vec<u16>,
@@ -201,19 +203,25 @@ fn out_of_range(info: &RegionInfo, offset: u64, len: u64) -> Option<Refusal> {
 }
 
 impl<T> Session<T> {
-    /// A session that has just said welcome.
-    pub(crate) fn new(rules: Rules) -> Session<T> {
+    /// A session that has just said welcome, for a token that grants `scope`.
+    pub(crate) fn new(rules: Rules, scope: Scope) -> Session<T> {
         let rules = Rules {
             max_open: rules.max_open.min(MAX_HANDLES),
             ..rules
         };
         Session {
             rules,
+            scope,
             handles: Slab::new(),
             generations: Vec::new(),
             qp: false,
             draining: false,
         }
+    }
+
+    /// What the client's token grants (the driver lists only what it sees).
+    pub(crate) fn scope(&self) -> &Scope {
+        &self.scope
     }
 
     /// The server is stopping: no new opens; the client may finish with what it holds.
@@ -416,12 +424,18 @@ impl<T> Session<T> {
                 "the server is shutting down: no new opens; finish with what is open",
             );
         }
-        let Some(region) = regions.find(name) else {
+        // a region the token does not grant is not there, as far as this client can tell
+        let Some(region) = regions.find(name).filter(|_| self.scope.sees(name)) else {
+            let names: Vec<String> = regions
+                .names()
+                .into_iter()
+                .filter(|n| self.scope.sees(n))
+                .collect();
             return refuse(
                 ErrorCode::UnknownRegion,
                 format!(
                     "no region '{name}' on this server; it serves: {}",
-                    regions.names().join(", ")
+                    names.join(", ")
                 ),
             );
         };
@@ -429,6 +443,12 @@ impl<T> Session<T> {
             return refuse(
                 ErrorCode::ReadOnly,
                 format!("region '{name}' is read-only; puts are refused"),
+            );
+        }
+        if write && !self.scope.allows(name, true) {
+            return refuse(
+                ErrorCode::Unauthorized,
+                format!("this client's token grants region '{name}' for reading only"),
             );
         }
         if self.handles.len() >= self.rules.max_open {

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use super::session::{Catalog, Rules, Session, Step};
 use crate::protocol::{AccessMode, DataPath, ErrorCode, Extent, Msg, RegionInfo, WireEndpoint};
-use crate::token::Token;
+use crate::token::{Scope, Token};
 
 /// Four regions: `rw` (1 MiB, first 64 KiB direct), `ro` (read-only, all bounce), `gone`
 /// (removed), `held` (like `rw`, but it holds data: puts go through the server).
@@ -105,8 +105,13 @@ pub(crate) struct Model {
 
 impl Model {
     pub(crate) fn new() -> Model {
+        Model::scoped(Scope::All)
+    }
+
+    /// A model of a client whose token grants `scope`.
+    pub(crate) fn scoped(scope: Scope) -> Model {
         Model {
-            session: Session::new(RULES),
+            session: Session::new(RULES, scope),
             catalog: Fake::new(),
             handles: HashMap::new(),
             qp: false,
@@ -142,6 +147,10 @@ impl Model {
                 );
                 if let Msg::Open { region: name, .. } = &m {
                     assert_eq!(&c.infos[region].name, name);
+                    assert!(
+                        self.session.scope().allows(name, writable),
+                        "an open the token does not grant"
+                    );
                 }
                 let h = self.session.opened(region, writable, region as u32);
                 assert!(

@@ -5,6 +5,7 @@ use proptest::prelude::*;
 use super::*;
 
 use crate::server::testkit::{Fake, Model, ENDPOINT, RULES};
+use crate::token::Token;
 
 fn fake() -> Fake {
     Fake::new()
@@ -50,7 +51,7 @@ fn bounce(handle: u32, offset: u64, len: u64, to_region: bool) -> Msg {
 }
 
 fn connected(c: &Fake) -> Session<u32> {
-    let mut s = Session::new(RULES);
+    let mut s = Session::new(RULES, Scope::All);
     assert!(matches!(
         s.step(Msg::Connect { endpoint: ENDPOINT }, c),
         Step::Connect(_)
@@ -66,13 +67,16 @@ fn connected(c: &Fake) -> Session<u32> {
 
 #[test]
 fn the_hello_checks_kind_version_and_token() {
-    let t = Token::new("secret");
+    let t = [Grant::all("secret")];
     let hello = |version, token: &str| Msg::Hello {
         version,
         token: Token::new(token),
         client: "c1".into(),
     };
-    assert_eq!(check_hello(hello(VERSION, "secret"), &t).unwrap(), "c1");
+    assert_eq!(
+        check_hello(hello(VERSION, "secret"), &t).unwrap(),
+        ("c1".to_string(), Scope::All)
+    );
     let e = check_hello(Msg::List, &t).unwrap_err();
     assert_eq!(
         (e.code, e.fault),
@@ -94,7 +98,7 @@ fn the_hello_checks_kind_version_and_token() {
 #[test]
 fn opens_are_checked_and_bounded() {
     let c = fake();
-    let mut s: Session<u32> = Session::new(RULES);
+    let mut s: Session<u32> = Session::new(RULES, Scope::All);
     let m = message(s.step(
         Msg::Open {
             region: "nope".into(),
@@ -148,7 +152,7 @@ fn opens_are_checked_and_bounded() {
 #[test]
 fn a_closed_handle_stays_closed_even_when_its_slot_is_reused() {
     let c = fake();
-    let mut s: Session<u32> = Session::new(RULES);
+    let mut s: Session<u32> = Session::new(RULES, Scope::All);
     let a = open(&mut s, &c, "rw", false, 10);
     let b = open(&mut s, &c, "rw", false, 11);
     match s.step(Msg::Close { handle: a }, &c) {
@@ -185,7 +189,7 @@ fn a_closed_handle_stays_closed_even_when_its_slot_is_reused() {
 #[test]
 fn bounce_requests_are_checked_in_order() {
     let c = fake();
-    let mut s = Session::new(RULES);
+    let mut s = Session::new(RULES, Scope::All);
     let rw = open(&mut s, &c, "rw", false, 0);
     assert_eq!(
         code(s.step(bounce(rw, 64 << 10, 4096, false), &c)),
@@ -269,7 +273,7 @@ fn a_removed_region_refuses_bounces_and_reports() {
 #[test]
 fn reports_count_only_the_direct_part_of_an_open_handle() {
     let c = fake();
-    let mut s: Session<u32> = Session::new(RULES);
+    let mut s: Session<u32> = Session::new(RULES, Scope::All);
     let r = open(&mut s, &c, "rw", false, 0);
     let w = open(&mut s, &c, "rw", true, 0);
     let report = |handle, offset, len, to_region| Msg::Transferred {
@@ -305,7 +309,7 @@ fn reports_count_only_the_direct_part_of_an_open_handle() {
 #[test]
 fn draining_refuses_opens_and_lets_an_idle_client_go() {
     let c = fake();
-    let mut s: Session<u32> = Session::new(RULES);
+    let mut s: Session<u32> = Session::new(RULES, Scope::All);
     let h = open(&mut s, &c, "rw", false, 0);
     s.drain();
     assert!(!s.may_leave(), "it holds a handle");
@@ -340,7 +344,7 @@ fn draining_refuses_opens_and_lets_an_idle_client_go() {
 #[test]
 fn server_messages_and_a_second_hello_are_refused() {
     let c = fake();
-    let mut s: Session<u32> = Session::new(RULES);
+    let mut s: Session<u32> = Session::new(RULES, Scope::All);
     for m in [
         Msg::Hello {
             version: VERSION,
@@ -364,7 +368,7 @@ fn server_messages_and_a_second_hello_are_refused() {
 #[test]
 fn checksums_check_the_handle_and_the_range() {
     let c = fake();
-    let mut s: Session<u32> = Session::new(RULES);
+    let mut s: Session<u32> = Session::new(RULES, Scope::All);
     let h = open(&mut s, &c, "ro", false, 0);
     assert_eq!(
         code(s.step(
@@ -506,7 +510,7 @@ fn the_fuzzers_script_reader_reaches_every_request_and_live_handles() {
 #[test]
 fn flushes_need_a_handle_opened_for_writing_and_a_range_inside() {
     let c = fake();
-    let mut s: Session<u32> = Session::new(RULES);
+    let mut s: Session<u32> = Session::new(RULES, Scope::All);
     let r = open(&mut s, &c, "rw", false, 0);
     let w = open(&mut s, &c, "rw", true, 0);
     let flush = |handle, offset, len| Msg::Flush {
@@ -550,6 +554,48 @@ fn a_region_that_holds_data_takes_puts_over_its_direct_part_through_the_server()
 #[test]
 fn keepalives_need_no_reply() {
     let c = fake();
-    let mut s: Session<u32> = Session::new(RULES);
+    let mut s: Session<u32> = Session::new(RULES, Scope::All);
     assert!(matches!(s.step(Msg::KeepAlive, &c), Step::Ignore));
+}
+
+#[test]
+fn a_scoped_token_sees_and_writes_only_what_it_grants() {
+    let c = fake();
+    let grants = [
+        Grant::all("admin"),
+        Grant {
+            token: Token::new("reader"),
+            scope: Scope::Regions(vec![("rw".into(), false), ("held".into(), true)]),
+        },
+    ];
+    let hello = Msg::Hello {
+        version: VERSION,
+        token: Token::new("reader"),
+        client: "r".into(),
+    };
+    let (_, scope) = check_hello(hello, &grants).unwrap();
+    let mut s: Session<u32> = Session::new(RULES, scope);
+    let m = message(s.step(
+        Msg::Open {
+            region: "ro".into(),
+            write: false,
+        },
+        &c,
+    ));
+    assert!(
+        m.contains("no region 'ro'") && m.contains("it serves: rw, held") && !m.contains("ro,"),
+        "a region outside the scope is not there: {m}"
+    );
+    assert_eq!(
+        code(s.step(
+            Msg::Open {
+                region: "rw".into(),
+                write: true
+            },
+            &c
+        )),
+        ErrorCode::Unauthorized
+    );
+    open(&mut s, &c, "rw", false, 0);
+    open(&mut s, &c, "held", true, 0);
 }
