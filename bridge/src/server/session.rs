@@ -189,6 +189,10 @@ fn refuse<T>(code: ErrorCode, message: impl Into<String>) -> Step<T> {
     Step::Reply(Msg::error(code, message))
 }
 
+fn refused<T>((code, message): Refusal) -> Step<T> {
+    Step::Reply(Msg::error(code, message))
+}
+
 fn out_of_range(info: &RegionInfo, offset: u64, len: u64) -> Option<Refusal> {
     match offset.checked_add(len) {
         Some(end) if end <= info.size => None,
@@ -313,10 +317,7 @@ impl<T> Session<T> {
                             last,
                         }
                     }
-                    _ => {
-                        let (code, message) = Self::not_open(handle);
-                        refuse(code, message)
-                    }
+                    _ => refused(Self::not_open(handle)),
                 }
             }
             Msg::Checksum {
@@ -325,11 +326,10 @@ impl<T> Session<T> {
                 len,
             } => {
                 let Some(region) = self.region_of(handle) else {
-                    let (code, message) = Self::not_open(handle);
-                    return refuse(code, message);
+                    return refused(Self::not_open(handle));
                 };
-                if let Some((code, message)) = out_of_range(regions.info(region), offset, len) {
-                    return refuse(code, message);
+                if let Some(r) = out_of_range(regions.info(region), offset, len) {
+                    return refused(r);
                 }
                 Step::Checksum {
                     region,
@@ -343,8 +343,7 @@ impl<T> Session<T> {
                 len,
             } => {
                 let Some(e) = self.entry(handle) else {
-                    let (code, message) = Self::not_open(handle);
-                    return refuse(code, message);
+                    return refused(Self::not_open(handle));
                 };
                 let info = regions.info(e.region);
                 if !e.writable {
@@ -356,8 +355,8 @@ impl<T> Session<T> {
                         ),
                     );
                 }
-                if let Some((code, message)) = out_of_range(info, offset, len) {
-                    return refuse(code, message);
+                if let Some(r) = out_of_range(info, offset, len) {
+                    return refused(r);
                 }
                 Step::Flush {
                     region: e.region,
@@ -382,7 +381,7 @@ impl<T> Session<T> {
                     addr,
                     rkey,
                 }),
-                Err((code, message)) => refuse(code, message),
+                Err(r) => refused(r),
             },
             Msg::Transferred {
                 handle,
