@@ -15,6 +15,7 @@ use tokio::sync::watch;
 use verbs::{Access, Context, ProtectionDomain, QpOptions, QueuePair, RegisteredBuffer};
 
 use super::bounce::InFlight;
+use super::preauth;
 use super::regions::crc_of;
 use super::session::{self, Catalog, HelloFault, Refusal, Rules, Session, Step};
 use super::Shared;
@@ -86,10 +87,14 @@ fn access_for(mode: AccessMode) -> Access {
     }
 }
 
+/// Serves one connection. `ticket` is its place in the pre-hello waiting room, taken by the
+/// accept loop so that "oldest" means first accepted; `evicted` says whether taking it closed
+/// the oldest waiting connection.
 pub(super) async fn connection(
     shared: Arc<Shared>,
     mut conn: Conn,
     mut stop: watch::Receiver<bool>,
+    (mut ticket, evicted): (preauth::Ticket, bool),
 ) {
     let m = shared.metrics();
     m.connections_accepted.inc();
@@ -98,7 +103,6 @@ pub(super) async fn connection(
     // Before the hello, a connection holds a place in a waiting room of its own, not an
     // authenticated client's slot: sockets that never say hello cannot lock real clients out.
     // When the room is full, the oldest waiting socket is closed (without a byte in reply).
-    let (mut ticket, evicted) = shared.preauth.admit();
     m.unauthenticated.set(shared.preauth.waiting() as i64);
     if evicted {
         m.preauth_evictions.inc();

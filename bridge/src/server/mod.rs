@@ -200,10 +200,13 @@ impl Server {
                             continue;
                         }
                     };
+                    // the place in the waiting room is taken here, in accept order, not in
+                    // whichever order the tasks happen to start
+                    let ticket = self.shared.preauth.admit();
                     let shared = Arc::clone(&self.shared);
                     let stop = stop_rx.clone();
                     let span = tracing::info_span!("conn", %peer);
-                    tasks.spawn(async move { driver::connection(shared, Conn::new(stream, peer.to_string()), stop).await }.instrument(span));
+                    tasks.spawn(async move { driver::connection(shared, Conn::new(stream, peer.to_string()), stop, ticket).await }.instrument(span));
                 }
                 Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
             }

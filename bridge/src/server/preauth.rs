@@ -7,7 +7,7 @@
 //! descriptors spent on strangers stay bounded.
 
 use std::collections::VecDeque;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use tokio::sync::oneshot;
 
@@ -15,7 +15,7 @@ use tokio::sync::oneshot;
 #[derive(Debug)]
 pub(super) struct PreAuth {
     max: usize,
-    inner: Mutex<Inner>,
+    inner: Arc<Mutex<Inner>>,
 }
 
 #[derive(Debug, Default)]
@@ -25,10 +25,11 @@ struct Inner {
     waiting: VecDeque<(u64, oneshot::Sender<()>)>,
 }
 
-/// A place in the waiting room; dropping it leaves the room.
+/// A place in the waiting room; dropping it leaves the room. It owns its share of the room, so
+/// the accept loop can take it (in accept order) and hand it to the connection's task.
 #[derive(Debug)]
-pub(super) struct Ticket<'a> {
-    room: &'a PreAuth,
+pub(super) struct Ticket {
+    room: Arc<Mutex<Inner>>,
     id: u64,
     /// Resolves when a newer connection took this one's place.
     pub(super) evicted: oneshot::Receiver<()>,
@@ -39,12 +40,12 @@ impl PreAuth {
     pub(super) fn new(max: usize) -> PreAuth {
         PreAuth {
             max: max.max(1),
-            inner: Mutex::new(Inner::default()),
+            inner: Arc::new(Mutex::new(Inner::default())),
         }
     }
 
     /// Enter; returns the ticket and whether the oldest waiting connection had to leave.
-    pub(super) fn admit(&self) -> (Ticket<'_>, bool) {
+    pub(super) fn admit(&self) -> (Ticket, bool) {
         let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         let mut evicted = false;
         while inner.waiting.len() >= self.max {
@@ -59,7 +60,7 @@ impl PreAuth {
         inner.waiting.push_back((id, tx));
         (
             Ticket {
-                room: self,
+                room: Arc::clone(&self.inner),
                 id,
                 evicted: rx,
             },
@@ -77,9 +78,9 @@ impl PreAuth {
     }
 }
 
-impl Drop for Ticket<'_> {
+impl Drop for Ticket {
     fn drop(&mut self) {
-        let mut inner = self.room.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let mut inner = self.room.lock().unwrap_or_else(|p| p.into_inner());
         inner.waiting.retain(|(id, _)| *id != self.id);
     }
 }
