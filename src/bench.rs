@@ -402,7 +402,10 @@ impl Target {
     }
     fn fill(&mut self, data: &[u8]) -> Result<()> {
         match self {
-            Target::Host(b) => b.as_mut_slice()[..data.len()].copy_from_slice(data),
+            // the client may write this memory at any time: copy, never borrow
+            Target::Host(b) => b
+                .write_at(0, data)
+                .map_err(|e| BenchError::Config(e.to_string()))?,
             Target::Device(d) => d
                 .provider()
                 .copy_in(d.start(), data)
@@ -412,7 +415,12 @@ impl Target {
     }
     fn read(&self, len: usize) -> Result<Vec<u8>> {
         match self {
-            Target::Host(b) => Ok(b.as_slice()[..len].to_vec()),
+            Target::Host(b) => {
+                let mut v = vec![0; len];
+                b.read_at(0, &mut v)
+                    .map_err(|e| BenchError::Config(e.to_string()))?;
+                Ok(v)
+            }
             Target::Device(d) => {
                 let mut v = vec![0; len];
                 d.provider()
@@ -692,7 +700,8 @@ async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem) -> Result<
         None
     };
     let source = if p.bidir && p.op == BenchOp::Write {
-        let mut b = pd.register(HostBuffer::new(max)?, Access::ALL, RegMode::Pinned)?;
+        // the local side of this side's WRITEs: no remote access
+        let mut b = pd.register(HostBuffer::new(max)?, Access::LOCAL_WRITE, RegMode::Pinned)?;
         b.as_mut_slice().copy_from_slice(&pat);
         Some(Arc::new(b))
     } else {
@@ -1077,7 +1086,7 @@ pub async fn run_client(
     let pat = pattern(max);
     // Local memory: a source for writes and sends, a sink for reads; one target for the
     // server's writes (bidir, write ping-pong).
-    let mut src = pd.register(HostBuffer::new(max)?, Access::ALL, RegMode::Pinned)?;
+    let mut src = pd.register(HostBuffer::new(max)?, Access::LOCAL_WRITE, RegMode::Pinned)?;
     src.as_mut_slice().copy_from_slice(&pat);
     let src = Arc::new(src);
     let mut sink = Some(SinkBuffer::new(pd.register(
@@ -1086,8 +1095,9 @@ pub async fn run_client(
         RegMode::Pinned,
     )?));
     // the server's READs (--bidir) fetch the pattern from here; its WRITEs land here
+    // (remotely writable: the CPU only copies it)
     let mut mine = pd.register(HostBuffer::new(max)?, Access::ALL, RegMode::Pinned)?;
-    mine.as_mut_slice().copy_from_slice(&pat);
+    mine.write_at(0, &pat)?;
     let mine_keys = {
         let r = mine.mr().remote(0..max as u64)?;
         Keys {
@@ -1236,7 +1246,7 @@ pub async fn run_client(
                 _ => Lane::Shared(Arc::clone(&src)),
             };
             if p.bidir && p.op == BenchOp::Write {
-                mine.as_mut_slice()[..n].fill(0);
+                mine.write_at(0, &vec![0; n])?;
             }
             let r = run_lanes(&qps, p.op, &lane, keys, n, p).await?;
             c.send(&Msg::Done { size }).await?;
@@ -1250,7 +1260,9 @@ pub async fn run_client(
             let mut ok = validated;
             if p.validate && p.bidir && p.op == BenchOp::Write {
                 // the server's WRITEs into this side are done when its stats arrive
-                ok = Some(ok.unwrap_or(true) && mine.as_slice()[..n] == pat[..n]);
+                let mut seen = vec![0; n];
+                mine.read_at(0, &mut seen)?;
+                ok = Some(ok.unwrap_or(true) && seen[..] == pat[..n]);
             }
             if let Lane::Sink(s) = lane {
                 let b = SinkBuffer::into_inner(s)

@@ -7,14 +7,15 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use verbs::{
-    Access, Context, HostBuffer, Local, Pending, ProtectionDomain, QpOptions, QueuePair, RegMode,
-    RegisteredBuffer, RemoteSlice, SendOp, SendWr,
+    Context, Local, Pending, ProtectionDomain, QpOptions, QueuePair, RegisteredBuffer, RemoteSlice,
+    SendOp, SendWr,
 };
 
 use crate::conn::Conn;
 use crate::error::{Error, Result};
 use crate::protocol::{DataPath, Extent, Msg, RegionInfo, VERSION};
 use crate::size::mib_per_sec;
+use crate::staging::{Pools, Use};
 
 /// Client settings.
 #[derive(Debug, Clone)]
@@ -94,8 +95,20 @@ pub struct TransferReport {
 
 struct Rdma {
     // drop order: staging buffers, then the QP (which holds the PD)
-    spare: Vec<RegisteredBuffer>,
+    pools: Pools,
     qp: QueuePair,
+}
+
+impl Rdma {
+    /// A staging buffer for a piece on `path`, moving data to the region or from it.
+    fn take(&mut self, path: DataPath, to_region: bool, chunk: usize) -> Result<RegisteredBuffer> {
+        let u = match (path, to_region) {
+            (DataPath::Direct, _) => Use::Direct,
+            (_, false) => Use::BounceIn,
+            (_, true) => Use::BounceOut,
+        };
+        self.pools.take(u, self.qp.pd(), chunk)
+    }
 }
 
 /// A connected, authenticated client.
@@ -335,7 +348,7 @@ impl Client {
         }
         if bytes > self.cfg.chunk {
             if let Some(r) = &mut self.rdma {
-                r.spare.clear();
+                r.pools.clear();
             }
         }
         self.cfg.chunk = bytes;
@@ -376,27 +389,16 @@ impl Client {
                 };
                 qp.connect(&remote)?;
                 Rdma {
-                    spare: Vec::with_capacity(depth),
+                    pools: Pools::default(),
                     qp,
                 }
             }
         };
-        while rdma.spare.len() < depth {
-            // the server RDMA-writes into (fetch) or reads from (put) these buffers on the
-            // bounce path; only this connection's QP can reach them
-            match HostBuffer::new(self.cfg.chunk).and_then(|b| {
-                rdma.qp.pd().register(
-                    b,
-                    Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
-                    RegMode::Pinned,
-                )
-            }) {
-                Ok(b) => rdma.spare.push(b),
-                Err(e) => {
-                    self.rdma = Some(rdma);
-                    return Err(e.into());
-                }
-            }
+        // the direct path's buffers are ready before a transfer starts; the bounce path's
+        // (remotely writable or readable, see crate::staging) are registered when first needed
+        if let Err(e) = rdma.pools.prefill(rdma.qp.pd(), self.cfg.chunk, depth) {
+            self.rdma = Some(rdma);
+            return Err(e);
         }
         Ok(rdma)
     }
@@ -445,11 +447,12 @@ impl Client {
         let mut by_path = [0u64; 3];
         let mut alive = Instant::now();
         let extents = r.info.extents();
+        let mut scratch = Vec::new();
         let result: Result<()> = async {
             loop {
                 while window.len() < depth && next < len {
                     let p = piece(&extents, offset + next, len - next, chunk, r.bounce_chunk)?;
-                    let buf = rdma.spare.pop().expect("one staging buffer per slot");
+                    let buf = rdma.take(p.path, false, chunk as usize)?;
                     window.push_back(issue(&rdma.qp, &mut self.conn, r, p, buf, false).await?);
                     next += p.len;
                 }
@@ -469,15 +472,22 @@ impl Client {
                             (buf, n, false)
                         }
                         Err(e) => {
-                            rdma.spare.push(buf);
+                            rdma.pools.give(buf);
                             return Err(e);
                         }
                     },
                 };
-                let bytes = &buf.as_slice()[..n as usize];
+                let bytes = if buf.remotely_writable() {
+                    // the server may write this buffer at any time: copy, never borrow
+                    scratch.resize(n as usize, 0);
+                    buf.read_at(0, &mut scratch)?;
+                    &scratch[..]
+                } else {
+                    &buf.as_slice()[..n as usize]
+                };
                 crc = crc32c::crc32c_append(crc, bytes);
                 let w = sink.write_all(bytes);
-                rdma.spare.push(buf);
+                rdma.pools.give(buf);
                 w.map_err(|e| Error::io("writing the fetched data", e))?;
                 by_path[usize::from(!direct)] += n;
                 done += n;
@@ -560,11 +570,11 @@ impl Client {
                         r.bounce_chunk,
                     )?;
                     let want = p.len as usize;
-                    let mut buf = rdma.spare.pop().expect("one staging buffer per slot");
+                    let mut buf = rdma.take(p.path, true, chunk as usize)?;
                     let n = match read_full(source, &mut buf.as_mut_slice()[..want]) {
                         Ok(n) => n,
                         Err(e) => {
-                            rdma.spare.push(buf);
+                            rdma.pools.give(buf);
                             return Err(Error::io("reading the data to put", e));
                         }
                     };
@@ -572,7 +582,7 @@ impl Client {
                         eof = true;
                     }
                     if n == 0 {
-                        rdma.spare.push(buf);
+                        rdma.pools.give(buf);
                         break;
                     }
                     crc = crc32c::crc32c_append(crc, &buf.as_slice()[..n]);
@@ -598,14 +608,15 @@ impl Client {
                 match slot {
                     Slot::Rdma(p, n) => {
                         let back = await_or_stall(&rdma.qp, p, stall, "RDMA WRITE", at).await?;
-                        rdma.spare
-                            .extend(back.into_iter().filter_map(Local::into_owned));
+                        for b in back.into_iter().filter_map(Local::into_owned) {
+                            rdma.pools.give(b);
+                        }
                         by_path[0] += n;
                         done += n;
                     }
                     Slot::Bounce(buf, n) => {
                         let res = bounce_reply(&mut self.conn, stall, n).await;
-                        rdma.spare.push(buf);
+                        rdma.pools.give(buf);
                         by_path[2] += res?;
                         by_path[1] += n;
                         done += n;
@@ -752,15 +763,16 @@ async fn settle(rdma: &mut Rdma, conn: &mut Conn, window: &mut VecDeque<Slot>, s
         match slot {
             Slot::Rdma(p, _) => {
                 if let Ok(Ok(v)) = tokio::time::timeout(stall, p.wait()).await {
-                    rdma.spare
-                        .extend(v.into_iter().filter_map(Local::into_owned));
+                    for b in v.into_iter().filter_map(Local::into_owned) {
+                        rdma.pools.give(b);
+                    }
                 }
             }
             Slot::Bounce(buf, n) => {
                 if conn_ok && bounce_reply(conn, stall, n).await.is_err() {
                     conn_ok = false;
                 }
-                rdma.spare.push(buf);
+                rdma.pools.give(buf);
             }
         }
     }

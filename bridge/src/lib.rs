@@ -16,6 +16,7 @@ pub mod protocol;
 pub mod server;
 pub mod size;
 pub mod spec;
+mod staging;
 pub mod token;
 
 pub use client::{Client, ClientConfig, OpenRegion, TransferReport};

@@ -7,7 +7,6 @@
 //! registered with tokio); in polling mode they poll and yield.
 #![allow(unsafe_code)]
 
-use std::collections::HashMap;
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -57,10 +56,20 @@ struct Pending {
     covers: Vec<u64>,
 }
 
+#[derive(Debug)]
+struct Entry {
+    /// Which use of the slab slot this is: a completion carrying another generation's wr_id
+    /// (a stale or foreign one) never reaches the slot's current work request.
+    generation: u32,
+    p: Pending,
+}
+
+/// The work requests posted and not completed yet. A wr_id is the slab key in its low 32 bits
+/// (a queue holds far fewer work requests) and the slot's generation in its high 32 bits.
 #[derive(Debug, Default)]
 pub(crate) struct CqState {
-    pending: HashMap<u64, Pending>,
-    next_wr_id: u64,
+    pending: slab::Slab<Entry>,
+    next_generation: u32,
     pub(crate) send_outstanding: usize,
     pub(crate) recv_outstanding: usize,
 }
@@ -72,18 +81,19 @@ impl CqState {
         local: Option<Local>,
         queue: Queue,
     ) -> (u64, oneshot::Receiver<Done>) {
-        let wr_id = self.next_wr_id;
-        self.next_wr_id = self.next_wr_id.wrapping_add(1);
+        let generation = self.next_generation;
+        self.next_generation = self.next_generation.wrapping_add(1);
         let (tx, rx) = oneshot::channel();
-        self.pending.insert(
-            wr_id,
-            Pending {
+        let key = self.pending.insert(Entry {
+            generation,
+            p: Pending {
                 tx: Some(tx),
                 local,
                 queue,
                 covers: Vec::new(),
             },
-        );
+        });
+        let wr_id = (u64::from(generation) << 32) | key as u64;
         match queue {
             Queue::Send => self.send_outstanding += 1,
             Queue::Recv => self.recv_outstanding += 1,
@@ -95,16 +105,16 @@ impl CqState {
     /// of an RC QP work requests complete in order, so its successful completion completes them
     /// too. (A failure produces a completion for each work request, signaled or not.)
     pub(crate) fn cover(&mut self, signaled: u64, covered: Vec<u64>) {
-        if let Some(p) = self.pending.get_mut(&signaled) {
-            p.covers = covered;
+        if let Some(key) = self.key(signaled) {
+            self.pending[key].p.covers = covered;
         }
     }
 
     /// Forget entries whose post failed (nothing was handed to the device), returning the buffers.
     pub(crate) fn unregister(&mut self, wr_ids: &[u64]) -> Vec<Local> {
         let mut out = Vec::new();
-        for id in wr_ids {
-            if let Some(p) = self.pending.remove(id) {
+        for &id in wr_ids {
+            if let Some(p) = self.take(id) {
                 match p.queue {
                     Queue::Send => self.send_outstanding -= 1,
                     Queue::Recv => self.recv_outstanding -= 1,
@@ -115,15 +125,29 @@ impl CqState {
         out
     }
 
+    /// The slab key of a pending work request (None when `wr_id` is unknown or stale).
+    fn key(&self, wr_id: u64) -> Option<usize> {
+        let key = (wr_id & u64::from(u32::MAX)) as usize;
+        let generation = (wr_id >> 32) as u32;
+        match self.pending.get(key) {
+            Some(e) if e.generation == generation => Some(key),
+            _ => None,
+        }
+    }
+
+    fn take(&mut self, wr_id: u64) -> Option<Pending> {
+        self.key(wr_id).map(|k| self.pending.remove(k).p)
+    }
+
     fn complete(&mut self, wr_id: u64, mut done: Done) {
-        let Some(mut p) = self.pending.remove(&wr_id) else {
+        let Some(mut p) = self.take(wr_id) else {
             tracing::warn!(wr_id, "completion for an unknown work request");
             return;
         };
         // the unsignaled work requests before it are done too (those that failed or were
         // flushed had completions of their own, and are no longer pending)
         for id in std::mem::take(&mut p.covers) {
-            if self.pending.contains_key(&id) {
+            if self.key(id).is_some() {
                 self.complete(
                     id,
                     Done {
@@ -409,6 +433,25 @@ mod tests {
         s.complete(b, err);
         assert_eq!(ra.try_recv().unwrap().status, WcStatus(12));
         assert_eq!(rb.try_recv().unwrap().status, WcStatus::WR_FLUSH_ERR);
+        assert!(s.pending.is_empty());
+    }
+
+    #[test]
+    fn a_stale_wr_id_never_reaches_the_work_request_now_in_its_slot() {
+        let mut s = CqState::default();
+        let (old, _r) = s.register(None, Queue::Send);
+        s.complete(old, ok(1));
+        // the slot is reused by the next work request, under another generation
+        let (new, mut rn) = s.register(None, Queue::Send);
+        assert_eq!(old & 0xffff_ffff, new & 0xffff_ffff, "same slab slot");
+        assert_ne!(old, new);
+        s.complete(old, ok(2));
+        s.cover(old, vec![new]);
+        assert!(s.unregister(&[old]).is_empty());
+        assert!(rn.try_recv().is_err(), "the stale id completed nothing");
+        assert_eq!(s.send_outstanding, 1);
+        s.complete(new, ok(3));
+        assert_eq!(rn.try_recv().unwrap().byte_len, 3);
         assert!(s.pending.is_empty());
     }
 

@@ -288,16 +288,24 @@ impl Mapping {
         Ok(())
     }
 
+    /// The bytes as a slice. Only for mappings no remote peer can write: `HostBuffer` is not
+    /// registered, and `RegisteredBuffer` refuses (asserts) for REMOTE_WRITE registrations and
+    /// copies instead ([`Mapping::copy_out`]).
     pub(crate) fn as_slice(&self) -> &[u8] {
         // SAFETY: the mapping is `len` readable bytes, alive as long as `self`, and zero-filled
-        // at creation, so it is initialised. Writers need `&mut self`.
+        // at creation, so it is initialised. Writers in this process need `&mut self`; the NIC
+        // writes it only for a local work request, which owns the buffer while posted (so no
+        // borrow exists then), since no rkey that allows remote writes exists for a mapping
+        // that reaches here (see above).
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 
     pub(crate) fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as above, and `&mut self` guarantees exclusive access from this process's
         // safe code. (The NIC may write to it only while a work request owns the buffer, which
-        // the posting API enforces by moving the buffer into the pending operation.)
+        // the posting API enforces by moving the buffer into the pending operation; remote
+        // writers are excluded as for `as_slice`. A remote reader may read it concurrently,
+        // which races on the bytes it receives but never on Rust's view of them.)
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
 }

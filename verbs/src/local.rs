@@ -127,11 +127,15 @@ impl Local {
     }
 
     /// The bytes of the range (None for a sink or a device's region, whose bytes the CPU may
-    /// not see).
+    /// not see, and for a buffer a remote peer may write: copy those with
+    /// [`RegisteredBuffer::read_at`]).
     pub fn bytes(&self) -> Option<&[u8]> {
         match self {
             Local::Sink(..) | Local::Region(..) => None,
-            _ => Some(&self.registered()?.as_slice()[self.range()]),
+            _ => {
+                let b = self.registered()?;
+                (!b.remotely_writable()).then(|| &b.as_slice()[self.range()])
+            }
         }
     }
 

@@ -785,13 +785,67 @@ impl RegisteredBuffer {
     pub fn is_empty(&self) -> bool {
         self.mem.is_empty()
     }
-    /// Contents.
+    /// Whether a remote peer holding the rkey may write this buffer at any time (it was
+    /// registered with [`Access::REMOTE_WRITE`]). Such a buffer is never lent out as a Rust
+    /// reference: read and write it with [`RegisteredBuffer::read_at`] /
+    /// [`RegisteredBuffer::write_at`].
+    pub fn remotely_writable(&self) -> bool {
+        self.mr.access().contains(Access::REMOTE_WRITE)
+    }
+    /// Contents. While the buffer is not posted, only a remote peer could change it, and one
+    /// can only with an rkey that allows remote writes.
+    ///
+    /// # Panics
+    /// When the buffer is [remotely writable](RegisteredBuffer::remotely_writable): a `&[u8]`
+    /// promises bytes that do not change while it lives, which a remote writer would break.
     pub fn as_slice(&self) -> &[u8] {
+        self.assert_local_only("as_slice");
         self.mem.as_slice()
     }
     /// Contents, writable (no work request can be using the buffer: posting takes ownership).
+    ///
+    /// # Panics
+    /// As [`RegisteredBuffer::as_slice`].
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        self.assert_local_only("as_mut_slice");
         self.mem.as_mut_slice()
+    }
+    /// Copy `out.len()` bytes from `offset` out of the buffer; works for every buffer (a remote
+    /// write racing with the copy leaves unspecified bytes in `out`, never undefined behaviour).
+    pub fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        self.check(offset, out.len())?;
+        self.mem.map.copy_out(offset, out);
+        Ok(())
+    }
+    /// Copy `data` into the buffer at `offset`; works for every buffer.
+    pub fn write_at(&mut self, offset: usize, data: &[u8]) -> Result<()> {
+        self.check(offset, data.len())?;
+        self.mem.map.copy_in(offset, data);
+        Ok(())
+    }
+    /// A copy of the whole buffer.
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut v = vec![0; self.len()];
+        self.mem.map.copy_out(0, &mut v);
+        v
+    }
+    fn check(&self, offset: usize, len: usize) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len() => Ok(()),
+            _ => Err(Error::OutOfBounds {
+                what: "registered buffer",
+                offset: offset as u64,
+                len: len as u64,
+                size: self.len() as u64,
+            }),
+        }
+    }
+    fn assert_local_only(&self, what: &str) {
+        assert!(
+            !self.remotely_writable(),
+            "RegisteredBuffer::{what} on a buffer registered with REMOTE_WRITE: a remote peer may \
+             change it at any time; use read_at/write_at/to_vec"
+        );
     }
     /// The address of byte 0.
     pub fn addr(&self) -> u64 {

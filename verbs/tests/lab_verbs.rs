@@ -53,9 +53,20 @@ fn pair() -> Pair {
     pair_with(QpOptions::default())
 }
 
+/// A buffer remote peers may read and write (the CPU copies it: `to_vec`).
 fn buf(pd: &ProtectionDomain, len: usize) -> RegisteredBuffer {
     pd.register(HostBuffer::new(len).unwrap(), Access::ALL, RegMode::Pinned)
         .unwrap()
+}
+
+/// A buffer only local work requests use (the CPU may borrow it).
+fn local(pd: &ProtectionDomain, len: usize) -> RegisteredBuffer {
+    pd.register(
+        HostBuffer::new(len).unwrap(),
+        Access::LOCAL_WRITE,
+        RegMode::Pinned,
+    )
+    .unwrap()
 }
 
 fn fill(b: &mut [u8], seed: u64) {
@@ -96,10 +107,10 @@ async fn lab_write_then_read_back_sizes_and_unaligned_offsets() {
     let p = pair();
     const MAX: usize = 8 << 20;
     let remote_buf = buf(&p.pd, MAX + 64);
-    let mut src = buf(&p.pd, MAX + 64);
+    let mut src = local(&p.pd, MAX + 64);
     fill(src.as_mut_slice(), 1);
     let mut src = Some(src);
-    let mut dst = Some(buf(&p.pd, MAX + 64));
+    let mut dst = Some(local(&p.pd, MAX + 64));
     for (i, &len) in [
         1usize,
         2,
@@ -130,7 +141,7 @@ async fn lab_write_then_read_back_sizes_and_unaligned_offsets() {
         assert_eq!(
             first_diff(
                 &s.as_slice()[loff..loff + len],
-                &remote_buf.as_slice()[roff..roff + len]
+                &remote_buf.to_vec()[roff..roff + len]
             ),
             None,
             "WRITE of {len} bytes at remote offset {roff} landed wrong"
@@ -155,11 +166,13 @@ async fn lab_write_then_read_back_sizes_and_unaligned_offsets() {
 #[ignore = "lab"]
 async fn lab_send_recv_with_and_without_immediate() {
     let p = pair();
-    let mut s = buf(&p.pd, 8192);
+    let mut s = local(&p.pd, 8192);
     fill(s.as_mut_slice(), 2);
     let expect = s.as_slice()[100..100 + 3000].to_vec();
     // plain SEND
-    let recv = p.b.post_recv(vec![Local::owned(buf(&p.pd, 4096))]).unwrap();
+    let recv =
+        p.b.post_recv(vec![Local::owned(local(&p.pd, 4096))])
+            .unwrap();
     let s =
         p.a.send(Local::owned_range(s, 100..3100).unwrap(), None)
             .await
@@ -197,7 +210,7 @@ async fn lab_send_recv_with_and_without_immediate() {
     .unwrap();
     let (_, info) = recv.await.unwrap().pop().unwrap();
     assert_eq!(info.imm, Some(7));
-    assert_eq!(&target.as_slice()[..512], &want[..]);
+    assert_eq!(&target.to_vec()[..512], &want[..]);
 }
 
 #[tokio::test]
@@ -209,7 +222,7 @@ async fn lab_many_outstanding_work_requests_in_batches() {
     });
     const CHUNK: usize = 16 << 10;
     const N: usize = 200;
-    let mut src = buf(&p.pd, CHUNK * N);
+    let mut src = local(&p.pd, CHUNK * N);
     fill(src.as_mut_slice(), 3);
     let src = Arc::new(src);
     let target = buf(&p.pd, CHUNK * N);
@@ -233,11 +246,11 @@ async fn lab_many_outstanding_work_requests_in_batches() {
     drop(back);
     assert_eq!(p.a.outstanding(), (0, 0));
     assert_eq!(Arc::strong_count(&src), 1);
-    assert_eq!(first_diff(src.as_slice(), target.as_slice()), None);
+    assert_eq!(first_diff(src.as_slice(), &target.to_vec()), None);
     // many single-WR posts outstanding at once, completed out of posting order by the waiters
     let mut pend = Vec::new();
     for i in 0..64 {
-        let d = Local::owned(buf(&p.pd, CHUNK));
+        let d = Local::owned(local(&p.pd, CHUNK));
         let r = target
             .mr()
             .remote((i * CHUNK) as u64..((i + 1) * CHUNK) as u64)
@@ -434,7 +447,7 @@ async fn lab_odp_registration_follows_device_caps() {
     let qb = QueuePair::new(&pd, QpOptions::default()).unwrap();
     qa.connect(&qb.endpoint()).unwrap();
     qb.connect(&qa.endpoint()).unwrap();
-    let mut src = buf(&pd, 64 << 10);
+    let mut src = local(&pd, 64 << 10);
     fill(src.as_mut_slice(), 4);
     // One packet per work request, starting at a page boundary: the responder faults the page in.
     // (rxe 7.3 at path MTU 1024 puts every later packet of a page at the page's start, for ODP
@@ -448,20 +461,20 @@ async fn lab_odp_registration_follows_device_caps() {
         .await
         .unwrap();
     assert_eq!(
-        first_diff(src.bytes().unwrap(), &target.as_slice()[8192..8192 + mtu]),
+        first_diff(src.bytes().unwrap(), &target.to_vec()[8192..8192 + mtu]),
         None,
         "one-packet WRITE into an ODP MR"
     );
     let d = qb
         .read(
-            Local::owned(buf(&pd, mtu)),
+            Local::owned(local(&pd, mtu)),
             target.mr().remote(8192..(8192 + mtu) as u64).unwrap(),
         )
         .await
         .unwrap();
     assert_eq!(
         d.bytes().unwrap(),
-        &target.as_slice()[8192..8192 + mtu],
+        &target.to_vec()[8192..8192 + mtu],
         "one-packet READ from an ODP MR"
     );
     if mtu >= 4096 {
@@ -472,13 +485,13 @@ async fn lab_odp_registration_follows_device_caps() {
             .await
             .unwrap();
         assert_eq!(
-            first_diff(src.bytes().unwrap(), target.as_slice()),
+            first_diff(src.bytes().unwrap(), &target.to_vec()),
             None,
             "64 KiB WRITE into an ODP MR at MTU {mtu}"
         );
         let d = qb
             .read(
-                Local::owned(buf(&pd, 64 << 10)),
+                Local::owned(local(&pd, 64 << 10)),
                 target.mr().remote(0..(64 << 10)).unwrap(),
             )
             .await
@@ -527,13 +540,48 @@ fn lab_polling_mode_works_without_events() {
             cq_mode: CqMode::Polling,
             ..QpOptions::default()
         });
-        let mut src = buf(&p.pd, 1 << 20);
+        let mut src = local(&p.pd, 1 << 20);
         fill(src.as_mut_slice(), 5);
         let target = buf(&p.pd, 1 << 20);
         let s =
             p.a.write(Local::owned(src), target.mr().remote(0..1 << 20).unwrap())
                 .await
                 .unwrap();
-        assert_eq!(first_diff(s.bytes().unwrap(), target.as_slice()), None);
+        assert_eq!(first_diff(s.bytes().unwrap(), &target.to_vec()), None);
     });
+}
+
+#[tokio::test]
+#[ignore = "lab"]
+async fn lab_remotely_writable_buffers_are_copied_never_borrowed() {
+    let p = pair();
+    let mut target = buf(&p.pd, 8192);
+    assert!(target.remotely_writable());
+    // a reference would promise bytes that a remote peer may change under it
+    let t = std::panic::AssertUnwindSafe(&target);
+    let borrowed = std::panic::catch_unwind(|| t.as_slice().len());
+    assert!(
+        borrowed.is_err(),
+        "as_slice of a REMOTE_WRITE buffer must refuse"
+    );
+    // copies work, bounds are checked
+    target.write_at(100, b"hello").unwrap();
+    let mut out = [0u8; 5];
+    target.read_at(100, &mut out).unwrap();
+    assert_eq!(&out, b"hello");
+    assert!(matches!(
+        target.read_at(8190, &mut out),
+        Err(Error::OutOfBounds { .. })
+    ));
+    assert!(target.write_at(usize::MAX, b"x").is_err());
+    // a remote WRITE lands and is seen through a copy; Local::bytes offers no borrow of it
+    let mut src = local(&p.pd, 4096);
+    assert!(!src.remotely_writable());
+    fill(src.as_mut_slice(), 9);
+    let want = src.as_slice().to_vec();
+    p.a.write(Local::owned(src), target.mr().remote(4096..8192).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(&target.to_vec()[4096..], &want[..]);
+    assert!(Local::owned(target).bytes().is_none());
 }
