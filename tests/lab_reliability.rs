@@ -1,9 +1,10 @@
 //! Reliability under load, with figures (`scripts/reliability` runs these and collects the
 //! `reliability:` lines into its table): a flood of silent and dribbling sockets beside real
 //! clients, a soak of many clients against a model of the expected contents, a client killed
-//! in the middle of a transfer, and the isolation of rkeys. `P2P_RELIABILITY_LONG=1` runs the
-//! long sizes (640 sockets for 2 minutes, 64 clients for 10 minutes); so does the marker file
-//! `target/reliability/long` that `scripts/reliability --long` leaves for the lab guest.
+//! in the middle of a transfer, a server killed in the middle of a put, and the isolation of
+//! rkeys. `P2P_RELIABILITY_LONG=1` runs the long sizes (640 sockets for 2 minutes, 64 clients
+//! for 10 minutes); so does the marker file `target/reliability/long` that
+//! `scripts/reliability --long` leaves for the lab guest.
 
 mod common;
 use common::{data, rdma_resources, start, TOKEN};
@@ -463,4 +464,125 @@ async fn lab_reliability_a_client_killed_mid_transfer_disturbs_nothing() {
         killed.join(", ")
     ));
     assert_eq!(before, after, "QPs, MRs, PDs or CQs leaked");
+}
+
+/// A `p2p-rdma serve` process; killed (SIGKILL) and reaped when dropped, also when a test fails.
+struct ServeProcess(std::process::Child);
+
+impl ServeProcess {
+    /// Start one serving `region` (a spec) on a free port; returns once it answers.
+    async fn start(
+        region: &str,
+        token_file: &std::path::Path,
+    ) -> (ServeProcess, std::net::SocketAddr) {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let child = ServeProcess(
+            Command::new(env!("CARGO_BIN_EXE_p2p-rdma"))
+                .args(["serve", "--listen", &addr.to_string(), "--token-file"])
+                .arg(token_file)
+                .args(["--region", region])
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .expect("p2p-rdma serve"),
+        );
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Ok(c) = Client::connect(small_client(addr)).await {
+                let _ = c.bye().await;
+                return (child, addr);
+            }
+            assert!(
+                Instant::now() < deadline,
+                "p2p-rdma serve did not answer within 60 s"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// SIGKILL, and reap it.
+    fn kill(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for ServeProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_reliability_a_server_killed_mid_put_loses_no_acknowledged_byte() {
+    let dir = std::env::temp_dir().join(format!("p2p-killput-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let token_file = dir.join("token");
+    std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
+    let file = dir.join("region.bin");
+    std::fs::write(&file, vec![0u8; 40 << 20]).unwrap();
+    let spec = format!("f=file:{}", file.display());
+    let (mut server, addr) = ServeProcess::start(&spec, &token_file).await;
+
+    // an acknowledged put of the first 8 MiB
+    let acked = data(8 << 20, 41);
+    let mut c = Client::connect(small_client(addr)).await.unwrap();
+    let h = c.open("f", true).await.unwrap();
+    let mut src: &[u8] = &acked;
+    c.put(&h, 0, &mut src, None, true, &mut |_| {})
+        .await
+        .unwrap();
+    // a 32 MiB put after it, cut by SIGKILL of the server
+    let second = data(32 << 20, 42);
+    let mut c2 = Client::connect(small_client(addr)).await.unwrap();
+    let h2 = c2.open("f", true).await.unwrap();
+    let started = Instant::now();
+    let put = tokio::spawn(async move {
+        let mut src: &[u8] = &second;
+        let r = c2
+            .put(&h2, 8 << 20, &mut src, None, true, &mut |_| {})
+            .await;
+        (r, started.elapsed())
+    });
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    server.kill();
+    let killed_at = started.elapsed();
+    let (res, ended) = tokio::time::timeout(Duration::from_secs(120), put)
+        .await
+        .expect("the cut put ends (with an error), it does not hang")
+        .unwrap();
+    let err = res.expect_err("a put whose server died is not reported as done");
+    // the first client's connection is gone too: its next request fails, it does not hang
+    let mut probe = Vec::new();
+    let other = tokio::time::timeout(
+        Duration::from_secs(120),
+        c.fetch(&h, 0, 4096, &mut probe, false, &mut |_| {}),
+    )
+    .await
+    .expect("the idle client learns the server is gone");
+    assert!(other.is_err(), "a fetch from a dead server cannot succeed");
+
+    // a new server on the same file: every acknowledged byte is there
+    let (server, addr) = ServeProcess::start(&spec, &token_file).await;
+    let mut c = Client::connect(small_client(addr)).await.unwrap();
+    let h = c.open("f", false).await.unwrap();
+    let mut got = Vec::new();
+    c.fetch(&h, 0, 8 << 20, &mut got, true, &mut |_| {})
+        .await
+        .unwrap();
+    assert!(got == acked, "an acknowledged put was lost");
+    c.bye().await.unwrap();
+    drop(server);
+    std::fs::remove_dir_all(&dir).unwrap();
+    figure(format!(
+        "reliability: faults: server killed (SIGKILL) {:.1} s into a 32 MiB put to a file region: the put failed after {:.1} s ({err}); an idle client's next request failed; after a restart the acknowledged 8 MiB were intact",
+        killed_at.as_secs_f64(),
+        ended.as_secs_f64()
+    ));
 }
