@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use bridge::protocol::WireEndpoint;
 use peermem::canary::DeviceMr;
-use peermem::plan::{decide, P2pPolicy, PathKind, RegChoice};
+use peermem::plan::{P2pPolicy, PathKind, RegChoice};
 use peermem::Provider;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt as _, AsyncWriteExt, BufReader};
@@ -543,7 +543,16 @@ async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem) -> Result<
                     provider.len()
                 )));
             }
-            let planned = decide(&pd, &provider, 0..max as u64, mem.reg, mem.p2p)
+            // the spec's own ,reg= ,p2p= apply as in serve; the benchmark measures one path
+            let choice = parsed.options.choice(max as u64, mem.reg, mem.p2p);
+            if choice.window < max as u64 {
+                return Err(BenchError::Config(format!(
+                    "--mem {spec}: ,window= ({} bytes) is smaller than the largest message ({max}); \
+                     a benchmark measures one path: leave ,window= out or lower --size",
+                    choice.window
+                )));
+            }
+            let planned = bridge::path::decide_path(&pd, &provider, choice)
                 .await
                 .map_err(|r| BenchError::Config(r.to_string()))?;
             match (planned.decision.path, planned.mr) {

@@ -135,11 +135,11 @@ enum Cmd {
     )]
     Doctor {
         /// Memory to try, as in `serve` without the name: host:SIZE, file:PATH, cmb:DEV:SIZE,
-        /// dmabuf:SIZE, cuda:GPU:SIZE.
+        /// dmabuf:SIZE, cuda:GPU:SIZE; its options (,reg= ,p2p= ,window=) apply as in `serve`.
         #[arg(long, value_name = "SPEC")]
         region: String,
         /// Registration strategy: auto tries dma-buf, pinned, then ODP; pinned, odp or dmabuf
-        /// force one.
+        /// force one (a ,reg= in the spec wins, as in `serve`).
         #[arg(long = "reg", default_value = "auto", value_name = "STRATEGY")]
         reg: peermem::plan::RegChoice,
         /// RDMA device (default: the first one with an active port).

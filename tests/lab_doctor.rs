@@ -155,3 +155,18 @@ fn lab_doctor_proves_how_the_nic_reaches_a_device_private_window() {
     let (_, v, _) = doctor_region("devpriv:memfd:1M", &[]);
     assert!(v["window"].is_null(), "{v}");
 }
+
+#[test]
+#[ignore = "lab"]
+fn lab_doctor_applies_the_specs_own_options_as_serve_does() {
+    // ,p2p=disabled: nothing is attempted, and the answer says why
+    let (code, v, err) = doctor_region("host:1M,p2p=disabled", &[]);
+    assert_eq!(code, Some(1), "{err}");
+    assert_eq!(v["path"], "bounce", "{v}");
+    assert_eq!(v["attempts"].as_array().map(Vec::len), Some(0), "{v}");
+    assert!(err.contains("disabled"), "{err}");
+    // ,reg=pinned in the spec wins over --reg odp, as a region's option wins over serve's
+    let (code, v, err) = doctor_region("host:1M,reg=pinned", &["--reg", "odp"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(v["chosen"], "pinned", "{v}");
+}

@@ -12,6 +12,7 @@ pub mod error;
 pub mod fuzzing;
 pub mod http;
 pub mod metrics;
+pub mod path;
 pub mod protocol;
 pub mod server;
 pub mod size;

@@ -139,7 +139,7 @@ pub(crate) async fn doctor(
     device: Option<&str>,
     json: bool,
 ) -> anyhow::Result<()> {
-    use peermem::plan::{decide, P2pPolicy, PathKind};
+    use peermem::plan::{P2pPolicy, PathKind};
     let parsed: bridge::RegionSpec = format!("doctor={spec}").parse().map_err(|e: String| {
         anyhow::anyhow!("--region {spec}: {}", e.replace("region 'doctor': ", ""))
     })?;
@@ -147,16 +147,17 @@ pub(crate) async fn doctor(
     let ctx = verbs::Context::open(device)?;
     let pd = verbs::ProtectionDomain::new(&ctx)?;
     let len = provider.len();
-    let window = parsed.options.window.map_or(len, |w| w.min(len));
+    // the spec's own ,reg= ,p2p= ,window= apply as in serve (over --reg)
+    let choice = parsed.options.choice(len, reg, P2pPolicy::Preferred);
     let plan = topology_plan(provider.as_ref(), ctx.name());
     let residency_before = provider.residency();
-    let planned = decide(&pd, &provider, 0..window, reg, P2pPolicy::Preferred)
+    let planned = bridge::path::decide_path(&pd, &provider, choice)
         .await
         .map_err(|r| anyhow::anyhow!("{r}"))?;
     let residency_after = provider.residency();
     let window_proof = match peermem::hmm::DevicePrivate::of(&*provider) {
         Some(dp) if dp.window_size() > 0 => {
-            Some(peermem::plan::prove_window(&pd, dp, reg, P2pPolicy::Preferred).await)
+            Some(peermem::plan::prove_window(&pd, dp, choice.reg, choice.p2p).await)
         }
         _ => None,
     };
@@ -220,6 +221,7 @@ pub(crate) async fn doctor(
         }
         o.push_str(&match d.mode {
             Some(m) if direct => format!("=> direct: {m} registration works\n"),
+            _ if d.attempts.is_empty() => format!("=> {}\n", d.reason),
             _ => format!(
                 "=> no direct strategy works: served through bounce buffers (copy engine: {})\n",
                 provider.copy_engine()
@@ -229,6 +231,9 @@ pub(crate) async fn doctor(
     }
     if direct {
         Ok(())
+    } else if d.attempts.is_empty() {
+        // nothing was attempted (the policy said bounce): say why
+        Err(anyhow::anyhow!("no direct path: {}", d.reason))
     } else {
         Err(anyhow::anyhow!(
             "no registration strategy passed: {}",

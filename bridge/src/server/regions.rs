@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use peermem::canary::Attempt;
-use peermem::plan::{decide, PathKind};
+use peermem::plan::PathKind;
 use peermem::{DmaBufMemory, HostMemory, Provider};
 use verbs::{Context, ProtectionDomain, RegMode};
 
@@ -204,12 +204,11 @@ pub(super) async fn build_regions(cfg: &ServerConfig, ctx: &Context) -> Result<R
     let pd = ProtectionDomain::new(ctx)?;
     let mut out = Vec::new();
     for (name, provider, read_only, opts) in providers {
-        let policy = opts.p2p.unwrap_or(cfg.p2p);
-        let choice = opts.reg.unwrap_or(cfg.reg);
         let len = provider.len();
-        let window = opts.window.map_or(len, |w| w.min(len));
+        let choice = opts.choice(len, cfg.reg, cfg.p2p);
+        let window = choice.window;
         let residency_before = provider.residency();
-        let planned = decide(&pd, &provider, 0..window, choice, policy)
+        let planned = crate::path::decide_path(&pd, &provider, choice)
             .await
             .map_err(|r| {
                 Error::Config(format!(
@@ -276,7 +275,7 @@ pub(super) async fn build_regions(cfg: &ServerConfig, ctx: &Context) -> Result<R
         if let Some(dp) =
             peermem::hmm::DevicePrivate::of(&*provider).filter(|d| d.window_size() > 0)
         {
-            let proof = peermem::plan::prove_window(&pd, dp, choice, policy).await;
+            let proof = peermem::plan::prove_window(&pd, dp, choice.reg, choice.p2p).await;
             tracing::info!(region = %name, mode = ?proof.mode, why = proof.reason, "P2P window units");
             window_mode = proof.mode;
             reason.push_str(&format!("; window units: {}", proof.reason));
