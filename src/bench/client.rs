@@ -1,0 +1,467 @@
+//! The benchmark's client side: bandwidth lanes and latency ping-pong.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::net::TcpStream;
+use verbs::{
+    Access, Context, HostBuffer, Local, ProtectionDomain, QueuePair, RegMode, RegisteredBuffer,
+    RemoteSlice, SendOp, SendWr, SinkBuffer,
+};
+
+use super::*;
+
+#[derive(Clone)]
+pub(super) enum Lane {
+    Shared(Arc<RegisteredBuffer>),
+    Sink(Arc<SinkBuffer>),
+}
+
+pub(super) struct LaneResult {
+    pub(super) iterations: u64,
+    pub(super) seconds: f64,
+    pub(super) peak_mib_s: f64,
+}
+
+/// One bandwidth loop per QP, all at once; iterations and peak summed.
+pub(super) async fn run_lanes(
+    qps: &[QueuePair],
+    op: BenchOp,
+    local: &Lane,
+    remote: Keys,
+    size: usize,
+    p: &BenchParams,
+) -> Result<LaneResult> {
+    let mut set = tokio::task::JoinSet::new();
+    for qp in qps {
+        let (qp, local) = (qp.clone(), local.clone());
+        let (depth, iters, duration) = (p.tx_depth as usize, p.iters, p.duration);
+        let every = p.signal_every(size as u64);
+        set.spawn(async move {
+            bw_loop(
+                &qp,
+                op,
+                &local,
+                remote.slice(size as u64),
+                size,
+                (depth, every),
+                iters,
+                duration,
+            )
+            .await
+        });
+    }
+    let mut total = LaneResult {
+        iterations: 0,
+        seconds: 0.0,
+        peak_mib_s: 0.0,
+    };
+    while let Some(r) = set.join_next().await {
+        let r = r.map_err(|e| BenchError::Control(format!("a QP's loop failed: {e}")))??;
+        total.iterations += r.iterations;
+        total.seconds = total.seconds.max(r.seconds);
+        total.peak_mib_s += r.peak_mib_s;
+    }
+    Ok(total)
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(super) async fn bw_loop(
+    qp: &QueuePair,
+    op: BenchOp,
+    local: &Lane,
+    remote: RemoteSlice,
+    size: usize,
+    (depth, every): (usize, usize),
+    iters: Option<u64>,
+    duration: Option<f64>,
+) -> Result<LaneResult> {
+    let mk = || -> Result<SendWr> {
+        let local = match local {
+            Lane::Shared(b) => Local::shared(Arc::clone(b), 0..size)?,
+            Lane::Sink(b) => Local::sink(Arc::clone(b), 0..size)?,
+        };
+        let op = match op {
+            BenchOp::Write => SendOp::Write(remote),
+            BenchOp::Read => SendOp::Read(remote),
+            BenchOp::Send => SendOp::Send,
+        };
+        Ok(SendWr { op, local })
+    };
+    let limit = iters.unwrap_or(u64::MAX);
+    let start = Instant::now();
+    let deadline = duration.map(|d| start + Duration::from_secs_f64(d));
+    // One entry per work request; a refill posts every free slot in one batch (one doorbell),
+    // once at least a quarter of the window is free; every `every`-th work request of a batch
+    // (and its last) asks for a completion, which completes those before it.
+    let mut window: VecDeque<verbs::Pending> = VecDeque::new();
+    let (mut posted, mut done) = (0u64, 0u64);
+    let refill = (depth / 4).max(1);
+    let mut mark = (start, 0u64);
+    let mut peak = 0.0f64;
+    loop {
+        let time_up = deadline.is_some_and(|d| Instant::now() >= d);
+        let room = depth - window.len();
+        if (room >= refill || window.is_empty()) && room > 0 && posted < limit && !time_up {
+            let n = room.min((limit - posted).min(256) as usize);
+            let wrs = (0..n).map(|_| mk()).collect::<Result<Vec<_>>>()?;
+            window.extend(qp.post_send_moderated(wrs, every)?.split());
+            posted += n as u64;
+        }
+        let Some(pend) = window.pop_front() else {
+            break;
+        };
+        pend.wait().await?;
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            // Past the deadline: drain what is in flight, uncounted (as perftest's -D).
+            continue;
+        }
+        done += 1;
+        if done - mark.1 >= depth as u64 {
+            let dt = mark.0.elapsed().as_secs_f64();
+            if dt > 0.0 {
+                peak = peak.max(((done - mark.1) * size as u64) as f64 / dt / (1 << 20) as f64);
+            }
+            mark = (Instant::now(), done);
+        }
+    }
+    let seconds = match duration {
+        Some(d) => d,
+        None => start.elapsed().as_secs_f64(),
+    };
+    Ok(LaneResult {
+        iterations: done,
+        seconds,
+        peak_mib_s: peak,
+    })
+}
+
+/// Client options.
+#[derive(Debug, Clone)]
+pub struct ClientOpts {
+    /// `host:port` of the server.
+    pub server: String,
+    /// The server's token.
+    pub token: bridge::Token,
+    /// Device setup.
+    pub side: Side,
+    /// Parameters.
+    pub params: BenchParams,
+}
+
+/// Run the benchmark against a server; `each` is called with every size's result as soon as
+/// it is known.
+pub async fn run_client(
+    o: &ClientOpts,
+    each: &mut (dyn FnMut(&SizeResult) + Send),
+) -> Result<Vec<SizeResult>> {
+    let p = &o.params;
+    p.check().map_err(BenchError::Config)?;
+    // A server started just before may not listen yet: retry refusals for a few seconds.
+    let mut tries = 0;
+    let s = loop {
+        match TcpStream::connect(&o.server).await {
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused && tries < 20 => {
+                tries += 1;
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            r => break r,
+        }
+    };
+    let s = s.map_err(|e| {
+        BenchError::Unreachable(format!(
+            "cannot reach the bench server at {}: {e} (is `p2p-rdma bench {}` running there?)",
+            o.server,
+            match p.op {
+                BenchOp::Write => "write",
+                BenchOp::Read => "read",
+                BenchOp::Send => "send",
+            }
+        ))
+    })?;
+    let mut c = Control::new(s);
+    let ctx = Context::open(o.side.device.as_deref())?;
+    let pd = ProtectionDomain::new(&ctx)?;
+    let max = p.max_size();
+    let recv = if p.lat || p.bidir {
+        recv_slots(p).min(4)
+    } else {
+        1
+    };
+    let mut qps = Vec::new();
+    for _ in 0..p.qps {
+        qps.push(QueuePair::new(&pd, qp_options(&o.side, p, recv))?);
+    }
+    let pat = pattern(max);
+    // Local memory: a source for writes and sends, a sink for reads; one target for the
+    // server's writes (bidir, write ping-pong).
+    let mut src = pd.register(HostBuffer::new(max)?, Access::LOCAL_WRITE, RegMode::Pinned)?;
+    src.as_mut_slice().copy_from_slice(&pat);
+    let src = Arc::new(src);
+    let mut sink = Some(SinkBuffer::new(pd.register(
+        HostBuffer::new(max)?,
+        Access::LOCAL_WRITE,
+        RegMode::Pinned,
+    )?));
+    // the server's READs (--bidir) fetch the pattern from here; its WRITEs land here
+    // (remotely writable: the CPU only copies it)
+    let mut mine = pd.register(HostBuffer::new(max)?, Access::ALL, RegMode::Pinned)?;
+    mine.write_at(0, &pat)?;
+    let mine_keys = {
+        let r = mine.mr().remote(0..max as u64)?;
+        Keys {
+            addr: r.addr,
+            rkey: r.rkey,
+            len: r.len,
+        }
+    };
+    c.send(&Msg::Hello {
+        token: o.token.clone(),
+        params: p.clone(),
+        endpoints: qps.iter().map(|q| q.endpoint().into()).collect(),
+        keys: mine_keys,
+    })
+    .await?;
+    let Msg::Ready {
+        endpoints,
+        keys,
+        path,
+        strategy,
+        bridge,
+    } = c.recv().await?
+    else {
+        return Err(BenchError::Control("expected ready".into()));
+    };
+    let mut out = Vec::new();
+    if let Some((port, token)) = bridge {
+        let host = o
+            .server
+            .rsplit_once(':')
+            .map(|(h, _)| h)
+            .unwrap_or(&o.server)
+            .to_string();
+        let mut cfg = bridge::ClientConfig::new(format!("{host}:{port}"), token);
+        cfg.device = o.side.device.clone();
+        cfg.depth = p.tx_depth as usize;
+        let mut bc = bridge::Client::connect(cfg).await?;
+        let r = bc.open("bench", p.op == BenchOp::Write).await?;
+        for &size in &p.sizes {
+            // Like the direct path's `tx_depth` work requests in flight, keep `tx_depth` messages
+            // in flight: each put/fetch moves a span of up to `tx_depth` messages (as much of the
+            // region as fits), one bounce request per message, pipelined by the bridge client.
+            let span = bounce_span(size, p.tx_depth, r.info.size);
+            let per_call = span / size;
+            bc.set_chunk(size as usize)?;
+            let data: Vec<u8> = if p.op == BenchOp::Write {
+                pat[..size as usize].repeat(per_call as usize)
+            } else {
+                Vec::new()
+            };
+            // One untimed span first, as the direct path sets its QPs and MRs up before its
+            // clock starts: it creates the bridge client's QP and staging buffers and fills the
+            // server's staging ring, so the timed loop measures transfers only.
+            match p.op {
+                BenchOp::Write => {
+                    let mut cur = std::io::Cursor::new(&data[..]);
+                    bc.put(&r, 0, &mut cur, Some(span), false, &mut |_| {})
+                        .await?;
+                }
+                _ => {
+                    bc.fetch(&r, 0, span, &mut std::io::sink(), false, &mut |_| {})
+                        .await?;
+                }
+            }
+            c.send(&Msg::Run { size }).await?;
+            let Msg::Go = c.recv().await? else {
+                return Err(BenchError::Control("expected go".into()));
+            };
+            let start = Instant::now();
+            let deadline = p.duration.map(|d| start + Duration::from_secs_f64(d));
+            let limit = p.iters.unwrap_or(u64::MAX);
+            let (mut n, mut peak) = (0u64, 0.0f64);
+            let mut fetched_ok = true;
+            let mut v = Vec::with_capacity(span as usize);
+            while n < limit && deadline.is_none_or(|d| Instant::now() < d) {
+                // the last call of an --iters run moves only the messages left
+                let msgs = per_call.min(limit - n);
+                let t = Instant::now();
+                let rep = match p.op {
+                    BenchOp::Write => {
+                        let mut cur = std::io::Cursor::new(&data[..(msgs * size) as usize]);
+                        bc.put(&r, 0, &mut cur, Some(msgs * size), false, &mut |_| {})
+                            .await?
+                    }
+                    _ => {
+                        v.clear();
+                        let rep = bc
+                            .fetch(&r, 0, msgs * size, &mut v, false, &mut |_| {})
+                            .await?;
+                        if p.validate
+                            && !v.chunks(size as usize).all(|m| m == &pat[..size as usize])
+                        {
+                            fetched_ok = false;
+                        }
+                        rep
+                    }
+                };
+                let dt = t.elapsed().as_secs_f64();
+                if dt > 0.0 {
+                    peak = peak.max(rep.bytes as f64 / dt / (1 << 20) as f64);
+                }
+                n += msgs;
+            }
+            let seconds = start.elapsed().as_secs_f64();
+            c.send(&Msg::Done { size }).await?;
+            let Msg::Stats { validated, .. } = c.recv().await? else {
+                return Err(BenchError::Control("expected stats".into()));
+            };
+            let validated = if p.validate {
+                Some(validated.unwrap_or(true) && fetched_ok)
+            } else {
+                None
+            };
+            let res = result(p, size, n, seconds, peak, &path, &strategy, validated);
+            each(&res);
+            out.push(res);
+        }
+        bc.bye().await?;
+        c.send(&Msg::Bye).await?;
+        return Ok(out);
+    }
+    if endpoints.len() != qps.len() {
+        return Err(BenchError::Control(
+            "the server answered with a different number of QPs".into(),
+        ));
+    }
+    for (qp, &ep) in qps.iter().zip(&endpoints) {
+        qp.connect(&ep.into())?;
+    }
+    for &size in &p.sizes {
+        let n = size as usize;
+        c.send(&Msg::Run { size }).await?;
+        let Msg::Go = c.recv().await? else {
+            return Err(BenchError::Control("expected go".into()));
+        };
+        let res = if p.lat {
+            let times = lat_loop(&qps[0], p.op, &src, keys, n, p).await?;
+            c.send(&Msg::Done { size }).await?;
+            let Msg::Stats { .. } = c.recv().await? else {
+                return Err(BenchError::Control("expected stats".into()));
+            };
+            lat_result(p, size, &times, &path, &strategy)
+        } else {
+            let lane = match p.op {
+                BenchOp::Read => Lane::Sink(sink.take().expect("sink is back after each size")),
+                _ => Lane::Shared(Arc::clone(&src)),
+            };
+            if p.bidir && p.op == BenchOp::Write {
+                mine.write_at(0, &vec![0; n])?;
+            }
+            let r = run_lanes(&qps, p.op, &lane, keys, n, p).await?;
+            c.send(&Msg::Done { size }).await?;
+            let Msg::Stats {
+                iterations: theirs,
+                validated,
+            } = c.recv().await?
+            else {
+                return Err(BenchError::Control("expected stats".into()));
+            };
+            let mut ok = validated;
+            if p.validate && p.bidir && p.op == BenchOp::Write {
+                // the server's WRITEs into this side are done when its stats arrive
+                let mut seen = vec![0; n];
+                mine.read_at(0, &mut seen)?;
+                ok = Some(ok.unwrap_or(true) && seen[..] == pat[..n]);
+            }
+            if let Lane::Sink(s) = lane {
+                let b = SinkBuffer::into_inner(s)
+                    .map_err(|_| BenchError::Control("a READ is still in flight".into()))?;
+                if p.validate {
+                    ok = Some(ok.unwrap_or(true) && b.as_slice()[..n] == pat[..n]);
+                }
+                sink = Some(SinkBuffer::new(b));
+            }
+            let iterations = match (p.op, p.bidir) {
+                // a completed RC SEND was received: count the sender's completions within the
+                // time (the receiver also sees what drains after the deadline)
+                (BenchOp::Send, _) => r.iterations,
+                (_, true) => r.iterations + theirs,
+                _ => r.iterations,
+            };
+            let peak = if p.bidir {
+                r.peak_mib_s * 2.0
+            } else {
+                r.peak_mib_s
+            };
+            result(p, size, iterations, r.seconds, peak, &path, &strategy, ok)
+        };
+        each(&res);
+        out.push(res);
+    }
+    c.send(&Msg::Bye).await?;
+    for q in &qps {
+        let _ = q.set_error();
+    }
+    Ok(out)
+}
+
+pub(super) async fn lat_loop(
+    qp: &QueuePair,
+    op: BenchOp,
+    src: &Arc<RegisteredBuffer>,
+    keys: Keys,
+    n: usize,
+    p: &BenchParams,
+) -> Result<Vec<f64>> {
+    let rounds = p.iters.unwrap_or(u64::MAX);
+    let deadline = p
+        .duration
+        .map(|d| Instant::now() + Duration::from_secs_f64(d));
+    let mut times = Vec::new();
+    let pd = qp.pd().clone();
+    let mut rbuf = Some(pd.register(
+        HostBuffer::new(n.max(1))?,
+        Access::LOCAL_WRITE,
+        RegMode::Pinned,
+    )?);
+    let mut dst = Some(pd.register(
+        HostBuffer::new(n.max(1))?,
+        Access::LOCAL_WRITE,
+        RegMode::Pinned,
+    )?);
+    while (times.len() as u64) < rounds && deadline.is_none_or(|d| Instant::now() < d) {
+        let t = Instant::now();
+        match op {
+            BenchOp::Read => {
+                let d = dst.take().expect("buffer back");
+                let l = qp
+                    .read(Local::owned_range(d, 0..n)?, keys.slice(n as u64))
+                    .await?;
+                dst = l.into_owned();
+                times.push(t.elapsed().as_secs_f64() * 1e6);
+            }
+            BenchOp::Write | BenchOp::Send => {
+                let r = rbuf.take().expect("buffer back");
+                let pong = qp.post_recv(vec![Local::owned(r)])?;
+                let sop = if op == BenchOp::Write {
+                    SendOp::WriteImm(keys.slice(n as u64), 0)
+                } else {
+                    SendOp::Send
+                };
+                let ping = qp.post_send(vec![SendWr {
+                    op: sop,
+                    local: Local::shared(Arc::clone(src), 0..n)?,
+                }])?;
+                ping.wait().await?;
+                let mut back = pong.wait().await?;
+                let (l, _) = back
+                    .pop()
+                    .ok_or_else(|| BenchError::Control("no pong".into()))?;
+                rbuf = l.into_owned();
+                times.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
+            }
+        }
+    }
+    Ok(times)
+}
