@@ -1,0 +1,237 @@
+//! The transfer window of a fetch or put: how a range is cut into pieces (never across an
+//! extent), how each piece is started (one-sided RDMA on a direct extent, a bounce request on a
+//! bounce extent), how its end is awaited (bounded by the stall timeout), and how everything
+//! still in flight is settled after an error.
+
+use std::collections::VecDeque;
+use std::io::Read;
+use std::time::Duration;
+
+use verbs::{Local, Pending, QueuePair, RegisteredBuffer, SendOp, SendWr};
+
+use super::{reply_err, OpenRegion, Rdma, TransferReport};
+use crate::conn::Conn;
+use crate::error::{Error, Result};
+use crate::protocol::{DataPath, Extent, Msg};
+use crate::size::mib_per_sec;
+
+/// One transfer in flight.
+pub(super) enum Slot {
+    /// A one-sided RDMA operation of ours.
+    Rdma(Pending, u64),
+    /// A bounce request: the server moves the bytes to or from this buffer and replies.
+    Bounce(RegisteredBuffer, u64),
+}
+
+/// A piece of a transfer: at most one chunk, within one extent.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Piece {
+    pub(super) path: DataPath,
+    pub(super) pos: u64,
+    pub(super) len: u64,
+}
+
+/// The next piece at `pos`: at most `chunk` (and `bounce_chunk` for bounce extents), never
+/// across an extent boundary.
+pub(super) fn piece(
+    extents: &[Extent],
+    pos: u64,
+    remaining: u64,
+    chunk: u64,
+    bounce_chunk: u64,
+) -> Result<Piece> {
+    let e = extents
+        .iter()
+        .find(|e| e.offset <= pos && pos < e.offset + e.len)
+        .ok_or_else(|| {
+            Error::Config(format!(
+                "the server's extents do not cover offset {pos} of the region"
+            ))
+        })?;
+    let mut len = remaining.min(chunk).min(e.offset + e.len - pos);
+    if e.path != DataPath::Direct {
+        len = len.min(bounce_chunk);
+    }
+    Ok(Piece {
+        path: e.path,
+        pos,
+        len,
+    })
+}
+
+/// Start moving `buf[..p.len]` to (`to_region`) or from the region at `p.pos`: a one-sided RDMA
+/// WRITE or READ on a direct extent, a bounce request on a bounce extent.
+pub(super) async fn issue(
+    qp: &QueuePair,
+    conn: &mut Conn,
+    r: &OpenRegion,
+    p: Piece,
+    buf: RegisteredBuffer,
+    to_region: bool,
+) -> Result<Slot> {
+    if p.path == DataPath::Direct {
+        let remote = r.remote.slice(p.pos, p.len)?;
+        let wr = SendWr {
+            op: if to_region {
+                SendOp::Write(remote)
+            } else {
+                SendOp::Read(remote)
+            },
+            local: Local::owned_range(buf, 0..p.len as usize)?,
+        };
+        return Ok(Slot::Rdma(qp.post_send(vec![wr])?, p.len));
+    }
+    let m = Msg::Bounce {
+        handle: r.handle,
+        offset: p.pos,
+        len: p.len,
+        to_region,
+        addr: buf.addr(),
+        rkey: buf.mr().rkey(),
+    };
+    // on failure the buffer is dropped (deregistered before it is unmapped): the next transfer
+    // registers a replacement
+    conn.send(&m).await?;
+    Ok(Slot::Bounce(buf, p.len))
+}
+
+/// The server's answer to one bounce request: how many of its bytes the server's NIC moved
+/// zero-copy.
+pub(super) async fn bounce_reply(conn: &mut Conn, limit: Duration, n: u64) -> Result<u64> {
+    match conn.recv(Some(limit), "bounce-done").await? {
+        Msg::BounceDone { len, zero_copy } if len == n => Ok(zero_copy.min(len)),
+        Msg::BounceDone { len, .. } => Err(Error::Unexpected {
+            peer: conn.peer.clone(),
+            got: if len < n {
+                "a short bounce-done"
+            } else {
+                "a long bounce-done"
+            },
+            want: "bounce-done",
+        }),
+        other => Err(reply_err(&conn.peer, other, "bounce-done")),
+    }
+}
+
+/// After an error: wait (bounded) for everything still in flight so that no buffer is lost and
+/// the control connection stays in step (every bounce request gets its reply read).
+pub(super) async fn settle(
+    rdma: &mut Rdma,
+    conn: &mut Conn,
+    window: &mut VecDeque<Slot>,
+    stall: Duration,
+) {
+    let mut conn_ok = true;
+    for slot in window.drain(..) {
+        match slot {
+            Slot::Rdma(p, _) => {
+                if let Ok(Ok(v)) = tokio::time::timeout(stall, p.wait()).await {
+                    for b in v.into_iter().filter_map(Local::into_owned) {
+                        rdma.pools.give(b);
+                    }
+                }
+            }
+            Slot::Bounce(buf, n) => {
+                if conn_ok && bounce_reply(conn, stall, n).await.is_err() {
+                    conn_ok = false;
+                }
+                rdma.pools.give(buf);
+            }
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(super) fn report(
+    op: &'static str,
+    r: &OpenRegion,
+    offset: u64,
+    bytes: u64,
+    seconds: f64,
+    crc32c: u32,
+    verified: bool,
+    by_path: [u64; 3],
+) -> TransferReport {
+    TransferReport {
+        op,
+        region: r.info.name.clone(),
+        offset,
+        bytes,
+        seconds,
+        mib_per_sec: mib_per_sec(bytes, seconds),
+        direct_bytes: by_path[0],
+        bounce_bytes: by_path[1],
+        zero_copy_bytes: by_path[2],
+        crc32c,
+        verified,
+    }
+}
+
+/// Wait for a work request, but not forever: an RDMA transport that stalls (no completion and
+/// no error) is turned into an error, and the QP is moved to the error state so that every other
+/// outstanding work request completes (flushed) and gives its buffer back.
+pub(super) async fn await_or_stall(
+    qp: &verbs::QueuePair,
+    p: Pending,
+    limit: Duration,
+    op: &'static str,
+    offset: u64,
+) -> Result<Vec<Local>> {
+    match tokio::time::timeout(limit, p.wait()).await {
+        Ok(r) => Ok(r?),
+        Err(_) => {
+            if let Err(e) = qp.set_error() {
+                tracing::warn!(error = %e, "could not move the stalled QP to the error state");
+            }
+            Err(Error::Stalled {
+                op,
+                offset,
+                secs: limit.as_secs(),
+                qpn: qp.qpn(),
+            })
+        }
+    }
+}
+
+/// Read until `buf` is full or EOF; returns the bytes read.
+pub(super) fn read_full(src: &mut (dyn Read + Send), buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match src.read(&mut buf[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pieces_respect_chunks_and_never_cross_an_extent() {
+        let ext = [
+            Extent {
+                offset: 0,
+                len: 1000,
+                path: DataPath::Direct,
+            },
+            Extent {
+                offset: 1000,
+                len: 9000,
+                path: DataPath::Bounce,
+            },
+        ];
+        let p = piece(&ext, 900, 5000, 512, 64).unwrap();
+        assert_eq!((p.path, p.pos, p.len), (DataPath::Direct, 900, 100));
+        let p = piece(&ext, 1000, 5000, 512, 64).unwrap();
+        assert_eq!((p.path, p.len), (DataPath::Bounce, 64));
+        let p = piece(&ext, 0, 10, 512, 64).unwrap();
+        assert_eq!(p.len, 10);
+        let e = piece(&ext, 10_000, 1, 512, 64).unwrap_err().to_string();
+        assert!(e.contains("do not cover offset 10000"), "{e}");
+    }
+}
