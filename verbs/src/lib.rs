@@ -14,24 +14,25 @@
 
 mod cq;
 mod device;
+mod endpoint;
 mod error;
 mod ffi;
 mod local;
 mod mr;
 mod qp;
+mod wr;
 
 pub use cq::CqMode;
 pub use device::{
     device_names, devices, gid_ipv4, no_device_error, pick_gid, Context, DeviceCaps, DeviceInfo,
     GidInfo, GidKind, OdpCaps, PortInfo,
 };
+pub use endpoint::{negotiate_mtu, Endpoint};
 pub use error::{meaning, Call, Error, Result, WcStatus};
 pub use local::{Local, RegionRef, SinkBuffer};
 pub use mr::{
     Access, DmabufSupport, HostBuffer, MemoryRegion, ProtectionDomain, RegMode, RegisteredBuffer,
     RemoteSlice, SharedMemory, SharedRegion,
 };
-pub use qp::{
-    negotiate_mtu, Endpoint, Pending, PendingRecv, QpOptions, QpState, QueuePair, RecvInfo, SendOp,
-    SendWr,
-};
+pub use qp::{Pending, PendingRecv, QpOptions, QpState, QueuePair};
+pub use wr::{RecvInfo, SendOp, SendWr};

@@ -7,12 +7,9 @@
 
 use std::fmt;
 use std::future::Future;
-use std::net::Ipv6Addr;
 use std::sync::{Arc, Mutex};
 
-use serde::{Deserialize, Serialize};
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
-use sideway::ibverbs::device_context::Mtu;
 use sideway::ibverbs::queue_pair::{
     ExtendedQueuePair, PostSendGuard as _, QueuePair as _, QueuePairAttribute,
     QueuePairAttributeMask, QueuePairState, SetScatterGatherEntry as _, WorkRequestFlags,
@@ -23,121 +20,11 @@ use tracing::Instrument as _;
 
 use crate::cq::{Cq, CqMode, Done, Queue};
 use crate::device::{io_of, pick_gid, GidInfo};
+use crate::endpoint::{mtu_enum, negotiate_mtu, rand_psn, Endpoint};
 use crate::error::{Call, Error, Result};
 use crate::local::Local;
 use crate::mr::{ProtectionDomain, RemoteSlice};
-
-/// A send-queue operation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SendOp {
-    /// RDMA WRITE of the local bytes to the remote slice.
-    Write(RemoteSlice),
-    /// RDMA WRITE with immediate data (consumes a RECV at the peer).
-    WriteImm(RemoteSlice, u32),
-    /// RDMA READ of the remote slice into the local bytes.
-    Read(RemoteSlice),
-    /// SEND of the local bytes.
-    Send,
-    /// SEND with immediate data.
-    SendImm(u32),
-}
-
-impl SendOp {
-    /// A human name for messages.
-    pub fn name(&self) -> &'static str {
-        match self {
-            SendOp::Write(_) => "RDMA WRITE",
-            SendOp::WriteImm(..) => "RDMA WRITE with immediate",
-            SendOp::Read(_) => "RDMA READ",
-            SendOp::Send => "SEND",
-            SendOp::SendImm(_) => "SEND with immediate",
-        }
-    }
-
-    fn device_writes_local(&self) -> bool {
-        matches!(self, SendOp::Read(_))
-    }
-
-    fn remote(&self) -> Option<RemoteSlice> {
-        match *self {
-            SendOp::Write(r) | SendOp::WriteImm(r, _) | SendOp::Read(r) => Some(r),
-            SendOp::Send | SendOp::SendImm(_) => None,
-        }
-    }
-}
-
-/// One send work request of the safe API.
-#[derive(Debug)]
-pub struct SendWr {
-    /// What to do.
-    pub op: SendOp,
-    /// The local bytes.
-    pub local: Local,
-}
-
-/// One send work request as posted: the safe API built it from a [`Local`] it owns.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct RawSendWr {
-    pub(crate) op: SendOp,
-    /// lkey of the MR covering the local range.
-    pub(crate) lkey: u32,
-    /// Local address.
-    pub(crate) addr: u64,
-    /// Length.
-    pub(crate) len: u32,
-}
-
-/// What a completed RECV reports.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RecvInfo {
-    /// Bytes received.
-    pub byte_len: u32,
-    /// Immediate data, if the sender attached some.
-    pub imm: Option<u32>,
-}
-
-/// Everything the peer needs to connect its QP to ours (exchanged over the caller's control
-/// connection; [`QueuePair::connect`] checks every field, whatever carried it).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Endpoint {
-    /// LID (InfiniBand; 0 on RoCE).
-    pub lid: u16,
-    /// GID the QP sends from.
-    pub gid: Ipv6Addr,
-    /// QP number.
-    pub qpn: u32,
-    /// Initial packet sequence number (24 bits).
-    pub psn: u32,
-    /// Active path MTU of our port, in bytes.
-    pub mtu: u32,
-}
-
-impl Endpoint {
-    /// Refuse what no QP can connect to: a QPN or PSN over 24 bits, an MTU that is not one of
-    /// the five path MTUs. Peers send endpoints over the network: this is checked before any
-    /// field reaches the device.
-    pub fn check(&self) -> Result<()> {
-        if self.qpn > 0xff_ffff {
-            return Err(Error::InvalidArgument(format!(
-                "peer endpoint: QPN {:#x} has more than 24 bits",
-                self.qpn
-            )));
-        }
-        if self.psn > 0xff_ffff {
-            return Err(Error::InvalidArgument(format!(
-                "peer endpoint: PSN {:#x} has more than 24 bits",
-                self.psn
-            )));
-        }
-        if ![256, 512, 1024, 2048, 4096].contains(&self.mtu) {
-            return Err(Error::InvalidArgument(format!(
-                "peer endpoint: MTU {} is not 256, 512, 1024, 2048 or 4096",
-                self.mtu
-            )));
-        }
-        Ok(())
-    }
-}
+use crate::wr::{signal_plan, validate, RawSendWr, RecvInfo, SendOp, SendWr};
 
 /// QP state, as reported by `ibv_query_qp`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -241,25 +128,6 @@ impl fmt::Debug for QueuePair {
             .field("gid_index", &self.inner.gid.index)
             .finish()
     }
-}
-
-fn mtu_enum(bytes: u32) -> Mtu {
-    match bytes {
-        0..=256 => Mtu::Mtu256,
-        257..=512 => Mtu::Mtu512,
-        513..=1024 => Mtu::Mtu1024,
-        1025..=2048 => Mtu::Mtu2048,
-        _ => Mtu::Mtu4096,
-    }
-}
-
-/// The path MTU two ends agree on: the smaller one, as one of the IB MTU sizes.
-pub fn negotiate_mtu(local: u32, remote: u32) -> u32 {
-    let m = local.min(remote);
-    [4096, 2048, 1024, 512, 256]
-        .into_iter()
-        .find(|&x| x <= m)
-        .unwrap_or(256)
 }
 
 fn qp_state(s: QueuePairState) -> QpState {
@@ -714,7 +582,12 @@ impl QueuePair {
 
     /// Wait for every work request of a batch; the first failure is returned, but only after
     /// all of them completed (so no buffer is still in use when this returns).
-    async fn collect(
+    /// The QP's tracing span (completions are awaited inside it).
+    pub(crate) fn span(&self) -> tracing::Span {
+        self.inner.span.clone()
+    }
+
+    pub(crate) async fn collect(
         &self,
         rxs: Vec<(u64, oneshot::Receiver<Done>, &'static str)>,
     ) -> Result<Vec<Done>> {
@@ -745,26 +618,6 @@ impl QueuePair {
             vendor_err: done.vendor_err,
         }
     }
-}
-
-fn validate(wr: &SendWr) -> Result<()> {
-    if wr.op.device_writes_local() && matches!(wr.local, Local::Shared(..)) {
-        return Err(Error::InvalidArgument(format!(
-            "{} writes into the local buffer: pass an owned buffer, not a shared one",
-            wr.op.name()
-        )));
-    }
-    if let Some(r) = wr.op.remote() {
-        if wr.local.len() as u64 > r.len {
-            return Err(Error::OutOfBounds {
-                what: "remote slice",
-                offset: 0,
-                len: wr.local.len() as u64,
-                size: r.len,
-            });
-        }
-    }
-    Ok(())
 }
 
 fn select_port_gid(
@@ -824,18 +677,6 @@ fn select_port_gid(
     })
 }
 
-fn rand_psn() -> u32 {
-    // no crypto needed: just not always 0, so that stale packets of an old QP are not accepted
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos()),
-    );
-    (h.finish() as u32) & 0xff_ffff
-}
-
 /// Send work requests in flight. Await it for the buffers back (in posting order); dropping it
 /// leaves the buffers with the CQ until the device is done with them.
 #[must_use = "dropping a Pending does not cancel the work requests; await it to learn their outcome"]
@@ -881,7 +722,7 @@ impl Pending {
     /// Wait for all; the first failure is returned (after every work request has completed, so
     /// no buffer is still in use when this returns).
     pub fn wait(self) -> impl Future<Output = Result<Vec<Local>>> + Send {
-        let span = self.qp.inner.span.clone();
+        let span = self.qp.span();
         async move {
             let done = self.qp.collect(self.rxs).await?;
             Ok(done.into_iter().filter_map(|d| d.local).collect())
@@ -936,64 +777,5 @@ impl std::future::IntoFuture for PendingRecv {
     type IntoFuture = std::pin::Pin<Box<dyn Future<Output = Self::Output> + Send>>;
     fn into_future(self) -> Self::IntoFuture {
         Box::pin(self.wait())
-    }
-}
-
-/// Which of `n` work requests ask for a completion: every `every`-th, and the last.
-fn signal_plan(n: usize, every: usize) -> Vec<bool> {
-    (0..n).map(|i| (i + 1) % every == 0 || i + 1 == n).collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn peer_endpoints_are_checked_before_they_reach_the_device() {
-        let ok = Endpoint {
-            lid: 0,
-            gid: std::net::Ipv6Addr::LOCALHOST,
-            qpn: 0xff_ffff,
-            psn: 0xff_ffff,
-            mtu: 4096,
-        };
-        assert!(ok.check().is_ok());
-        for (bad, why) in [
-            (Endpoint { qpn: 1 << 24, ..ok }, "QPN"),
-            (Endpoint { psn: 1 << 24, ..ok }, "PSN"),
-            (Endpoint { mtu: 1500, ..ok }, "MTU 1500"),
-            (Endpoint { mtu: 0, ..ok }, "MTU 0"),
-        ] {
-            let e = bad.check().unwrap_err().to_string();
-            assert!(e.contains(why), "{e}");
-        }
-    }
-
-    #[test]
-    fn moderation_signals_every_nth_and_the_last() {
-        assert_eq!(signal_plan(3, 1), vec![true, true, true]);
-        assert_eq!(
-            signal_plan(7, 3),
-            vec![false, false, true, false, false, true, true]
-        );
-        assert_eq!(signal_plan(2, 8), vec![false, true]);
-        assert!(signal_plan(0, 4).is_empty());
-    }
-
-    #[test]
-    fn mtu_negotiation_takes_the_smaller_ib_size() {
-        assert_eq!(negotiate_mtu(4096, 1024), 1024);
-        assert_eq!(negotiate_mtu(4096, 4096), 4096);
-        assert_eq!(negotiate_mtu(1500, 9000), 1024);
-        assert_eq!(negotiate_mtu(100, 4096), 256);
-        assert_eq!(mtu_enum(1024), Mtu::Mtu1024);
-        assert_eq!(mtu_enum(4096), Mtu::Mtu4096);
-    }
-
-    #[test]
-    fn psn_is_24_bits() {
-        for _ in 0..100 {
-            assert!(rand_psn() <= 0xff_ffff);
-        }
     }
 }

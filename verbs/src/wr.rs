@@ -1,0 +1,117 @@
+//! Work requests: what a send-queue operation is (WRITE, WRITE with immediate, READ, SEND), the
+//! buffer it uses, the checks every work request passes before it is posted, and which work
+//! requests of a batch ask for a completion.
+
+use crate::error::{Error, Result};
+use crate::local::Local;
+use crate::mr::RemoteSlice;
+
+/// A send-queue operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SendOp {
+    /// RDMA WRITE of the local bytes to the remote slice.
+    Write(RemoteSlice),
+    /// RDMA WRITE with immediate data (consumes a RECV at the peer).
+    WriteImm(RemoteSlice, u32),
+    /// RDMA READ of the remote slice into the local bytes.
+    Read(RemoteSlice),
+    /// SEND of the local bytes.
+    Send,
+    /// SEND with immediate data.
+    SendImm(u32),
+}
+
+impl SendOp {
+    /// A human name for messages.
+    pub fn name(&self) -> &'static str {
+        match self {
+            SendOp::Write(_) => "RDMA WRITE",
+            SendOp::WriteImm(..) => "RDMA WRITE with immediate",
+            SendOp::Read(_) => "RDMA READ",
+            SendOp::Send => "SEND",
+            SendOp::SendImm(_) => "SEND with immediate",
+        }
+    }
+
+    fn device_writes_local(&self) -> bool {
+        matches!(self, SendOp::Read(_))
+    }
+
+    fn remote(&self) -> Option<RemoteSlice> {
+        match *self {
+            SendOp::Write(r) | SendOp::WriteImm(r, _) | SendOp::Read(r) => Some(r),
+            SendOp::Send | SendOp::SendImm(_) => None,
+        }
+    }
+}
+
+/// One send work request of the safe API.
+#[derive(Debug)]
+pub struct SendWr {
+    /// What to do.
+    pub op: SendOp,
+    /// The local bytes.
+    pub local: Local,
+}
+
+/// One send work request as posted: the safe API built it from a [`Local`] it owns.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RawSendWr {
+    pub(crate) op: SendOp,
+    /// lkey of the MR covering the local range.
+    pub(crate) lkey: u32,
+    /// Local address.
+    pub(crate) addr: u64,
+    /// Length.
+    pub(crate) len: u32,
+}
+
+/// What a completed RECV reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecvInfo {
+    /// Bytes received.
+    pub byte_len: u32,
+    /// Immediate data, if the sender attached some.
+    pub imm: Option<u32>,
+}
+
+pub(crate) fn validate(wr: &SendWr) -> Result<()> {
+    if wr.op.device_writes_local() && matches!(wr.local, Local::Shared(..)) {
+        return Err(Error::InvalidArgument(format!(
+            "{} writes into the local buffer: pass an owned buffer, not a shared one",
+            wr.op.name()
+        )));
+    }
+    if let Some(r) = wr.op.remote() {
+        if wr.local.len() as u64 > r.len {
+            return Err(Error::OutOfBounds {
+                what: "remote slice",
+                offset: 0,
+                len: wr.local.len() as u64,
+                size: r.len,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Which of `n` work requests ask for a completion: every `every`-th, and the last.
+pub(crate) fn signal_plan(n: usize, every: usize) -> Vec<bool> {
+    (0..n).map(|i| (i + 1) % every == 0 || i + 1 == n).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn moderation_signals_every_nth_and_the_last() {
+        assert_eq!(signal_plan(3, 1), vec![true, true, true]);
+        assert_eq!(
+            signal_plan(7, 3),
+            vec![false, false, true, false, false, true, true]
+        );
+        assert_eq!(signal_plan(2, 8), vec![false, true]);
+        assert!(signal_plan(0, 4).is_empty());
+    }
+}
