@@ -18,6 +18,7 @@ mod endpoint;
 mod error;
 mod ffi;
 mod local;
+mod memory;
 mod mr;
 mod qp;
 mod wr;
@@ -30,9 +31,10 @@ pub use device::{
 pub use endpoint::{negotiate_mtu, Endpoint};
 pub use error::{meaning, Call, Error, Result, WcStatus};
 pub use local::{Local, RegionRef, SinkBuffer};
+pub use memory::{HostBuffer, SharedMemory};
 pub use mr::{
-    Access, DmabufSupport, HostBuffer, MemoryRegion, ProtectionDomain, RegMode, RegisteredBuffer,
-    RemoteSlice, SharedMemory, SharedRegion,
+    Access, DmabufSupport, MemoryRegion, ProtectionDomain, RegMode, RegisteredBuffer, RemoteSlice,
+    SharedRegion,
 };
 pub use qp::{Pending, PendingRecv, QpOptions, QpState, QueuePair};
 pub use wr::{RecvInfo, SendOp, SendWr};
