@@ -1,4 +1,4 @@
-//! Protection domains and memory regions (pinned, ODP, dma-buf) over host buffers and served memory.
+//! Protection domains and memory regions (pinned, ODP, dma-buf).
 //!
 //! Lifetimes are encoded in types: a [`MemoryRegion`] holds its [`ProtectionDomain`] (which holds
 //! the device context), so it cannot outlive them; a [`RegisteredBuffer`] owns both the memory
