@@ -20,7 +20,9 @@ pub mod spec;
 mod staging;
 pub mod token;
 
-pub use client::{Client, ClientConfig, OpenRegion, TransferReport};
+pub use client::{
+    BatchRange, Client, ClientConfig, Landed, LocalBuffer, OpenRegion, Stranded, TransferReport,
+};
 pub use error::{Error, Result};
 pub use server::{
     MemoryRegionSpec, RegionOptions, RegionSource, RegionSpec, Removal, Server, ServerConfig,

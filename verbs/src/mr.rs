@@ -155,6 +155,12 @@ impl ProtectionDomain {
         })
     }
 
+    /// Whether `other` is this very PD (a clone of it), so that memory registered in one may be
+    /// used by work requests of the other's QPs.
+    pub fn same(&self, other: &ProtectionDomain) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
     /// The device context.
     pub fn context(&self) -> &Context {
         &self.ctx

@@ -16,7 +16,9 @@ use crate::protocol::{DataPath, Extent, Msg, RegionInfo, VERSION};
 use crate::staging::{Pools, Use};
 
 mod window;
+mod zero_copy;
 use window::{await_or_stall, bounce_reply, issue, piece, read_full, report, settle, Slot};
+pub use zero_copy::{BatchRange, Landed, LocalBuffer, Stranded};
 
 /// Client settings.
 #[derive(Debug, Clone)]

@@ -1,0 +1,451 @@
+//! Zero-copy fetches into memory the application owns, one range or a batch of many.
+//!
+//! The application asks the client for a [`LocalBuffer`] (page-aligned host memory registered
+//! on the connection's protection domain, for the local side of RDMA only: the server never
+//! learns a key to it). A fetch moves the buffer into the call: the direct extents of every
+//! range are RDMA-READ straight into it, several work requests in flight; bounce extents land
+//! in a staging buffer first and are copied into it once. The call gives the buffer back when
+//! every work request is done; if its future is dropped instead, the buffer stays with the
+//! completion queue until the device has finished with it, and is freed then.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use verbs::{
+    Access, HostBuffer, Local, Pending, RegMode, RegisteredBuffer, SendOp, SendWr, SinkBuffer,
+};
+
+use super::window::{await_or_stall, bounce_reply, piece, Piece};
+use super::{Client, OpenRegion, Rdma, KEEPALIVE};
+use crate::conn::Conn;
+use crate::error::{Error, Result};
+use crate::protocol::{DataPath, Extent, Msg};
+
+/// Host memory the application owns, registered for zero-copy transfers on one [`Client`]
+/// (see [`Client::buffer`]). Only local work requests write it, so its bytes may be borrowed.
+#[derive(Debug)]
+pub struct LocalBuffer(RegisteredBuffer);
+
+impl LocalBuffer {
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether it is empty (never: buffers have at least one byte).
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        self.0.as_slice()
+    }
+
+    /// The bytes, writable.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        self.0.as_mut_slice()
+    }
+}
+
+/// One range of a batch: `len` bytes at `offset` of `region`, landing at byte `at` of the
+/// buffer. Ranges may come from several regions of the same connection.
+#[derive(Debug, Clone, Copy)]
+pub struct BatchRange<'a> {
+    /// The region (opened on the same client).
+    pub region: &'a OpenRegion,
+    /// Offset in the region.
+    pub offset: u64,
+    /// Bytes.
+    pub len: u64,
+    /// Where they land in the buffer.
+    pub at: usize,
+}
+
+/// A finished batch.
+#[derive(Debug)]
+pub struct Landed {
+    /// The buffer, back.
+    pub buffer: LocalBuffer,
+    /// One result per range, in order: `Ok` when its bytes are in the buffer, or why nothing of
+    /// it moved (outside its region or the buffer, checked before anything is posted).
+    pub results: Vec<Result<()>>,
+    /// Bytes the NIC landed directly in the buffer.
+    pub direct_bytes: u64,
+    /// Bytes that came through the server's bounce buffers and one copy here.
+    pub bounce_bytes: u64,
+    /// Seconds from the first post to the last completion.
+    pub seconds: f64,
+}
+
+/// A batch that broke part-way (the connection, the QP, or a stall).
+#[derive(Debug, thiserror::Error)]
+#[error("{error}")]
+pub struct Stranded {
+    /// What broke.
+    #[source]
+    pub error: Error,
+    /// The buffer, unless a work request may still write it: then the completion queue keeps
+    /// it until the device is done and frees it, so it is never freed under the NIC.
+    pub buffer: Option<LocalBuffer>,
+}
+
+/// The buffer during a batch: owned between direct phases (bounce data is copied in), shared
+/// by the RDMA READs in flight during them.
+enum Held {
+    Owned(RegisteredBuffer),
+    Sink(Arc<SinkBuffer>),
+}
+
+enum Flight {
+    /// RDMA READ into the buffer (of the piece at this region offset).
+    Direct(Pending, u64),
+    /// The server RDMA-WRITEs into a staging buffer; then `len` bytes are copied to `at`.
+    Bounce(RegisteredBuffer, u64, usize),
+}
+
+/// Where the batch is: range `i`, `done` bytes of it issued.
+struct Cursor {
+    i: usize,
+    done: u64,
+    extents: Vec<Extent>,
+}
+
+impl Client {
+    /// `len` bytes of page-aligned host memory registered for zero-copy transfers on this
+    /// connection (local access only: the server never gets a key to it).
+    pub async fn buffer(&mut self, len: usize) -> Result<LocalBuffer> {
+        if len == 0 {
+            return Err(Error::Config("a buffer needs at least 1 byte".into()));
+        }
+        let rdma = self.take_rdma().await?;
+        let b = HostBuffer::new(len).and_then(|b| {
+            rdma.qp
+                .pd()
+                .register(b, Access::LOCAL_WRITE, RegMode::Pinned)
+        });
+        self.put_back(rdma);
+        Ok(LocalBuffer(b?))
+    }
+
+    /// Fetch `len` bytes at `offset` of `r` into `buf` at byte `at`, without a copy on the
+    /// direct path (see the module's documentation).
+    pub async fn fetch_into(
+        &mut self,
+        r: &OpenRegion,
+        offset: u64,
+        len: u64,
+        buf: LocalBuffer,
+        at: usize,
+    ) -> std::result::Result<Landed, Stranded> {
+        let mut landed = self
+            .fetch_many(
+                &[BatchRange {
+                    region: r,
+                    offset,
+                    len,
+                    at,
+                }],
+                buf,
+            )
+            .await?;
+        match landed.results.pop() {
+            Some(Err(error)) => Err(Stranded {
+                error,
+                buffer: Some(landed.buffer),
+            }),
+            _ => Ok(landed),
+        }
+    }
+
+    /// Fetch many ranges into one buffer in one pipelined pass: direct pieces of every range
+    /// are RDMA READs in flight together (up to the connection's depth), across ranges and
+    /// regions. Ranges that do not fit their region or the buffer are refused on their own;
+    /// ranges whose destinations overlap get the bytes of either.
+    pub async fn fetch_many(
+        &mut self,
+        ranges: &[BatchRange<'_>],
+        buf: LocalBuffer,
+    ) -> std::result::Result<Landed, Stranded> {
+        let mut rdma = match self.take_rdma().await {
+            Ok(r) => r,
+            Err(error) => {
+                return Err(Stranded {
+                    error,
+                    buffer: Some(buf),
+                })
+            }
+        };
+        if !buf.0.mr().pd().same(rdma.qp.pd()) {
+            self.put_back(rdma);
+            return Err(Stranded {
+                error: Error::Config(
+                    "the buffer was registered by another client (use this client's buffer())"
+                        .into(),
+                ),
+                buffer: Some(buf),
+            });
+        }
+        let size = buf.len();
+        let results: Vec<Result<()>> = ranges
+            .iter()
+            .map(|r| {
+                Self::check_range(r.region, r.offset, r.len)?;
+                match (r.at as u64).checked_add(r.len) {
+                    Some(end) if end <= size as u64 => Ok(()),
+                    _ => Err(Error::Config(format!(
+                        "{} bytes at byte {} do not fit a buffer of {size} bytes",
+                        r.len, r.at
+                    ))),
+                }
+            })
+            .collect();
+        let mut batch = Batch {
+            ranges,
+            ok: results.iter().map(Result::is_ok).collect(),
+            chunk: self.cfg.chunk as u64,
+            depth: self.depth(),
+            stall: self.cfg.timeout,
+            held: Some(Held::Owned(buf.0)),
+            window: VecDeque::new(),
+            direct_by_range: vec![0; ranges.len()],
+            bounce_bytes: 0,
+        };
+        let start = Instant::now();
+        let run = batch.run(&mut rdma, &mut self.conn).await;
+        let seconds = start.elapsed().as_secs_f64();
+        if let Err(error) = run {
+            batch.settle(&mut rdma, &mut self.conn).await;
+            self.put_back(rdma);
+            let buffer = match batch.held {
+                Some(Held::Owned(b)) => Some(LocalBuffer(b)),
+                Some(Held::Sink(s)) => SinkBuffer::into_inner(s).ok().map(LocalBuffer),
+                None => None,
+            };
+            return Err(Stranded { error, buffer });
+        }
+        self.put_back(rdma);
+        let buffer = match batch.held.take().map(Batch::owned) {
+            Some(Ok(b)) => b,
+            Some(Err(held)) => {
+                batch.held = Some(held);
+                return Err(Stranded {
+                    error: Error::Config(
+                        "internal: the batch's buffer is still shared with finished READs".into(),
+                    ),
+                    buffer: None,
+                });
+            }
+            None => unreachable!("the buffer is held between steps"),
+        };
+        // the server counts what moved without it (its CPU never saw these bytes)
+        for (r, &n) in ranges.iter().zip(&batch.direct_by_range) {
+            if let Err(error) = self
+                .report_direct(r.region, r.offset, n, false, seconds)
+                .await
+            {
+                return Err(Stranded {
+                    error,
+                    buffer: Some(LocalBuffer(buffer)),
+                });
+            }
+        }
+        Ok(Landed {
+            buffer: LocalBuffer(buffer),
+            results,
+            direct_bytes: batch.direct_by_range.iter().sum(),
+            bounce_bytes: batch.bounce_bytes,
+            seconds,
+        })
+    }
+}
+
+/// One batch in progress.
+struct Batch<'r, 'a> {
+    ranges: &'r [BatchRange<'a>],
+    ok: Vec<bool>,
+    chunk: u64,
+    depth: usize,
+    stall: Duration,
+    /// None only while it changes hands.
+    held: Option<Held>,
+    window: VecDeque<Flight>,
+    direct_by_range: Vec<u64>,
+    bounce_bytes: u64,
+}
+
+impl Batch<'_, '_> {
+    /// The next piece to issue (range index, piece, destination), without consuming it.
+    fn peek(&self, c: &mut Cursor) -> Result<Option<(usize, Piece, usize)>> {
+        loop {
+            let Some(r) = self.ranges.get(c.i) else {
+                return Ok(None);
+            };
+            if !self.ok[c.i] || c.done >= r.len {
+                c.i += 1;
+                c.done = 0;
+                if let Some(next) = self.ranges.get(c.i) {
+                    c.extents = next.region.info.extents();
+                }
+                continue;
+            }
+            let p = piece(
+                &c.extents,
+                r.offset + c.done,
+                r.len - c.done,
+                self.chunk,
+                r.region.bounce_chunk,
+            )?;
+            return Ok(Some((c.i, p, r.at + c.done as usize)));
+        }
+    }
+
+    async fn run(&mut self, rdma: &mut Rdma, conn: &mut Conn) -> Result<()> {
+        let mut c = Cursor {
+            i: 0,
+            done: 0,
+            extents: self
+                .ranges
+                .first()
+                .map(|r| r.region.info.extents())
+                .unwrap_or_default(),
+        };
+        let mut alive = Instant::now();
+        loop {
+            while self.window.len() < self.depth {
+                let Some((i, p, dst)) = self.peek(&mut c)? else {
+                    break;
+                };
+                let region = self.ranges[i].region;
+                if p.path == DataPath::Direct {
+                    // READs share the buffer: no bounce copy may be pending into it
+                    if !self.share_with_reads() {
+                        break;
+                    }
+                    let Some(Held::Sink(sink)) = &self.held else {
+                        unreachable!("share_with_reads")
+                    };
+                    let wr = SendWr {
+                        op: SendOp::Read(region.remote.slice(p.pos, p.len)?),
+                        local: Local::sink(Arc::clone(sink), dst..dst + p.len as usize)?,
+                    };
+                    let pending = rdma.qp.post_send(vec![wr])?;
+                    self.window.push_back(Flight::Direct(pending, p.pos));
+                    self.direct_by_range[i] += p.len;
+                } else {
+                    // copies need the buffer to themselves: no READ may be in flight
+                    if !self.take_back() {
+                        break;
+                    }
+                    let staging = rdma.take(p.path, false, self.chunk as usize)?;
+                    conn.send(&Msg::Bounce {
+                        handle: region.handle,
+                        offset: p.pos,
+                        len: p.len,
+                        to_region: false,
+                        addr: staging.addr(),
+                        rkey: staging.mr().rkey(),
+                    })
+                    .await?;
+                    self.window.push_back(Flight::Bounce(staging, p.len, dst));
+                }
+                c.done += p.len;
+            }
+            let Some(front) = self.window.pop_front() else {
+                if self.peek(&mut c)?.is_none() {
+                    return Ok(());
+                }
+                // nothing in flight, so the buffer could change hands: it did not
+                return Err(Error::Config(
+                    "internal: the batch's buffer is still shared with finished READs".into(),
+                ));
+            };
+            match front {
+                Flight::Direct(p, pos) => {
+                    // the returned locals are this sink's clones: dropped here
+                    await_or_stall(&rdma.qp, p, self.stall, "RDMA READ", pos).await?;
+                }
+                Flight::Bounce(staging, n, dst) => {
+                    let res = bounce_reply(conn, self.stall, n).await;
+                    let copied = res.and_then(|_| {
+                        let Some(Held::Owned(b)) = &mut self.held else {
+                            unreachable!("bounce pieces are issued only while the buffer is owned")
+                        };
+                        // the server may write the staging buffer at any time: copied out
+                        Ok(staging.read_at(0, &mut b.as_mut_slice()[dst..dst + n as usize])?)
+                    });
+                    rdma.pools.give(staging);
+                    copied?;
+                    self.bounce_bytes += n;
+                }
+            }
+            if alive.elapsed() >= KEEPALIVE {
+                conn.send(&Msg::KeepAlive).await?;
+                alive = Instant::now();
+            }
+        }
+    }
+
+    /// Share the buffer with READs; false while bounce copies into it are pending.
+    fn share_with_reads(&mut self) -> bool {
+        match self.held.take() {
+            Some(Held::Owned(b)) if self.window.is_empty() => {
+                self.held = Some(Held::Sink(SinkBuffer::new(b)));
+                true
+            }
+            h => {
+                let shared = matches!(h, Some(Held::Sink(_)));
+                self.held = h;
+                shared
+            }
+        }
+    }
+
+    /// Take the buffer back from the READs; false while any is in flight.
+    fn take_back(&mut self) -> bool {
+        match self.held.take() {
+            Some(Held::Sink(s)) if self.window.is_empty() => match Batch::owned(Held::Sink(s)) {
+                Ok(b) => {
+                    self.held = Some(Held::Owned(b));
+                    true
+                }
+                Err(h) => {
+                    self.held = Some(h);
+                    false
+                }
+            },
+            h => {
+                let owned = matches!(h, Some(Held::Owned(_)));
+                self.held = h;
+                owned
+            }
+        }
+    }
+
+    /// The buffer itself, once no READ holds it.
+    fn owned(h: Held) -> std::result::Result<RegisteredBuffer, Held> {
+        match h {
+            Held::Owned(b) => Ok(b),
+            Held::Sink(s) => SinkBuffer::into_inner(s).map_err(Held::Sink),
+        }
+    }
+
+    /// After an error: wait (bounded) for what is in flight, reading every bounce reply.
+    async fn settle(&mut self, rdma: &mut Rdma, conn: &mut Conn) {
+        let mut conn_ok = true;
+        for f in self.window.drain(..) {
+            match f {
+                Flight::Direct(p, _) => {
+                    let _ = tokio::time::timeout(self.stall, p.wait()).await;
+                }
+                Flight::Bounce(staging, n, _) => {
+                    if conn_ok && bounce_reply(conn, self.stall, n).await.is_err() {
+                        conn_ok = false;
+                    }
+                    rdma.pools.give(staging);
+                }
+            }
+        }
+    }
+}

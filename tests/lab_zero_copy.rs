@@ -1,0 +1,154 @@
+//! Lab tests of the zero-copy client API: fetches that land in a buffer the application owns
+//! (`Client::buffer`, `fetch_into`) and batches of many ranges across regions (`fetch_many`).
+
+mod common;
+use common::{data, start, TOKEN};
+
+use std::net::SocketAddr;
+
+use p2p_rdma::bridge::{BatchRange, Client, ClientConfig, Error};
+
+fn cfg(addr: SocketAddr) -> ClientConfig {
+    let mut c = ClientConfig::new(addr.to_string(), TOKEN);
+    c.chunk = 256 << 10;
+    c.depth = 8;
+    c
+}
+
+async fn put(c: &mut Client, region: &str, bytes: &[u8]) {
+    let r = c.open(region, true).await.unwrap();
+    let mut src: &[u8] = bytes;
+    c.put(&r, 0, &mut src, Some(bytes.len() as u64), true, &mut |_| {})
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_zero_copy_fetch_lands_in_the_callers_buffer() {
+    let s = start(&["ram=host:8M"], |_| {}).await;
+    let mut c = Client::connect(cfg(s.addr)).await.unwrap();
+    let d = data(8 << 20, 51);
+    put(&mut c, "ram", &d).await;
+    let r = c.open("ram", false).await.unwrap();
+    let buf = c.buffer(9 << 20).await.unwrap();
+    let landed = c.fetch_into(&r, 0, 8 << 20, buf, 4096).await.unwrap();
+    assert_eq!(landed.direct_bytes, 8 << 20);
+    assert_eq!(landed.bounce_bytes, 0);
+    let b = landed.buffer.as_slice();
+    assert!(
+        b[4096..4096 + (8 << 20)] == d[..],
+        "the buffer holds other bytes"
+    );
+    assert!(
+        b[..4096].iter().all(|&x| x == 0),
+        "bytes before `at` were written"
+    );
+    // the same buffer again, at another place, for part of the region
+    let landed = c
+        .fetch_into(&r, 12_345, 100_000, landed.buffer, 0)
+        .await
+        .unwrap();
+    assert!(landed.buffer.as_slice()[..100_000] == d[12_345..112_345]);
+    // out of range: refused before anything moves, and the buffer comes back
+    let e = c
+        .fetch_into(&r, 8 << 20, 1, landed.buffer, 0)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e.error, Error::Server { message, .. } if message.contains("outside region")),
+        "{e}"
+    );
+    let buf = e.buffer.expect("nothing was posted: the buffer comes back");
+    // a buffer of another client is refused (its memory is on another protection domain)
+    let mut other = Client::connect(cfg(s.addr)).await.unwrap();
+    let e = other.fetch_into(&r, 0, 4096, buf, 0).await.unwrap_err();
+    assert!(e.to_string().contains("another client"), "{e}");
+    assert!(e.buffer.is_some());
+    other.bye().await.unwrap();
+    c.bye().await.unwrap();
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_zero_copy_a_batch_spans_regions_and_paths_with_one_result_per_range() {
+    let s = start(
+        &[
+            "ram=host:4M",
+            "mixed=host:4M,window=1M",
+            "b=host:1M,p2p=disabled",
+        ],
+        |c| c.bounce_chunk = 64 << 10,
+    )
+    .await;
+    let mut c = Client::connect(cfg(s.addr)).await.unwrap();
+    let (ram, mixed, b) = (data(4 << 20, 1), data(4 << 20, 2), data(1 << 20, 3));
+    put(&mut c, "ram", &ram).await;
+    put(&mut c, "mixed", &mixed).await;
+    put(&mut c, "b", &b).await;
+    let (hr, hm, hb) = (
+        c.open("ram", false).await.unwrap(),
+        c.open("mixed", false).await.unwrap(),
+        c.open("b", false).await.unwrap(),
+    );
+    let buf = c.buffer(8 << 20).await.unwrap();
+    // many small ranges, interleaving the direct and the bounce path
+    let mut ranges = Vec::new();
+    let mut want: Vec<(usize, Vec<u8>)> = Vec::new();
+    let mut at = 0usize;
+    for k in 0..200u64 {
+        let (region, src, off, len) = match k % 3 {
+            0 => (&hr, &ram, k * 17_000 % ((4 << 20) - 8192), 4096 + k % 7),
+            1 => (&hm, &mixed, (k * 20_011) % (3 << 20), 5000 + k),
+            _ => (&hb, &b, (k * 3001) % ((1 << 20) - 9000), 1 + k * 40),
+        };
+        ranges.push(BatchRange {
+            region,
+            offset: off,
+            len,
+            at,
+        });
+        want.push((at, src[off as usize..(off + len) as usize].to_vec()));
+        at += len as usize + 3;
+    }
+    // one range across the mixed region's direct window into its bounce part
+    ranges.push(BatchRange {
+        region: &hm,
+        offset: (1 << 20) - 10_000,
+        len: 300_000,
+        at,
+    });
+    want.push((at, mixed[(1 << 20) - 10_000..(1 << 20) + 290_000].to_vec()));
+    // two refused ones: outside the region, outside the buffer
+    ranges.push(BatchRange {
+        region: &hb,
+        offset: (1 << 20) - 1,
+        len: 2,
+        at: 0,
+    });
+    ranges.push(BatchRange {
+        region: &hr,
+        offset: 0,
+        len: 10,
+        at: (8 << 20) - 5,
+    });
+    let landed = c.fetch_many(&ranges, buf).await.unwrap();
+    let n = ranges.len();
+    for (i, r) in landed.results.iter().enumerate() {
+        assert_eq!(r.is_ok(), i < n - 2, "range {i}: {r:?}");
+    }
+    let got = landed.buffer.as_slice();
+    for (i, (at, bytes)) in want.iter().enumerate() {
+        assert!(
+            got[*at..*at + bytes.len()] == bytes[..],
+            "range {i} landed wrong"
+        );
+    }
+    assert!(
+        landed.direct_bytes > 0 && landed.bounce_bytes > 0,
+        "{landed:?}"
+    );
+    c.bye().await.unwrap();
+    s.stop().await;
+}
