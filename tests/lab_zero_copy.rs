@@ -152,3 +152,89 @@ async fn lab_zero_copy_a_batch_spans_regions_and_paths_with_one_result_per_range
     c.bye().await.unwrap();
     s.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_zero_copy_puts_leave_from_the_callers_buffer_and_files_are_flushed() {
+    let dir = std::env::temp_dir().join(format!("p2p-zc-put-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("f.bin");
+    std::fs::write(&file, vec![0u8; 1 << 20]).unwrap();
+    let spec = format!("f=file:{}", file.display());
+    let s = start(
+        &["ram=host:4M", "mixed=host:4M,window=1M", spec.as_str()],
+        |c| c.bounce_chunk = 64 << 10,
+    )
+    .await;
+    let mut c = Client::connect(cfg(s.addr)).await.unwrap();
+    let (hr, hm, hf) = (
+        c.open("ram", true).await.unwrap(),
+        c.open("mixed", true).await.unwrap(),
+        c.open("f", true).await.unwrap(),
+    );
+    assert!(hf.info.server_puts, "a file takes puts through the server");
+    let mut buf = c.buffer(4 << 20).await.unwrap();
+    let src = data(4 << 20, 61);
+    buf.as_mut_slice().copy_from_slice(&src);
+    // the whole buffer into ram; a range across mixed's direct window; part of the file
+    let ranges = [
+        BatchRange {
+            region: &hr,
+            offset: 0,
+            len: 4 << 20,
+            at: 0,
+        },
+        BatchRange {
+            region: &hm,
+            offset: (1 << 20) - 5000,
+            len: 200_000,
+            at: 777,
+        },
+        BatchRange {
+            region: &hf,
+            offset: 4099,
+            len: 300_000,
+            at: 1 << 20,
+        },
+    ];
+    let landed = c.put_many(&ranges, buf).await.unwrap();
+    assert!(
+        landed.results.iter().all(Result::is_ok),
+        "{:?}",
+        landed.results
+    );
+    assert!(landed.direct_bytes > 0 && landed.bounce_bytes > 0);
+    assert!(
+        landed.buffer.as_slice() == &src[..],
+        "a put changed the caller's buffer"
+    );
+    // every range reads back; the file's bytes are on disk (the put came back after a flush)
+    let disk = std::fs::read(&file).unwrap();
+    assert!(disk[4099..4099 + 300_000] == src[1 << 20..(1 << 20) + 300_000]);
+    let back = c
+        .fetch_many(
+            &[BatchRange {
+                region: &hr,
+                offset: 0,
+                len: 4 << 20,
+                at: 0,
+            }],
+            landed.buffer,
+        )
+        .await
+        .unwrap();
+    assert!(back.buffer.as_slice() == &src[..]);
+    let mut got = Vec::new();
+    c.fetch(&hm, (1 << 20) - 5000, 200_000, &mut got, true, &mut |_| {})
+        .await
+        .unwrap();
+    assert!(got == src[777..777 + 200_000]);
+    // a region opened for reading refuses, range by range, before anything moves
+    let ro = c.open("ram", false).await.unwrap();
+    let e = c.put_from(&ro, 0, 10, back.buffer, 0).await.unwrap_err();
+    assert!(e.to_string().contains("opened for reading"), "{e}");
+    assert!(e.buffer.is_some());
+    c.bye().await.unwrap();
+    s.stop().await;
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -17,6 +17,7 @@ use crate::staging::{Pools, Use};
 
 mod window;
 mod zero_copy;
+mod zero_copy_put;
 use window::{await_or_stall, bounce_reply, issue, piece, read_full, report, settle, Slot};
 pub use zero_copy::{BatchRange, Landed, LocalBuffer, Stranded};
 
@@ -66,6 +67,8 @@ pub struct OpenRegion {
     pub remote: RemoteSlice,
     /// Largest bounce request the server accepts.
     pub bounce_chunk: u64,
+    /// Whether it was opened for writing.
+    pub write: bool,
 }
 
 /// What a transfer did.
@@ -244,6 +247,7 @@ impl Client {
                 } else {
                     bounce_chunk
                 },
+                write,
             }),
             other => Err(reply_err(&self.conn.peer, other, "opened")),
         }

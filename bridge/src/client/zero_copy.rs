@@ -25,7 +25,7 @@ use crate::protocol::{DataPath, Extent, Msg};
 /// Host memory the application owns, registered for zero-copy transfers on one [`Client`]
 /// (see [`Client::buffer`]). Only local work requests write it, so its bytes may be borrowed.
 #[derive(Debug)]
-pub struct LocalBuffer(RegisteredBuffer);
+pub struct LocalBuffer(pub(super) RegisteredBuffer);
 
 impl LocalBuffer {
     /// Length in bytes.
