@@ -129,6 +129,57 @@ impl Client {
         Ok(LocalBuffer(b?))
     }
 
+    /// What every batch does first: the QP, a check that the buffer is this client's, and one
+    /// verdict per range (inside its region, inside the buffer, and for puts, opened for
+    /// writing), before anything is posted.
+    pub(super) async fn begin_batch(
+        &mut self,
+        ranges: &[BatchRange<'_>],
+        buf: LocalBuffer,
+        put: bool,
+    ) -> std::result::Result<(Rdma, LocalBuffer, Vec<Result<()>>), Stranded> {
+        let rdma = match self.take_rdma().await {
+            Ok(r) => r,
+            Err(error) => {
+                return Err(Stranded {
+                    error,
+                    buffer: Some(buf),
+                })
+            }
+        };
+        if !buf.0.mr().pd().same(rdma.qp.pd()) {
+            self.put_back(rdma);
+            return Err(Stranded {
+                error: Error::Config(
+                    "the buffer was registered by another client (use this client's buffer())"
+                        .into(),
+                ),
+                buffer: Some(buf),
+            });
+        }
+        let size = buf.len() as u64;
+        let results = ranges
+            .iter()
+            .map(|r| {
+                if put && !r.region.write {
+                    return Err(Error::Config(format!(
+                        "region '{}' was opened for reading: open it with write to put",
+                        r.region.info.name
+                    )));
+                }
+                Self::check_range(r.region, r.offset, r.len)?;
+                match (r.at as u64).checked_add(r.len) {
+                    Some(end) if end <= size => Ok(()),
+                    _ => Err(Error::Config(format!(
+                        "{} bytes at byte {} are outside a buffer of {size} bytes",
+                        r.len, r.at
+                    ))),
+                }
+            })
+            .collect();
+        Ok((rdma, buf, results))
+    }
+
     /// Fetch `len` bytes at `offset` of `r` into `buf` at byte `at`, without a copy on the
     /// direct path (see the module's documentation).
     pub async fn fetch_into(
@@ -168,39 +219,7 @@ impl Client {
         ranges: &[BatchRange<'_>],
         buf: LocalBuffer,
     ) -> std::result::Result<Landed, Stranded> {
-        let mut rdma = match self.take_rdma().await {
-            Ok(r) => r,
-            Err(error) => {
-                return Err(Stranded {
-                    error,
-                    buffer: Some(buf),
-                })
-            }
-        };
-        if !buf.0.mr().pd().same(rdma.qp.pd()) {
-            self.put_back(rdma);
-            return Err(Stranded {
-                error: Error::Config(
-                    "the buffer was registered by another client (use this client's buffer())"
-                        .into(),
-                ),
-                buffer: Some(buf),
-            });
-        }
-        let size = buf.len();
-        let results: Vec<Result<()>> = ranges
-            .iter()
-            .map(|r| {
-                Self::check_range(r.region, r.offset, r.len)?;
-                match (r.at as u64).checked_add(r.len) {
-                    Some(end) if end <= size as u64 => Ok(()),
-                    _ => Err(Error::Config(format!(
-                        "{} bytes at byte {} do not fit a buffer of {size} bytes",
-                        r.len, r.at
-                    ))),
-                }
-            })
-            .collect();
+        let (mut rdma, buf, results) = self.begin_batch(ranges, buf, false).await?;
         let mut batch = Batch {
             ranges,
             ok: results.iter().map(Result::is_ok).collect(),

@@ -64,45 +64,7 @@ impl Client {
         ranges: &[BatchRange<'_>],
         buf: LocalBuffer,
     ) -> std::result::Result<Landed, Stranded> {
-        let mut rdma = match self.take_rdma().await {
-            Ok(r) => r,
-            Err(error) => {
-                return Err(Stranded {
-                    error,
-                    buffer: Some(buf),
-                })
-            }
-        };
-        if !buf.0.mr().pd().same(rdma.qp.pd()) {
-            self.put_back(rdma);
-            return Err(Stranded {
-                error: Error::Config(
-                    "the buffer was registered by another client (use this client's buffer())"
-                        .into(),
-                ),
-                buffer: Some(buf),
-            });
-        }
-        let size = buf.len() as u64;
-        let results: Vec<Result<()>> = ranges
-            .iter()
-            .map(|r| {
-                if !r.region.write {
-                    return Err(Error::Config(format!(
-                        "region '{}' was opened for reading: open it with write to put",
-                        r.region.info.name
-                    )));
-                }
-                Self::check_range(r.region, r.offset, r.len)?;
-                match (r.at as u64).checked_add(r.len) {
-                    Some(end) if end <= size => Ok(()),
-                    _ => Err(Error::Config(format!(
-                        "{} bytes at byte {} are outside a buffer of {size} bytes",
-                        r.len, r.at
-                    ))),
-                }
-            })
-            .collect();
+        let (mut rdma, buf, results) = self.begin_batch(ranges, buf, true).await?;
         let shared = Arc::new(buf.0);
         let mut window = VecDeque::new();
         let mut direct_by_range = vec![0u64; ranges.len()];
