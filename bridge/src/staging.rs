@@ -72,11 +72,10 @@ impl Pools {
         pd: &ProtectionDomain,
         chunk: usize,
     ) -> Result<RegisteredBuffer> {
-        if let Some(b) = self.pool(u).pop() {
-            return Ok(b);
+        match self.pool(u).pop() {
+            Some(b) => Ok(b),
+            None => register(u, pd, chunk),
         }
-        let b = HostBuffer::new(chunk)?;
-        Ok(pd.register(b, u.access(), RegMode::Pinned)?)
     }
 
     /// Give a buffer back to the pool of its use (told by the access it was registered with).
@@ -87,9 +86,7 @@ impl Pools {
     /// Have `n` direct buffers ready (registration is then not part of a transfer's time).
     pub(crate) fn prefill(&mut self, pd: &ProtectionDomain, chunk: usize, n: usize) -> Result<()> {
         while self.direct.len() < n {
-            let b = HostBuffer::new(chunk)?;
-            self.direct
-                .push(pd.register(b, Use::Direct.access(), RegMode::Pinned)?);
+            self.direct.push(register(Use::Direct, pd, chunk)?);
         }
         Ok(())
     }
@@ -100,6 +97,11 @@ impl Pools {
         self.bounce_in.clear();
         self.bounce_out.clear();
     }
+}
+
+/// A new staging buffer of `chunk` bytes for `u`, registered with the access `u` needs.
+fn register(u: Use, pd: &ProtectionDomain, chunk: usize) -> Result<RegisteredBuffer> {
+    Ok(pd.register(HostBuffer::new(chunk)?, u.access(), RegMode::Pinned)?)
 }
 
 #[cfg(test)]

@@ -71,6 +71,22 @@ pub struct OpenRegion {
     pub write: bool,
 }
 
+impl OpenRegion {
+    /// The extents a put follows: the region's own, except that a region that holds data (a
+    /// file) takes puts through the server only, so that they are durable when acknowledged.
+    pub(super) fn put_extents(&self) -> Vec<Extent> {
+        if self.info.server_puts {
+            vec![Extent {
+                offset: 0,
+                len: self.info.size,
+                path: DataPath::Bounce,
+            }]
+        } else {
+            self.info.extents()
+        }
+    }
+}
+
 /// What a transfer did.
 #[derive(Debug, Clone, Serialize)]
 pub struct TransferReport {
@@ -556,16 +572,7 @@ impl Client {
         let mut overflow = false;
         let mut by_path = [0u64; 3];
         let mut alive = Instant::now();
-        // a region that holds data takes puts through the server only
-        let extents = if r.info.server_puts {
-            vec![Extent {
-                offset: 0,
-                len: r.info.size,
-                path: DataPath::Bounce,
-            }]
-        } else {
-            r.info.extents()
-        };
+        let extents = r.put_extents();
         let result: Result<()> = async {
             loop {
                 while window.len() < depth && !eof && posted < max {

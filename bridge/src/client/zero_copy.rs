@@ -79,6 +79,22 @@ pub struct Landed {
     pub seconds: f64,
 }
 
+impl Landed {
+    /// A batch of one range as the result of that range: its error, with the buffer, if it
+    /// was refused.
+    // (the public calls return this very type: the buffer travels back with the error)
+    #[allow(clippy::result_large_err)]
+    pub(super) fn single(mut self) -> std::result::Result<Landed, Stranded> {
+        match self.results.pop() {
+            Some(Err(error)) => Err(Stranded {
+                error,
+                buffer: Some(self.buffer),
+            }),
+            _ => Ok(self),
+        }
+    }
+}
+
 /// A batch that broke part-way (the connection, the QP, or a stall).
 #[derive(Debug, thiserror::Error)]
 #[error("{error}")]
@@ -180,6 +196,29 @@ impl Client {
         Ok((rdma, buf, results))
     }
 
+    /// Tell the server what each range moved without it (its CPU never saw those bytes).
+    pub(super) async fn report_batch(
+        &mut self,
+        ranges: &[BatchRange<'_>],
+        direct_by_range: &[u64],
+        to_region: bool,
+        seconds: f64,
+        buffer: LocalBuffer,
+    ) -> std::result::Result<LocalBuffer, Stranded> {
+        for (r, &n) in ranges.iter().zip(direct_by_range) {
+            if let Err(error) = self
+                .report_direct(r.region, r.offset, n, to_region, seconds)
+                .await
+            {
+                return Err(Stranded {
+                    error,
+                    buffer: Some(buffer),
+                });
+            }
+        }
+        Ok(buffer)
+    }
+
     /// Fetch `len` bytes at `offset` of `r` into `buf` at byte `at`, without a copy on the
     /// direct path (see the module's documentation).
     pub async fn fetch_into(
@@ -190,24 +229,17 @@ impl Client {
         buf: LocalBuffer,
         at: usize,
     ) -> std::result::Result<Landed, Stranded> {
-        let mut landed = self
-            .fetch_many(
-                &[BatchRange {
-                    region: r,
-                    offset,
-                    len,
-                    at,
-                }],
-                buf,
-            )
-            .await?;
-        match landed.results.pop() {
-            Some(Err(error)) => Err(Stranded {
-                error,
-                buffer: Some(landed.buffer),
-            }),
-            _ => Ok(landed),
-        }
+        self.fetch_many(
+            &[BatchRange {
+                region: r,
+                offset,
+                len,
+                at,
+            }],
+            buf,
+        )
+        .await?
+        .single()
     }
 
     /// Fetch many ranges into one buffer in one pipelined pass: direct pieces of every range
@@ -259,19 +291,17 @@ impl Client {
             None => unreachable!("the buffer is held between steps"),
         };
         // the server counts what moved without it (its CPU never saw these bytes)
-        for (r, &n) in ranges.iter().zip(&batch.direct_by_range) {
-            if let Err(error) = self
-                .report_direct(r.region, r.offset, n, false, seconds)
-                .await
-            {
-                return Err(Stranded {
-                    error,
-                    buffer: Some(LocalBuffer(buffer)),
-                });
-            }
-        }
+        let buffer = self
+            .report_batch(
+                ranges,
+                &batch.direct_by_range,
+                false,
+                seconds,
+                LocalBuffer(buffer),
+            )
+            .await?;
         Ok(Landed {
-            buffer: LocalBuffer(buffer),
+            buffer,
             results,
             direct_bytes: batch.direct_by_range.iter().sum(),
             bounce_bytes: batch.bounce_bytes,

@@ -16,7 +16,7 @@ use super::zero_copy::{BatchRange, Landed, LocalBuffer, Stranded};
 use super::{Client, Rdma, KEEPALIVE};
 use crate::conn::Conn;
 use crate::error::{Error, Result};
-use crate::protocol::{DataPath, Extent, Msg};
+use crate::protocol::{DataPath, Msg};
 
 enum Flight {
     /// RDMA WRITE from the buffer (of the piece at this region offset).
@@ -36,24 +36,17 @@ impl Client {
         buf: LocalBuffer,
         at: usize,
     ) -> std::result::Result<Landed, Stranded> {
-        let mut landed = self
-            .put_many(
-                &[BatchRange {
-                    region: r,
-                    offset,
-                    len,
-                    at,
-                }],
-                buf,
-            )
-            .await?;
-        match landed.results.pop() {
-            Some(Err(error)) => Err(Stranded {
-                error,
-                buffer: Some(landed.buffer),
-            }),
-            _ => Ok(landed),
-        }
+        self.put_many(
+            &[BatchRange {
+                region: r,
+                offset,
+                len,
+                at,
+            }],
+            buf,
+        )
+        .await?
+        .single()
     }
 
     /// Put many ranges of one buffer in one pipelined pass (the batch form of
@@ -118,17 +111,9 @@ impl Client {
                 });
             }
         }
-        for (r, &n) in ranges.iter().zip(&direct_by_range) {
-            if let Err(error) = self
-                .report_direct(r.region, r.offset, n, true, seconds)
-                .await
-            {
-                return Err(Stranded {
-                    error,
-                    buffer: Some(buffer),
-                });
-            }
-        }
+        let buffer = self
+            .report_batch(ranges, &direct_by_range, true, seconds, buffer)
+            .await?;
         Ok(Landed {
             buffer,
             results,
@@ -157,16 +142,7 @@ impl Client {
             if results[i].is_err() {
                 continue;
             }
-            // a region that holds data takes puts through the server only
-            let extents = if r.region.info.server_puts {
-                vec![Extent {
-                    offset: 0,
-                    len: r.region.info.size,
-                    path: DataPath::Bounce,
-                }]
-            } else {
-                r.region.info.extents()
-            };
+            let extents = r.region.put_extents();
             let mut done = 0u64;
             while done < r.len {
                 if window.len() >= depth {
