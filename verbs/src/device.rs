@@ -170,6 +170,31 @@ pub fn pick_gid(gids: &[GidInfo]) -> Option<&GidInfo> {
         .or_else(|| gids.first())
 }
 
+/// The GID a QP uses: the index asked for; else the RoCE v2 GID that carries the control
+/// connection's address; else [`pick_gid`]'s choice.
+pub(crate) fn choose_gid(
+    gids: &[GidInfo],
+    gid_index: Option<u32>,
+    ip: Option<std::net::IpAddr>,
+) -> Option<GidInfo> {
+    if let Some(ix) = gid_index {
+        return gids.iter().find(|g| g.index == ix).cloned();
+    }
+    let on_ip = ip.and_then(|ip| {
+        gids.iter().find(|g| {
+            g.kind == GidKind::RoceV2
+                && match ip {
+                    std::net::IpAddr::V4(v4) => g.ipv4 == Some(v4),
+                    std::net::IpAddr::V6(v6) => g.gid == v6,
+                }
+        })
+    });
+    if let (Some(ip), None) = (ip, on_ip) {
+        tracing::debug!(%ip, "no RoCE v2 GID carries the control connection's address; using the default choice");
+    }
+    on_ip.or_else(|| pick_gid(gids)).cloned()
+}
+
 fn is_link_local(gid: &Ipv6Addr) -> bool {
     gid.segments()[0] & 0xffc0 == 0xfe80
 }
@@ -462,6 +487,61 @@ fn query_port(name: &str, ctx: &Arc<DeviceContext>, port: u8) -> Result<PortInfo
     })
 }
 
+pub(crate) fn select_port_gid(
+    ctx: &crate::Context,
+    port: Option<u8>,
+    gid_index: Option<u32>,
+    local_ip: Option<std::net::IpAddr>,
+) -> Result<(u8, GidInfo)> {
+    let info = ctx.info();
+    let dev = ctx.name().to_string();
+    let ports: Vec<_> = match port {
+        Some(p) => {
+            let pi = info
+                .ports
+                .iter()
+                .find(|x| x.port == p)
+                .ok_or_else(|| Error::NoGid {
+                    device: dev.clone(),
+                    port: p,
+                    reason: format!("the device has {} port(s)", info.ports.len()),
+                })?;
+            vec![ctx.port(pi.port)?]
+        }
+        None => info
+            .ports
+            .iter()
+            .map(|p| ctx.port(p.port))
+            .collect::<Result<_>>()?,
+    };
+    let mut why = String::new();
+    for p in &ports {
+        if !p.active {
+            why = format!("port state is {} (the netdev or link is down)", p.state);
+            continue;
+        }
+        let g = choose_gid(&p.gids, gid_index, local_ip);
+        match g {
+            Some(g) => return Ok((p.port, g)),
+            None => {
+                why = match gid_index {
+                    Some(ix) => format!("GID index {ix} is empty"),
+                    None => "the GID table is empty (no IP address on the netdev?)".into(),
+                }
+            }
+        }
+    }
+    Err(Error::NoGid {
+        device: dev,
+        port: port.unwrap_or(1),
+        reason: if why.is_empty() {
+            "no ports".into()
+        } else {
+            why
+        },
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -475,6 +555,25 @@ mod tests {
             netdev: Some("d0".into()),
             ipv4: gid_ipv4(&gid),
         }
+    }
+
+    #[test]
+    fn the_gid_of_the_control_connections_address_wins_unless_an_index_is_given() {
+        // two interfaces: the default choice is the first IPv4 RoCE v2 GID
+        let t = vec![
+            g(0, "fe80::1", GidKind::RoceV2),
+            g(1, "::ffff:10.77.0.1", GidKind::RoceV2),
+            g(2, "::ffff:10.88.0.1", GidKind::RoceV1),
+            g(3, "::ffff:10.88.0.1", GidKind::RoceV2),
+        ];
+        let ip = |s: &str| Some(s.parse::<std::net::IpAddr>().unwrap());
+        assert_eq!(choose_gid(&t, None, None).unwrap().index, 1);
+        assert_eq!(choose_gid(&t, None, ip("10.88.0.1")).unwrap().index, 3);
+        // an address no GID carries: the default choice
+        assert_eq!(choose_gid(&t, None, ip("192.0.2.7")).unwrap().index, 1);
+        // the index asked for, even a RoCE v1 one, and none when it is empty
+        assert_eq!(choose_gid(&t, Some(2), ip("10.77.0.1")).unwrap().index, 2);
+        assert!(choose_gid(&t, Some(9), None).is_none());
     }
 
     #[test]

@@ -46,6 +46,10 @@ pub enum Call {
     PostSend,
     /// `ibv_post_recv`
     PostRecv,
+    /// `ibv_alloc_mw` (a type 2 memory window)
+    AllocMw,
+    /// `ibv_wr_bind_mw` (binding a memory window on a QP)
+    BindMw,
     /// `mmap` of host memory for a buffer
     Mmap,
     /// registering the completion channel's fd with tokio
@@ -82,6 +86,8 @@ impl Call {
             Call::ModifyQp => "ibv_modify_qp",
             Call::PostSend => "ibv_wr_complete",
             Call::PostRecv => "ibv_post_recv",
+            Call::AllocMw => "ibv_alloc_mw(IBV_MW_TYPE_2)",
+            Call::BindMw => "ibv_wr_bind_mw",
             Call::Mmap => "mmap",
             Call::AsyncFd => "AsyncFd::register_with_interest",
             Call::Pread => "pread",
@@ -148,6 +154,13 @@ pub fn meaning(call: Call, errno: i32) -> &'static str {
         (CreateCq | CreateQp, libc::EINVAL) => "the requested size or capability exceeds device limits",
         (CreateCq | CreateQp | AllocPd | CreateCompChannel, libc::ENOMEM) => {
             "out of device or host resources"
+        }
+        (AllocMw, libc::EOPNOTSUPP | libc::EINVAL) => {
+            "the device has no type 2 memory windows; register per client instead"
+        }
+        (AllocMw, libc::ENOMEM) => "the device's memory windows are all in use",
+        (BindMw, libc::EOPNOTSUPP) => {
+            "the QP cannot bind memory windows (created without them, or the provider has none)"
         }
         (_, libc::EOPNOTSUPP) => "operation not supported by this device",
         (_, libc::ENODEV) => "the RDMA device went away",

@@ -6,8 +6,10 @@
 //! - [`QueuePair`]: RC QPs with their own tokio-driven CQ, the INIT→RTR→RTS state machine and
 //!   posting of WRITE/READ/SEND/RECV (with immediate data, in batches). The safe API owns the
 //!   buffers until completion, even when the future is dropped;
+//! - [`MemoryWindow`]: type 2 windows bound on one QP over a shared registration (one MR per
+//!   region, one window per peer);
 //!
-//! Unsafe code is confined to the FFI-facing modules (`ffi`, `mr`, `cq`, `qp`), each block with
+//! Unsafe code is confined to the FFI-facing modules (`ffi`, `mr`, `mw`, `cq`, `qp`), each block with
 //! a `// SAFETY:` argument.
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
@@ -20,6 +22,8 @@ mod ffi;
 mod local;
 mod memory;
 mod mr;
+mod mw;
+mod pending;
 mod qp;
 mod wr;
 
@@ -36,5 +40,6 @@ pub use mr::{
     Access, DmabufSupport, MemoryRegion, ProtectionDomain, RegMode, RegisteredBuffer, RemoteSlice,
     SharedRegion,
 };
-pub use qp::{Pending, PendingRecv, QpOptions, QpState, QueuePair};
+pub use mw::MemoryWindow;
+pub use qp::{PathInfo, Pending, PendingRecv, QpOptions, QpState, QueuePair};
 pub use wr::{RecvInfo, SendOp, SendWr};

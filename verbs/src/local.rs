@@ -35,6 +35,12 @@ pub trait RegionRef: Send + Sync + std::fmt::Debug {
     fn memory_region(&self) -> &crate::mr::MemoryRegion;
 }
 
+impl RegionRef for RegisteredBuffer {
+    fn memory_region(&self) -> &crate::mr::MemoryRegion {
+        self.mr()
+    }
+}
+
 /// A registered buffer that work requests may write concurrently. It offers no access to its
 /// bytes: only [`SinkBuffer::into_inner`], once no work request holds it any more, gives the
 /// buffer back, so the CPU never reads bytes the device may still be writing.

@@ -34,6 +34,9 @@ impl Access {
     pub const REMOTE_READ: Access = Access(4);
     /// Remote atomics.
     pub const REMOTE_ATOMIC: Access = Access(8);
+    /// Memory windows may be bound to the region (`IBV_ACCESS_MW_BIND`): remote peers reach
+    /// it only through a window's rkey, with the window's rights, on the QP it is bound to.
+    pub const MW_BIND: Access = Access(16);
     /// Everything a loopback test or a read-write region needs.
     pub const ALL: Access = Access(1 | 2 | 4 | 8);
 
@@ -60,6 +63,9 @@ impl Access {
         }
         if self.contains(Access::REMOTE_ATOMIC) {
             f |= AccessFlags::RemoteAtomic;
+        }
+        if self.contains(Access::MW_BIND) {
+            f |= AccessFlags::MemoryWindowBind;
         }
         f
     }
@@ -103,6 +109,7 @@ impl fmt::Display for Access {
             (Access::REMOTE_READ, "remote-read"),
             (Access::REMOTE_WRITE, "remote-write"),
             (Access::REMOTE_ATOMIC, "remote-atomic"),
+            (Access::MW_BIND, "mw-bind"),
         ] {
             if self.contains(bit) {
                 parts.push(name);
@@ -322,6 +329,11 @@ impl fmt::Debug for MemoryRegion {
 }
 
 impl MemoryRegion {
+    /// The binding's region object (for the FFI modules that bind windows over it).
+    pub(crate) fn raw(&self) -> &sideway::ibverbs::memory_region::MemoryRegion {
+        &self.inner
+    }
+
     /// Local key.
     pub fn lkey(&self) -> u32 {
         self.inner.lkey()
@@ -519,11 +531,13 @@ impl RegisteredBuffer {
         self.mem.is_empty()
     }
     /// Whether a remote peer holding the rkey may write this buffer at any time (it was
-    /// registered with [`Access::REMOTE_WRITE`]). Such a buffer is never lent out as a Rust
-    /// reference: read and write it with [`RegisteredBuffer::read_at`] /
-    /// [`RegisteredBuffer::write_at`].
+    /// registered with [`Access::REMOTE_WRITE`], or with [`Access::MW_BIND`] and
+    /// [`Access::LOCAL_WRITE`], so that a writable memory window may be bound over it). Such a
+    /// buffer is never lent out as a Rust reference: read and write it with
+    /// [`RegisteredBuffer::read_at`] / [`RegisteredBuffer::write_at`].
     pub fn remotely_writable(&self) -> bool {
-        self.mr.access().contains(Access::REMOTE_WRITE)
+        let a = self.mr.access();
+        a.contains(Access::REMOTE_WRITE) || a.contains(Access::MW_BIND | Access::LOCAL_WRITE)
     }
     /// Contents. While the buffer is not posted, only a remote peer could change it, and one
     /// can only with an rkey that allows remote writes.

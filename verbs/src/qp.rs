@@ -6,24 +6,24 @@
 #![allow(unsafe_code)]
 
 use std::fmt;
-use std::future::Future;
 use std::sync::{Arc, Mutex};
 
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
 use sideway::ibverbs::queue_pair::{
     ExtendedQueuePair, PostSendGuard as _, QueuePair as _, QueuePairAttribute,
-    QueuePairAttributeMask, QueuePairState, SetScatterGatherEntry as _, WorkRequestFlags,
+    QueuePairAttributeMask, QueuePairState, SendOperationFlags, SetScatterGatherEntry as _,
+    WorkRequestFlags,
 };
 use sideway::ibverbs::AccessFlags;
 use tokio::sync::oneshot;
-use tracing::Instrument as _;
 
 use crate::cq::{Cq, CqMode, Done, Queue};
-use crate::device::{io_of, pick_gid, GidInfo};
+use crate::device::{io_of, select_port_gid, GidInfo};
 use crate::endpoint::{mtu_enum, negotiate_mtu, rand_psn, Endpoint};
 use crate::error::{Call, Error, Result};
 use crate::local::Local;
 use crate::mr::{ProtectionDomain, RemoteSlice};
+pub use crate::pending::{Pending, PendingRecv};
 use crate::wr::{signal_plan, validate, RawSendWr, RecvInfo, SendOp, SendWr};
 
 /// QP state, as reported by `ibv_query_qp`.
@@ -62,8 +62,17 @@ pub struct QpOptions {
     pub max_recv_wr: u32,
     /// Port (default: the first ACTIVE port with a usable GID).
     pub port: Option<u8>,
-    /// GID index (default: RoCE v2 with an IPv4-mapped address, see [`pick_gid`]).
+    /// GID index (default: the RoCE v2 GID of `local_ip` if one carries it, else RoCE v2 with
+    /// an IPv4-mapped address, see [`pick_gid`]).
     pub gid_index: Option<u32>,
+    /// The address our control connection uses: without `gid_index`, the RoCE v2 GID that
+    /// carries it is preferred, so RDMA takes the same interface as the TCP connection.
+    pub local_ip: Option<std::net::IpAddr>,
+    /// Traffic class of the GRH (RoCE v2: the IP header's DSCP and ECN bits), e.g. the class a
+    /// RoCE fleet reserves for lossless traffic (DSCP 26 is traffic class 104).
+    pub traffic_class: u8,
+    /// Service level (0–15; on RoCE, mapped to a priority by the device).
+    pub service_level: u8,
     /// Event-driven or polling completions.
     pub cq_mode: CqMode,
     /// Outstanding RDMA READs (initiator and responder); capped by the device.
@@ -76,6 +85,10 @@ pub struct QpOptions {
     pub rnr_retry: u8,
     /// Initial PSN (default: random).
     pub psn: Option<u32>,
+    /// Whether memory windows may be bound (and invalidated) on this QP: type 2 windows
+    /// bound here give remote access only to requests that arrive on this QP. Off by default:
+    /// a provider without memory windows would refuse the QP.
+    pub memory_windows: bool,
 }
 
 impl Default for QpOptions {
@@ -85,12 +98,16 @@ impl Default for QpOptions {
             max_recv_wr: 128,
             port: None,
             gid_index: None,
+            local_ip: None,
+            traffic_class: 0,
+            service_level: 0,
             cq_mode: CqMode::Events,
             max_rd_atomic: 16,
             timeout: 14,
             retry_cnt: 7,
             rnr_retry: 7,
             psn: None,
+            memory_windows: false,
         }
     }
 }
@@ -155,7 +172,13 @@ impl QueuePair {
             ));
         }
         let info = ctx.info();
-        let (port, gid) = select_port_gid(ctx, opts.port, opts.gid_index)?;
+        if opts.service_level > 15 {
+            return Err(Error::InvalidArgument(format!(
+                "service level {} is out of range: it has 4 bits (0–15)",
+                opts.service_level
+            )));
+        }
+        let (port, gid) = select_port_gid(ctx, opts.port, opts.gid_index, opts.local_ip)?;
         let port_info = ctx.port(port)?;
         let max_rd = opts
             .max_rd_atomic
@@ -175,6 +198,17 @@ impl QueuePair {
             .setup_max_recv_sge(1)
             .setup_send_cq(Arc::clone(&cq.cq))
             .setup_recv_cq(Arc::clone(&cq.cq));
+        if opts.memory_windows {
+            b.setup_send_ops_flags(
+                SendOperationFlags::Send
+                    | SendOperationFlags::SendWithImmediate
+                    | SendOperationFlags::Write
+                    | SendOperationFlags::WriteWithImmediate
+                    | SendOperationFlags::Read
+                    | SendOperationFlags::BindMemoryWindow
+                    | SendOperationFlags::LocalInvalidate,
+            );
+        }
         let mut qp = b.build_ex().map_err(|e| {
             Error::verbs(
                 Call::CreateQp,
@@ -269,10 +303,8 @@ impl QueuePair {
         let dgid: Gid = remote.gid.into();
         ah.setup_dest_lid(remote.lid)
             .setup_port(i.port)
-            .setup_service_level(0)
-            .setup_grh_src_gid_index(i.gid.index as u8)
-            .setup_grh_dest_gid(&dgid)
-            .setup_grh_hop_limit(64);
+            .setup_service_level(i.opts.service_level)
+            .setup_grh(&dgid, 0, i.gid.index as u8, 64, i.opts.traffic_class);
         let mut attr = QueuePairAttribute::new();
         attr.setup_state(QueuePairState::ReadyToReceive)
             .setup_path_mtu(mtu_enum(mtu))
@@ -285,8 +317,8 @@ impl QueuePair {
             Error::verbs(
                 Call::ModifyQp,
                 format!(
-                    "{dev} QP {}: INIT→RTR to QP {} at {} (gid index {}, mtu {mtu})",
-                    i.qpn, remote.qpn, remote.gid, i.gid.index
+                    "{dev} QP {}: INIT→RTR to QP {} at {} (gid index {}, mtu {mtu}, traffic class {}, sl {})",
+                    i.qpn, remote.qpn, remote.gid, i.gid.index, i.opts.traffic_class, i.opts.service_level
                 ),
                 io_of(&e),
             )
@@ -322,6 +354,38 @@ impl QueuePair {
         Ok(qp_state(attr.state()))
     }
 
+    /// The path the device holds for this connected QP (`ibv_query_qp` of the address
+    /// vector): what reached the kernel, not what was asked.
+    pub fn path(&self) -> Result<PathInfo> {
+        let qp = self.lock_qp();
+        let mut attr = std::mem::MaybeUninit::<rdma_mummy_sys::ibv_qp_attr>::zeroed();
+        let mut init = std::mem::MaybeUninit::<rdma_mummy_sys::ibv_qp_init_attr>::zeroed();
+        // SAFETY: the QP is live while its lock is held; both structs are zeroed, writable and
+        // of the types ibv_query_qp(3) fills in.
+        let ret = unsafe {
+            rdma_mummy_sys::ibv_query_qp(
+                qp.qp().as_ptr(),
+                attr.as_mut_ptr(),
+                rdma_mummy_sys::ibv_qp_attr_mask::IBV_QP_AV.0 as i32,
+                init.as_mut_ptr(),
+            )
+        };
+        if ret != 0 {
+            return Err(Error::verbs(
+                Call::ModifyQp,
+                format!("ibv_query_qp(IBV_QP_AV) on QP {}", self.inner.qpn),
+                std::io::Error::from_raw_os_error(ret),
+            ));
+        }
+        // SAFETY: the call succeeded, so the attributes were filled in (zeroed before).
+        let ah = unsafe { attr.assume_init() }.ah_attr;
+        Ok(PathInfo {
+            traffic_class: ah.grh.traffic_class,
+            service_level: ah.sl,
+            gid_index: u32::from(ah.grh.sgid_index),
+        })
+    }
+
     /// Move the QP to the error state: every outstanding work request completes as flushed.
     pub fn set_error(&self) -> Result<()> {
         let mut qp = self.lock_qp();
@@ -352,11 +416,30 @@ impl QueuePair {
         self.inner.cq.drain()
     }
 
-    fn lock_qp(&self) -> std::sync::MutexGuard<'_, ExtendedQueuePair> {
+    /// Whether memory windows may be bound on this QP.
+    pub fn memory_windows(&self) -> bool {
+        self.inner.opts.memory_windows
+    }
+
+    pub(crate) fn cq(&self) -> &Cq {
+        &self.inner.cq
+    }
+
+    pub(crate) fn pending(
+        &self,
+        rxs: Vec<(u64, oneshot::Receiver<Done>, &'static str)>,
+    ) -> Pending {
+        Pending {
+            qp: self.clone(),
+            rxs,
+        }
+    }
+
+    pub(crate) fn lock_qp(&self) -> std::sync::MutexGuard<'_, ExtendedQueuePair> {
         self.inner.qp.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn check_send_room(&self, state: &crate::cq::CqState, n: usize) -> Result<()> {
+    pub(crate) fn check_send_room(&self, state: &crate::cq::CqState, n: usize) -> Result<()> {
         let cap = self.inner.opts.max_send_wr as usize;
         if state.send_outstanding + n > cap {
             return Err(Error::QueueFull {
@@ -620,162 +703,13 @@ impl QueuePair {
     }
 }
 
-fn select_port_gid(
-    ctx: &crate::Context,
-    port: Option<u8>,
-    gid_index: Option<u32>,
-) -> Result<(u8, GidInfo)> {
-    let info = ctx.info();
-    let dev = ctx.name().to_string();
-    let ports: Vec<_> = match port {
-        Some(p) => {
-            let pi = info
-                .ports
-                .iter()
-                .find(|x| x.port == p)
-                .ok_or_else(|| Error::NoGid {
-                    device: dev.clone(),
-                    port: p,
-                    reason: format!("the device has {} port(s)", info.ports.len()),
-                })?;
-            vec![ctx.port(pi.port)?]
-        }
-        None => info
-            .ports
-            .iter()
-            .map(|p| ctx.port(p.port))
-            .collect::<Result<_>>()?,
-    };
-    let mut why = String::new();
-    for p in &ports {
-        if !p.active {
-            why = format!("port state is {} (the netdev or link is down)", p.state);
-            continue;
-        }
-        let g = match gid_index {
-            Some(ix) => p.gids.iter().find(|g| g.index == ix).cloned(),
-            None => pick_gid(&p.gids).cloned(),
-        };
-        match g {
-            Some(g) => return Ok((p.port, g)),
-            None => {
-                why = match gid_index {
-                    Some(ix) => format!("GID index {ix} is empty"),
-                    None => "the GID table is empty (no IP address on the netdev?)".into(),
-                }
-            }
-        }
-    }
-    Err(Error::NoGid {
-        device: dev,
-        port: port.unwrap_or(1),
-        reason: if why.is_empty() {
-            "no ports".into()
-        } else {
-            why
-        },
-    })
-}
-
-/// Send work requests in flight. Await it for the buffers back (in posting order); dropping it
-/// leaves the buffers with the CQ until the device is done with them.
-#[must_use = "dropping a Pending does not cancel the work requests; await it to learn their outcome"]
-pub struct Pending {
-    qp: QueuePair,
-    rxs: Vec<(u64, oneshot::Receiver<Done>, &'static str)>,
-}
-
-impl fmt::Debug for Pending {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Pending")
-            .field("qp", &self.qp.qpn())
-            .field("wrs", &self.rxs.len())
-            .finish()
-    }
-}
-
-impl Pending {
-    /// Number of work requests.
-    pub fn len(&self) -> usize {
-        self.rxs.len()
-    }
-
-    /// Whether there are none.
-    pub fn is_empty(&self) -> bool {
-        self.rxs.is_empty()
-    }
-
-    /// One `Pending` per work request, in posting order: a batch posted with one doorbell can
-    /// then be awaited work request by work request (to refill a window as soon as a slot
-    /// frees).
-    pub fn split(self) -> Vec<Pending> {
-        let qp = self.qp;
-        self.rxs
-            .into_iter()
-            .map(|rx| Pending {
-                qp: qp.clone(),
-                rxs: vec![rx],
-            })
-            .collect()
-    }
-
-    /// Wait for all; the first failure is returned (after every work request has completed, so
-    /// no buffer is still in use when this returns).
-    pub fn wait(self) -> impl Future<Output = Result<Vec<Local>>> + Send {
-        let span = self.qp.span();
-        async move {
-            let done = self.qp.collect(self.rxs).await?;
-            Ok(done.into_iter().filter_map(|d| d.local).collect())
-        }
-        .instrument(span)
-    }
-}
-
-impl std::future::IntoFuture for Pending {
-    type Output = Result<Vec<Local>>;
-    type IntoFuture = std::pin::Pin<Box<dyn Future<Output = Result<Vec<Local>>> + Send>>;
-    fn into_future(self) -> Self::IntoFuture {
-        Box::pin(self.wait())
-    }
-}
-
-/// Receives in flight.
-#[must_use = "dropping a PendingRecv does not cancel the receives"]
-pub struct PendingRecv {
-    qp: QueuePair,
-    rxs: Vec<(u64, oneshot::Receiver<Done>, &'static str)>,
-}
-
-impl fmt::Debug for PendingRecv {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PendingRecv")
-            .field("qp", &self.qp.qpn())
-            .field("wrs", &self.rxs.len())
-            .finish()
-    }
-}
-
-impl PendingRecv {
-    /// Wait for every receive.
-    pub async fn wait(self) -> Result<Vec<(Local, RecvInfo)>> {
-        let done = self.qp.collect(self.rxs).await?;
-        Ok(done
-            .into_iter()
-            .filter_map(|d| {
-                let info = RecvInfo {
-                    byte_len: d.byte_len,
-                    imm: d.imm,
-                };
-                d.local.map(|l| (l, info))
-            })
-            .collect())
-    }
-}
-
-impl std::future::IntoFuture for PendingRecv {
-    type Output = Result<Vec<(Local, RecvInfo)>>;
-    type IntoFuture = std::pin::Pin<Box<dyn Future<Output = Self::Output> + Send>>;
-    fn into_future(self) -> Self::IntoFuture {
-        Box::pin(self.wait())
-    }
+/// What the device holds of a connected QP's path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PathInfo {
+    /// GRH traffic class.
+    pub traffic_class: u8,
+    /// Service level.
+    pub service_level: u8,
+    /// Source GID index.
+    pub gid_index: u32,
 }

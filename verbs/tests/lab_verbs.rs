@@ -585,3 +585,220 @@ async fn lab_remotely_writable_buffers_are_copied_never_borrowed() {
     assert_eq!(&target.to_vec()[4096..], &want[..]);
     assert!(Local::owned(target).bytes().is_none());
 }
+
+fn window_pair(pd: &ProtectionDomain) -> (QueuePair, QueuePair) {
+    let opts = QpOptions {
+        memory_windows: true,
+        ..QpOptions::default()
+    };
+    let a = QueuePair::new(pd, opts.clone()).unwrap();
+    let b = QueuePair::new(pd, opts).unwrap();
+    a.connect(&b.endpoint()).unwrap();
+    b.connect(&a.endpoint()).unwrap();
+    (a, b)
+}
+
+fn refused_remotely(r: verbs::Result<Local>, what: &str) {
+    match r {
+        Err(Error::WorkCompletion { status, .. }) => {
+            assert_eq!(status, WcStatus::REM_ACCESS_ERR, "{what}")
+        }
+        other => panic!("{what}: expected a remote access error, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+#[ignore = "lab"]
+async fn lab_memory_windows_give_each_qp_its_own_revocable_rkey() {
+    let ctx = device();
+    let pd = ProtectionDomain::new(&ctx).unwrap();
+    let mut mem = HostBuffer::new(64 << 10).unwrap();
+    fill(mem.as_mut_slice(), 7);
+    let want = mem.as_slice().to_vec();
+    // one registration, no remote access of its own
+    let region = Arc::new(
+        pd.register(mem, Access::LOCAL_WRITE | Access::MW_BIND, RegMode::Pinned)
+            .unwrap(),
+    );
+    let (a, b) = window_pair(&pd);
+    // a window bound on b serves requests that arrive on b (sent by a)
+    let w = b
+        .bind_window(
+            region.clone(),
+            4096..20480,
+            Access::REMOTE_READ | Access::REMOTE_WRITE,
+        )
+        .await
+        .unwrap();
+    assert_eq!((w.addr(), w.len()), (region.mr().addr() + 4096, 16384));
+    assert_ne!(w.rkey(), region.mr().rkey());
+    let got = a
+        .read(Local::owned(local(&pd, 16384)), w.remote())
+        .await
+        .unwrap();
+    assert_eq!(got.bytes().unwrap(), &want[4096..20480]);
+    let mut src = local(&pd, 100);
+    src.as_mut_slice().fill(0xab);
+    a.write(Local::owned(src), w.remote().slice(10, 100).unwrap())
+        .await
+        .unwrap();
+    let now = region.to_vec();
+    assert!(now[4106..4206].iter().all(|&x| x == 0xab));
+    assert_eq!(now[..4106], want[..4106]);
+    // a second window on the same region for another peer: both work at once
+    let (c, d) = window_pair(&pd);
+    let w2 = d
+        .bind_window(region.clone(), 0..4096, Access::REMOTE_READ)
+        .await
+        .unwrap();
+    let got = c
+        .read(Local::owned(local(&pd, 4096)), w2.remote())
+        .await
+        .unwrap();
+    assert_eq!(got.bytes().unwrap(), &want[..4096]);
+    // the other peer cannot use the first window's rkey (it is bound to b, not d)
+    let stolen = verbs::RemoteSlice {
+        len: 64,
+        ..w.remote()
+    };
+    refused_remotely(
+        c.read(Local::owned(local(&pd, 64)), stolen).await,
+        "a window's rkey on another QP",
+    );
+    // nor write through its own read-only window
+    let (e, f) = window_pair(&pd);
+    let ro = f
+        .bind_window(region.clone(), 0..4096, Access::REMOTE_READ)
+        .await
+        .unwrap();
+    refused_remotely(
+        e.write(
+            Local::owned(local(&pd, 64)),
+            ro.remote().slice(0, 64).unwrap(),
+        )
+        .await,
+        "a write through a read-only window",
+    );
+    // the region's own rkey opens nothing
+    let (g, h) = window_pair(&pd);
+    let raw = region.mr().remote(0..64).unwrap();
+    refused_remotely(
+        g.read(Local::owned(local(&pd, 64)), raw).await,
+        "the MR's own rkey",
+    );
+    // beyond the window's range. rxe checks a window's rkey, QP, rights and state, but the
+    // range only against the MR under it (LAB.md): the server binds every window over its
+    // whole registration, so the MR's bound is the window's. Past the MR: refused.
+    let (i, j) = window_pair(&pd);
+    let whole = j
+        .bind_window(region.clone(), 0..(64 << 10), Access::REMOTE_READ)
+        .await
+        .unwrap();
+    let beyond = verbs::RemoteSlice {
+        addr: whole.addr() + (64 << 10) - 32,
+        len: 64,
+        rkey: whole.rkey(),
+    };
+    refused_remotely(
+        i.read(Local::owned(local(&pd, 64)), beyond).await,
+        "beyond the region",
+    );
+    // dropping a window revokes its rkey at once
+    let old = w.remote();
+    drop(w);
+    refused_remotely(
+        a.read(
+            Local::owned(local(&pd, 64)),
+            verbs::RemoteSlice { len: 64, ..old },
+        )
+        .await,
+        "a dropped window",
+    );
+    drop((h, whole));
+    // refusals before anything is posted
+    let plain = QueuePair::new(&pd, QpOptions::default()).unwrap();
+    let e1 = plain
+        .bind_window(region.clone(), 0..64, Access::REMOTE_READ)
+        .await
+        .unwrap_err();
+    assert!(e1.to_string().contains("without memory windows"), "{e1}");
+    let unbindable = Arc::new(buf(&pd, 4096));
+    let e2 = b
+        .bind_window(unbindable, 0..64, Access::REMOTE_READ)
+        .await
+        .unwrap_err();
+    assert!(e2.to_string().contains("MW_BIND"), "{e2}");
+    let e3 = b
+        .bind_window(region.clone(), 0..(1 << 20), Access::REMOTE_READ)
+        .await
+        .unwrap_err();
+    assert!(matches!(e3, Error::OutOfBounds { .. }), "{e3}");
+    let other_pd = ProtectionDomain::new(&ctx).unwrap();
+    let foreign = Arc::new(
+        other_pd
+            .register(
+                HostBuffer::new(4096).unwrap(),
+                Access::MW_BIND,
+                RegMode::Pinned,
+            )
+            .unwrap(),
+    );
+    let e4 = b
+        .bind_window(foreign, 0..64, Access::REMOTE_READ)
+        .await
+        .unwrap_err();
+    assert!(e4.to_string().contains("protection domain"), "{e4}");
+    drop((ro, w2, d, f));
+}
+
+#[tokio::test]
+#[ignore = "lab"]
+async fn lab_traffic_class_service_level_and_gid_reach_the_device() {
+    let ctx = device();
+    let pd = ProtectionDomain::new(&ctx).unwrap();
+    // the lab's RoCE v2 GID with an IPv4 address: pick it by that address
+    let port = ctx.port(1).unwrap();
+    let g = port
+        .gids
+        .iter()
+        .find(|g| g.kind == verbs::GidKind::RoceV2 && g.ipv4.is_some())
+        .expect("a RoCE v2 GID with an IPv4 address")
+        .clone();
+    let opts = QpOptions {
+        traffic_class: 106,
+        service_level: 3,
+        local_ip: g.ipv4.map(std::net::IpAddr::V4),
+        ..QpOptions::default()
+    };
+    let a = QueuePair::new(&pd, opts.clone()).unwrap();
+    let b = QueuePair::new(&pd, QpOptions::default()).unwrap();
+    assert_eq!(a.gid().index, g.index);
+    a.connect(&b.endpoint()).unwrap();
+    b.connect(&a.endpoint()).unwrap();
+    let path = a.path().unwrap();
+    assert_eq!(
+        (path.traffic_class, path.service_level, path.gid_index),
+        (106, 3, g.index),
+        "what the device holds of the QP's path"
+    );
+    let plain = b.path().unwrap();
+    assert_eq!((plain.traffic_class, plain.service_level), (0, 0));
+    // the path works
+    let target = buf(&pd, 4096);
+    a.write(
+        Local::owned(local(&pd, 64)),
+        target.mr().remote(0..64).unwrap(),
+    )
+    .await
+    .unwrap();
+    // a service level has 4 bits
+    let e = QueuePair::new(
+        &pd,
+        QpOptions {
+            service_level: 16,
+            ..QpOptions::default()
+        },
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("0–15"), "{e}");
+}

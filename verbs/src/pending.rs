@@ -1,0 +1,117 @@
+//! Work requests in flight: what the safe API hands back when it posts, to be awaited for the
+//! buffers (or dropped, leaving them with the CQ until the device is done with them).
+
+use std::fmt;
+use std::future::Future;
+
+use tokio::sync::oneshot;
+use tracing::Instrument as _;
+
+use crate::cq::Done;
+use crate::error::Result;
+use crate::local::Local;
+use crate::qp::QueuePair;
+use crate::wr::RecvInfo;
+
+/// Send work requests in flight. Await it for the buffers back (in posting order); dropping it
+/// leaves the buffers with the CQ until the device is done with them.
+#[must_use = "dropping a Pending does not cancel the work requests; await it to learn their outcome"]
+pub struct Pending {
+    pub(crate) qp: QueuePair,
+    pub(crate) rxs: Vec<(u64, oneshot::Receiver<Done>, &'static str)>,
+}
+
+impl fmt::Debug for Pending {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Pending")
+            .field("qp", &self.qp.qpn())
+            .field("wrs", &self.rxs.len())
+            .finish()
+    }
+}
+
+impl Pending {
+    /// Number of work requests.
+    pub fn len(&self) -> usize {
+        self.rxs.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.rxs.is_empty()
+    }
+
+    /// One `Pending` per work request, in posting order: a batch posted with one doorbell can
+    /// then be awaited work request by work request (to refill a window as soon as a slot
+    /// frees).
+    pub fn split(self) -> Vec<Pending> {
+        let qp = self.qp;
+        self.rxs
+            .into_iter()
+            .map(|rx| Pending {
+                qp: qp.clone(),
+                rxs: vec![rx],
+            })
+            .collect()
+    }
+
+    /// Wait for all; the first failure is returned (after every work request has completed, so
+    /// no buffer is still in use when this returns).
+    pub fn wait(self) -> impl Future<Output = Result<Vec<Local>>> + Send {
+        let span = self.qp.span();
+        async move {
+            let done = self.qp.collect(self.rxs).await?;
+            Ok(done.into_iter().filter_map(|d| d.local).collect())
+        }
+        .instrument(span)
+    }
+}
+
+impl std::future::IntoFuture for Pending {
+    type Output = Result<Vec<Local>>;
+    type IntoFuture = std::pin::Pin<Box<dyn Future<Output = Result<Vec<Local>>> + Send>>;
+    fn into_future(self) -> Self::IntoFuture {
+        Box::pin(self.wait())
+    }
+}
+
+/// Receives in flight.
+#[must_use = "dropping a PendingRecv does not cancel the receives"]
+pub struct PendingRecv {
+    pub(crate) qp: QueuePair,
+    pub(crate) rxs: Vec<(u64, oneshot::Receiver<Done>, &'static str)>,
+}
+
+impl fmt::Debug for PendingRecv {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PendingRecv")
+            .field("qp", &self.qp.qpn())
+            .field("wrs", &self.rxs.len())
+            .finish()
+    }
+}
+
+impl PendingRecv {
+    /// Wait for every receive.
+    pub async fn wait(self) -> Result<Vec<(Local, RecvInfo)>> {
+        let done = self.qp.collect(self.rxs).await?;
+        Ok(done
+            .into_iter()
+            .filter_map(|d| {
+                let info = RecvInfo {
+                    byte_len: d.byte_len,
+                    imm: d.imm,
+                };
+                d.local.map(|l| (l, info))
+            })
+            .collect())
+    }
+}
+
+impl std::future::IntoFuture for PendingRecv {
+    type Output = Result<Vec<(Local, RecvInfo)>>;
+    type IntoFuture = std::pin::Pin<Box<dyn Future<Output = Self::Output> + Send>>;
+    fn into_future(self) -> Self::IntoFuture {
+        Box::pin(self.wait())
+    }
+}
