@@ -256,9 +256,8 @@ enum Cmd {
         /// RDMA device.
         #[arg(long, short = 'd', env = "P2P_RDMA_DEVICE")]
         device: Option<String>,
-        /// GID index (default: RoCE v2 with an IPv4-mapped address).
-        #[arg(long, short = 'x')]
-        gid_index: Option<u32>,
+        #[command(flatten)]
+        path: cli::PathArgs,
         /// Device port.
         #[arg(long, short = 'i')]
         ib_port: Option<u8>,
@@ -360,6 +359,8 @@ struct ClientArgs {
     /// Seconds to wait for the server at each step.
     #[arg(long, default_value_t = 30)]
     timeout: u64,
+    #[command(flatten)]
+    path: cli::PathArgs,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -597,7 +598,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             report_gbits,
             json,
             device,
-            gid_index,
+            path,
             ib_port,
         } => {
             use p2p_rdma::bench::{self, BenchOp, BenchParams, Side};
@@ -608,7 +609,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             };
             let side = Side {
                 device,
-                gid_index,
+                path: path.qp_path(),
                 ib_port,
             };
             let Some(server) = server else {

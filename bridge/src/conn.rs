@@ -13,6 +13,8 @@ pub(crate) struct Conn {
     stream: TcpStream,
     dec: Decoder,
     pub(crate) peer: String,
+    /// Our address on this connection (RDMA prefers the GID that carries it).
+    pub(crate) local_ip: Option<std::net::IpAddr>,
     /// How long a send may wait for the peer to read (None: as long as it takes).
     send_timeout: Option<Duration>,
 }
@@ -20,8 +22,10 @@ pub(crate) struct Conn {
 impl Conn {
     pub(crate) fn new(stream: TcpStream, peer: String) -> Conn {
         let _ = stream.set_nodelay(true);
+        let local_ip = stream.local_addr().ok().map(|a| a.ip());
         Conn {
             stream,
+            local_ip,
             dec: Decoder::new(),
             peer,
             send_timeout: None,

@@ -1,7 +1,8 @@
 //! The p2p-rdma node: region catalog, control protocol, server and client.
 //!
 //! - [`protocol`]: the pure codec of the control protocol (length-prefixed JSON frames);
-//! - [`server::Server`]: serves host RAM and files as RDMA regions, one PD and QP per connection;
+//! - [`server::Server`]: serves host RAM, files and device memory as RDMA regions, one QP per
+//!   connection, each region registered once and reached through a memory window per client;
 //! - [`client::Client`]: lists, opens, fetches and puts with chunked one-sided RDMA.
 #![forbid(unsafe_code)]
 
@@ -14,6 +15,7 @@ pub mod http;
 pub mod metrics;
 pub mod path;
 pub mod protocol;
+mod qp_path;
 pub mod server;
 pub mod size;
 pub mod spec;
@@ -24,8 +26,9 @@ pub use client::{
     BatchRange, Client, ClientConfig, Landed, LocalBuffer, OpenRegion, Stranded, TransferReport,
 };
 pub use error::{Error, Result};
+pub use qp_path::QpPath;
 pub use server::{
-    MemoryRegionSpec, RegionOptions, RegionSource, RegionSpec, Removal, Server, ServerConfig,
-    ServerHandle,
+    MemoryRegionSpec, PutNotice, RegionOptions, RegionSource, RegionSpec, Removal, Server,
+    ServerConfig, ServerHandle, PUT_NOTICE_BACKLOG,
 };
 pub use token::{Grant, Scope, Token};

@@ -121,6 +121,11 @@ pub struct Metrics {
     pub regcache_evictions: Counter,
     /// Bytes registered (pinned or mapped for the NIC) through the caches now.
     pub regcache_registered_bytes: Gauge,
+    /// Memory windows bound (one per open of a region's direct part, when the server
+    /// registers each region once).
+    pub windows_bound: Counter,
+    /// Bytes of the regions' shared registrations (registered once, reached through windows).
+    pub shared_registered_bytes: Gauge,
     /// Canary results at start, by region, strategy and result.
     pub canary: Family<CanaryLabels, Counter>,
     /// Bytes of registered bounce staging buffers now allocated.
@@ -160,6 +165,8 @@ impl Metrics {
             regcache_misses: Counter::default(),
             regcache_evictions: Counter::default(),
             regcache_registered_bytes: Gauge::default(),
+            windows_bound: Counter::default(),
+            shared_registered_bytes: Gauge::default(),
             canary: Family::default(),
             staging_bytes: Gauge::default(),
             regions: Gauge::default(),
@@ -239,6 +246,17 @@ impl Metrics {
                 "Bytes registered for the NIC through the registration caches now",
                 Unit::Bytes,
                 m.regcache_registered_bytes.clone(),
+            );
+            r.register(
+                "windows_bound",
+                "Memory windows bound on clients' QPs (one per open of a direct part)",
+                m.windows_bound.clone(),
+            );
+            r.register_with_unit(
+                "shared_registered",
+                "Bytes of the regions' registrations made once and reached through memory windows",
+                Unit::Bytes,
+                m.shared_registered_bytes.clone(),
             );
             r.register(
                 "canary_results",

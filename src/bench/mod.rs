@@ -252,8 +252,8 @@ pub fn pattern_from(len: usize, seed: u32) -> Vec<u8> {
 pub struct Side {
     /// RDMA device.
     pub device: Option<String>,
-    /// GID index.
-    pub gid_index: Option<u32>,
+    /// GID index, traffic class and service level.
+    pub path: bridge::QpPath,
     /// Port.
     pub ib_port: Option<u8>,
 }
@@ -263,7 +263,9 @@ fn qp_options(side: &Side, p: &BenchParams, recv: u32) -> QpOptions {
         max_send_wr: p.tx_depth.max(2),
         max_recv_wr: recv.max(2),
         port: side.ib_port,
-        gid_index: side.gid_index,
+        gid_index: side.path.gid_index,
+        traffic_class: side.path.traffic_class,
+        service_level: side.path.service_level,
         cq_mode: if p.poll {
             CqMode::Polling
         } else {

@@ -7,6 +7,35 @@ pub(crate) mod man;
 pub(crate) mod serve;
 pub(crate) mod transfer;
 
+/// GID, traffic class and service level of the QPs a command creates (serve, fetch, put,
+/// bench). A RoCE fleet that reserves a lossless class must set the same on every host.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub(crate) struct PathArgs {
+    /// GID index of our QPs (`p2p-rdma devices` lists the table). Default: the RoCE v2 GID
+    /// carrying the address of the TCP control connection, else the first RoCE v2 GID with an
+    /// IPv4 address.
+    #[arg(long, short = 'x', value_name = "N")]
+    pub(crate) gid_index: Option<u32>,
+    /// Traffic class of our RoCE packets: the IP header's DSCP << 2 | ECN (DSCP 26 with ECN
+    /// capable transport is 106) [default: 0].
+    #[arg(long, value_name = "TC", default_value_t = 0)]
+    pub(crate) traffic_class: u8,
+    /// Service level, 0-15 (mapped to a priority by the NIC) [default: 0].
+    #[arg(long, value_name = "SL", default_value_t = 0,
+          value_parser = clap::value_parser!(u8).range(0..=15))]
+    pub(crate) sl: u8,
+}
+
+impl PathArgs {
+    pub(crate) fn qp_path(&self) -> bridge::QpPath {
+        bridge::QpPath {
+            gid_index: self.gid_index,
+            traffic_class: self.traffic_class,
+            service_level: self.sl,
+        }
+    }
+}
+
 /// Sizes with K/M/G suffixes, for clap.
 pub(crate) fn parse_size_arg(s: &str) -> Result<u64, String> {
     bridge::size::parse_size(s)

@@ -68,6 +68,8 @@ pub(crate) struct ServeArgs {
     /// one JSON document on stdout.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    path: super::PathArgs,
 }
 
 /// The `after_help` of `serve`: the region grammar from the parser's own table, then the rest.
@@ -154,6 +156,7 @@ pub(crate) async fn run(a: ServeArgs) -> anyhow::Result<()> {
     let mut cfg = bridge::ServerConfig::new(listen, bridge::Token::default(), regions);
     cfg.grants = grants;
     cfg.device = a.device.or(file.device);
+    cfg.qp_path = a.path.qp_path();
     cfg.p2p = a.p2p.or(file.p2p).unwrap_or(cfg.p2p);
     cfg.reg = a.reg.or(file.reg).unwrap_or(cfg.reg);
     cfg.max_connections = a

@@ -17,6 +17,7 @@ pub(crate) fn client_config(addr: String, a: &ClientArgs) -> anyhow::Result<brid
     cfg.chunk = usize::try_from(a.chunk).context("--chunk is too large")?;
     cfg.depth = a.depth;
     cfg.timeout = Duration::from_secs(a.timeout.max(1));
+    cfg.qp_path = a.path.qp_path();
     Ok(cfg)
 }
 

@@ -36,6 +36,8 @@ pub struct ClientConfig {
     pub depth: usize,
     /// Timeout for connecting and for each control reply.
     pub timeout: Duration,
+    /// GID, traffic class and service level of our QP.
+    pub qp_path: crate::QpPath,
 }
 
 impl ClientConfig {
@@ -48,6 +50,7 @@ impl ClientConfig {
             chunk: 1 << 20,
             depth: 16,
             timeout: Duration::from_secs(30),
+            qp_path: crate::QpPath::default(),
         }
     }
 }
@@ -240,8 +243,16 @@ impl Client {
         }
     }
 
-    /// Open a region (for writing if `write`).
+    /// Open a region (for writing if `write`). Our QP is connected first: a server that
+    /// isolates clients with memory windows binds this handle's window on it.
     pub async fn open(&mut self, region: &str, write: bool) -> Result<OpenRegion> {
+        if self.rdma.is_none() {
+            match self.take_rdma().await {
+                Ok(rdma) => self.put_back(rdma),
+                // the transfer will say so again; a server may still list, open and checksum
+                Err(e) => tracing::debug!(error = %e, "no QP before the open"),
+            }
+        }
         let m = Msg::Open {
             region: region.to_string(),
             write,
@@ -395,12 +406,15 @@ impl Client {
                 let pd = ProtectionDomain::new(&ctx)?;
                 let qp = QueuePair::new(
                     &pd,
-                    QpOptions {
-                        max_send_wr: depth as u32,
-                        max_recv_wr: 1,
-                        max_rd_atomic: depth.min(255) as u8,
-                        ..QpOptions::default()
-                    },
+                    self.cfg.qp_path.apply(
+                        QpOptions {
+                            max_send_wr: depth as u32,
+                            max_recv_wr: 1,
+                            max_rd_atomic: depth.min(255) as u8,
+                            ..QpOptions::default()
+                        },
+                        self.conn.local_ip,
+                    ),
                 )?;
                 let ep = qp.endpoint();
                 let m = Msg::Connect {

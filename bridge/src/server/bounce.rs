@@ -132,10 +132,19 @@ impl ConnState {
         f: InFlight,
         done: Option<Completion>,
     ) -> Msg {
-        let meta = f.meta;
+        let (meta, offset) = (f.meta, f.offset);
         let reply = self.finish(f, done);
         if let Msg::BounceDone { len, zero_copy } = &reply {
             record_bounce(shared, meta, *len, *zero_copy);
+            if meta.to_region {
+                shared.notices.put(super::PutNotice {
+                    region: shared.regions.info(meta.region).name.clone(),
+                    offset,
+                    len: *len,
+                    client: self.client.clone(),
+                    path: crate::protocol::DataPath::Bounce,
+                });
+            }
         }
         count_reply(shared.metrics(), &reply);
         reply
@@ -313,7 +322,7 @@ impl ConnState {
                 return Err((copy_error_code(&e), format!("region '{name}': {e}")));
             }
         };
-        let pd = match self.pd(&shared.ctx) {
+        let pd = match self.pd(shared) {
             Ok(p) => p,
             Err(e) => {
                 self.ring.push(buf);
@@ -460,7 +469,7 @@ impl ConnState {
             }
             let chunk = shared.cfg.bounce_chunk as u64;
             if self.inflight.len() < shared.cfg.bounce_depth && reserve(shared, chunk) {
-                let pd = match self.pd(&shared.ctx) {
+                let pd = match self.pd(shared) {
                     Ok(p) => p,
                     Err(e) => {
                         shared.staging.fetch_sub(chunk, Ordering::SeqCst);

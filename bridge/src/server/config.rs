@@ -101,6 +101,8 @@ pub struct ServerConfig {
     pub cache: Limits,
     /// sysfs root (for CMB devices).
     pub sysfs: PathBuf,
+    /// GID, traffic class and service level of the connections' QPs.
+    pub qp_path: crate::QpPath,
     /// Where the server counts what it does (share it with a [`crate::http::MetricsServer`]).
     pub metrics: Arc<Metrics>,
 }
@@ -134,6 +136,7 @@ impl ServerConfig {
             bounce_depth: 8,
             cache: Limits::default(),
             sysfs: PathBuf::from("/sys"),
+            qp_path: crate::QpPath::default(),
             metrics: Arc::new(Metrics::new()),
         }
     }

@@ -12,7 +12,7 @@ use std::time::Duration;
 use peermem::canary::{register_mode, DeviceMr};
 use peermem::regcache::{Lease, Limits, RegCache};
 use tokio::sync::watch;
-use verbs::{Access, Context, ProtectionDomain, QpOptions, QueuePair, RegisteredBuffer};
+use verbs::{Access, ProtectionDomain, QpOptions, QueuePair, RegisteredBuffer};
 
 use super::bounce::InFlight;
 use super::preauth;
@@ -25,9 +25,27 @@ use crate::metrics::{Direction, Metrics, XferPath};
 use crate::protocol::{AccessMode, ErrorCode, Msg, VERSION};
 use crate::token::Scope;
 
-/// What a handle holds: the registration of the region's direct part (None: bounce only, or
-/// the region was removed).
-pub(super) type HandleMr = Option<Lease<DeviceMr>>;
+/// What gives a handle's client access to the region's direct part: a lease of the
+/// connection's own registration, or a memory window bound on its QP over the region's one
+/// registration. Dropping it revokes the rkey (at once for a window; for a registration, when
+/// the connection's last handle of the region closes).
+pub(super) enum HandleKey {
+    Lease(Lease<DeviceMr>),
+    Window(verbs::MemoryWindow),
+}
+
+impl HandleKey {
+    /// The address and rkey the client uses.
+    fn remote(&self) -> (u64, u32) {
+        match self {
+            HandleKey::Lease(l) => (l.mr().addr(), l.mr().rkey()),
+            HandleKey::Window(w) => (w.addr(), w.rkey()),
+        }
+    }
+}
+
+/// What a handle holds (None: bounce only, or the region was removed).
+pub(super) type HandleMr = Option<HandleKey>;
 
 /// Decrements a gauge when dropped.
 struct GaugeGuard<'a>(&'a prometheus_client::metrics::gauge::Gauge);
@@ -63,6 +81,10 @@ pub(super) struct ConnState {
     cache_seen: peermem::regcache::Stats,
     /// Bytes of staging buffers this connection allocated (for the metrics).
     pub(super) staging_bytes: u64,
+    /// Who: the hello's client name and the peer address (for put notices).
+    pub(super) client: String,
+    /// Our address on the control connection (the QP prefers the GID that carries it).
+    local_ip: Option<std::net::IpAddr>,
 }
 
 /// Run `f`, which may block for long (a registration pins every page of a region), without
@@ -124,8 +146,8 @@ pub(super) async fn connection(
     };
     drop(ticket);
     m.unauthenticated.set(shared.preauth.waiting() as i64);
-    let scope = match hello {
-        Ok(scope) => scope,
+    let (client, scope) = match hello {
+        Ok(x) => x,
         Err(e) => {
             tracing::info!(error = %e, "connection refused before authentication");
             conn.shutdown().await;
@@ -151,7 +173,8 @@ pub(super) async fn connection(
             .await;
         return;
     }
-    match serve_connection(&shared, &mut conn, &mut stop, scope).await {
+    let client = format!("{client}@{}", conn.peer);
+    match serve_connection(&shared, &mut conn, &mut stop, scope, client).await {
         Ok(()) => tracing::info!("connection closed"),
         Err(e) => tracing::info!(error = %e, "connection ended"),
     }
@@ -159,7 +182,7 @@ pub(super) async fn connection(
 }
 
 /// The hello: version and token. Nothing about a region is said before it succeeds.
-async fn authenticate(shared: &Shared, conn: &mut Conn) -> Result<Scope> {
+async fn authenticate(shared: &Shared, conn: &mut Conn) -> Result<(String, Scope)> {
     let msg = match conn.recv(Some(shared.cfg.hello_timeout), "hello").await {
         Ok(m) => m,
         Err(e) => {
@@ -178,7 +201,7 @@ async fn authenticate(shared: &Shared, conn: &mut Conn) -> Result<Scope> {
     let refused = match checked {
         Ok((client, scope)) => {
             tracing::info!(client, ?scope, "client authenticated");
-            return Ok(scope);
+            return Ok((client, scope));
         }
         Err(r) => r,
     };
@@ -211,6 +234,7 @@ async fn serve_connection(
     conn: &mut Conn,
     stop: &mut watch::Receiver<bool>,
     scope: Scope,
+    client: String,
 ) -> Result<()> {
     conn.send(&Msg::Welcome {
         version: VERSION,
@@ -229,7 +253,9 @@ async fn serve_connection(
             bounce_chunk: shared.cfg.bounce_chunk as u64,
         },
         scope,
+        client,
     );
+    st.local_ip = conn.local_ip;
     let mut removals = shared.removals.subscribe();
     removals.borrow_and_update();
     let m = shared.metrics();
@@ -284,10 +310,20 @@ async fn serve_connection(
             Step::Ignore => continue,
             Step::Report {
                 region,
+                offset,
                 len,
                 to_region,
                 micros,
             } => {
+                if to_region {
+                    shared.notices.put(crate::server::PutNotice {
+                        region: shared.regions.info(region).name.clone(),
+                        offset,
+                        len,
+                        client: st.client.clone(),
+                        path: crate::protocol::DataPath::Direct,
+                    });
+                }
                 let dir = Direction::of(to_region);
                 m.transfer(
                     &shared.regions.info(region).name,
@@ -342,8 +378,10 @@ pub(super) fn count_reply(m: &Metrics, reply: &Msg) {
 }
 
 impl ConnState {
-    fn new(rules: Rules, scope: Scope) -> ConnState {
+    fn new(rules: Rules, scope: Scope, client: String) -> ConnState {
         ConnState {
+            client,
+            local_ip: None,
             session: Session::new(rules, scope),
             inflight: VecDeque::new(),
             cache: None,
@@ -357,11 +395,17 @@ impl ConnState {
     }
 
     /// This connection's PD, created on first use.
-    pub(super) fn pd(&mut self, ctx: &Context) -> std::result::Result<ProtectionDomain, Refusal> {
+    /// The connection's protection domain: with memory windows, the server's own (the regions
+    /// are registered there once); otherwise one of the connection's own.
+    pub(super) fn pd(&mut self, shared: &Shared) -> std::result::Result<ProtectionDomain, Refusal> {
         if let Some(pd) = &self.pd {
             return Ok(pd.clone());
         }
-        let pd = ProtectionDomain::new(ctx).map_err(internal)?;
+        let pd = if shared.sharing.windows() {
+            shared.pd.clone()
+        } else {
+            ProtectionDomain::new(&shared.ctx).map_err(internal)?
+        };
         self.pd = Some(pd.clone());
         Ok(pd)
     }
@@ -407,10 +451,8 @@ impl ConnState {
             Step::Connect(endpoint) => self.connect(shared, endpoint),
             Step::Open { region, writable } => {
                 let r = shared.regions.get(region);
-                let lease = self.register(shared, region, writable)?;
-                let (addr, rkey) = lease
-                    .as_ref()
-                    .map_or((0, 0), |l| (l.mr().addr(), l.mr().rkey()));
+                let lease = self.register(shared, region, writable).await?;
+                let (addr, rkey) = lease.as_ref().map_or((0, 0), HandleKey::remote);
                 let handle = self.session.opened(region, writable, lease);
                 shared.metrics().open_handles.inc();
                 self.sync_metrics(shared.metrics(), false);
@@ -490,24 +532,28 @@ impl ConnState {
         shared: &Shared,
         endpoint: crate::protocol::WireEndpoint,
     ) -> std::result::Result<Msg, Refusal> {
-        let pd = self.pd(&shared.ctx)?;
+        let pd = self.pd(shared)?;
         let qp = QueuePair::new(
             &pd,
-            QpOptions {
-                // a device-private bounce request may take one work request per window
-                // unit it covers, and one per run of staged units
-                max_send_wr: (shared.cfg.bounce_depth
-                    * (shared
-                        .cfg
-                        .bounce_chunk
-                        .div_ceil(peermem::hmm::UNIT as usize)
-                        + 2)
-                    + 1)
-                .min(4096) as u32,
-                max_recv_wr: 1,
-                max_rd_atomic: shared.cfg.max_outstanding.clamp(1, 255) as u8,
-                ..QpOptions::default()
-            },
+            shared.cfg.qp_path.apply(
+                QpOptions {
+                    // a device-private bounce request may take one work request per window
+                    // unit it covers, and one per run of staged units
+                    max_send_wr: (shared.cfg.bounce_depth
+                        * (shared
+                            .cfg
+                            .bounce_chunk
+                            .div_ceil(peermem::hmm::UNIT as usize)
+                            + 2)
+                        + 1)
+                    .min(4096) as u32,
+                    max_recv_wr: 1,
+                    max_rd_atomic: shared.cfg.max_outstanding.clamp(1, 255) as u8,
+                    memory_windows: shared.sharing.windows(),
+                    ..QpOptions::default()
+                },
+                self.local_ip,
+            ),
         )
         .map_err(internal)?;
         let remote = verbs::Endpoint::from(endpoint);
@@ -521,8 +567,8 @@ impl ConnState {
         })
     }
 
-    /// The registration of a region's direct part for an open (None: the region has none).
-    fn register(
+    /// The access to a region's direct part for an open (None: the region has none).
+    async fn register(
         &mut self,
         shared: &Shared,
         region: usize,
@@ -534,8 +580,11 @@ impl ConnState {
         };
         // memory that holds data takes puts through the server only
         let writable = writable && !r.info.server_puts;
-        let pd = self.pd(&shared.ctx)?;
         let provider = r.provider()?;
+        if shared.sharing.windows() {
+            return self.bind(r, writable, shared.metrics()).await.map(Some);
+        }
+        let pd = self.pd(shared)?;
         // least privilege: the rkey allows remote writes only to an open for writing
         let access = access_for(if writable {
             AccessMode::ReadWrite
@@ -556,7 +605,46 @@ impl ConnState {
                 format!("registering region '{}' ({mode}): {e}", r.info.name),
             )
         })?;
-        Ok(Some(lease))
+        Ok(Some(HandleKey::Lease(lease)))
+    }
+
+    /// A memory window over the region's one registration, bound on this connection's QP:
+    /// read-only unless the open may write. One work request, whatever the region's size.
+    async fn bind(
+        &mut self,
+        r: &super::regions::Region,
+        writable: bool,
+        metrics: &Metrics,
+    ) -> std::result::Result<HandleKey, Refusal> {
+        let Some(qp) = self.qp.clone() else {
+            return Err((
+                ErrorCode::BadRequest,
+                format!(
+                    "connect a QP before opening region '{}': its direct part is reached through \
+                     a memory window bound to your QP",
+                    r.info.name
+                ),
+            ));
+        };
+        let mr = r
+            .shared_mr()
+            .ok_or_else(|| super::regions::removed(&r.info.name))?;
+        let access = if writable {
+            Access::REMOTE_READ | Access::REMOTE_WRITE
+        } else {
+            Access::REMOTE_READ
+        };
+        let w = qp
+            .bind_window(mr, 0..r.direct_len, access)
+            .await
+            .map_err(|e| {
+                (
+                    ErrorCode::Internal,
+                    format!("binding a memory window over region '{}': {e}", r.info.name),
+                )
+            })?;
+        metrics.windows_bound.inc();
+        Ok(HandleKey::Window(w))
     }
 
     fn cache(&mut self, limits: Limits) -> &RegCache<(usize, bool), DeviceMr> {

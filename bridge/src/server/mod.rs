@@ -28,7 +28,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tracing::Instrument as _;
-use verbs::Context;
+use verbs::{Context, ProtectionDomain};
 
 use crate::conn::Conn;
 use crate::error::{Error, Result};
@@ -38,14 +38,17 @@ use crate::protocol::RegionInfo;
 mod bounce;
 pub mod config;
 mod driver;
+mod notices;
 mod preauth;
 mod regions;
 pub(crate) mod session;
 #[cfg(any(test, feature = "fuzzing"))]
 pub(crate) mod testkit;
+mod windows;
 
 pub use crate::spec::{RegionOptions, RegionSource, RegionSpec};
 pub use config::{MemoryRegionSpec, ServerConfig};
+pub use notices::{PutNotice, PUT_NOTICE_BACKLOG};
 use regions::RegionTable;
 pub use regions::{crc_of, RegionReport, Removal};
 
@@ -76,7 +79,16 @@ fn grants_of(token: &crate::Token, scoped: &[crate::Grant]) -> Result<Vec<crate:
 struct Shared {
     cfg: ServerConfig,
     ctx: Context,
+    /// The server's protection domain: the regions' registrations (and, with memory windows,
+    /// every connection's QP and staging).
+    pd: ProtectionDomain,
+    /// How clients reach the regions' direct parts.
+    sharing: windows::Sharing,
     regions: RegionTable,
+    /// Held while a region is added (names stay unique).
+    adding: tokio::sync::Mutex<()>,
+    /// Puts that completed, for the embedding application.
+    notices: notices::Notices,
     active: AtomicUsize,
     /// Connections that have not said hello yet.
     preauth: preauth::PreAuth,
@@ -108,14 +120,11 @@ pub struct ServerHandle {
 }
 
 impl Server {
-    /// Open the device, build the regions (deciding each one's path), bind the listener.
+    /// Open the device, build the regions (deciding each one's path), bind the listener. A
+    /// server may start with no region and add them while it runs
+    /// ([`ServerHandle::add_region`]).
     pub async fn bind(cfg: ServerConfig) -> Result<Server> {
         let grants = grants_of(&cfg.token, &cfg.grants)?;
-        if cfg.regions.is_empty() && cfg.memory_regions.is_empty() {
-            return Err(Error::Config(
-                "no region to serve: give at least one --region".into(),
-            ));
-        }
         if cfg.bounce_chunk == 0 || cfg.bounce_depth == 0 {
             return Err(Error::Config(
                 "bounce chunk and depth must be at least 1".into(),
@@ -123,18 +132,22 @@ impl Server {
         }
         cfg.metrics.set_ready(false);
         let ctx = Context::open(cfg.device.as_deref())?;
-        let regions = regions::build_regions(&cfg, &ctx).await?;
+        let (regions, pd, sharing) = regions::build_regions(&cfg, &ctx).await?;
         let listener = TcpListener::bind(cfg.listen)
             .await
             .map_err(|e| Error::io(format!("cannot listen on {}", cfg.listen), e))?;
-        cfg.metrics.regions.set(regions.len() as i64);
+        cfg.metrics.regions.set(regions.live_count() as i64);
         let grants = RwLock::new(grants);
         let preauth = preauth::PreAuth::new(cfg.max_unauthenticated);
         Ok(Server {
             shared: Arc::new(Shared {
                 cfg,
                 ctx,
+                pd,
+                sharing,
                 regions,
+                adding: tokio::sync::Mutex::new(()),
+                notices: notices::Notices::default(),
                 active: AtomicUsize::new(0),
                 preauth,
                 removals: watch::Sender::new(0),
@@ -261,6 +274,82 @@ impl ServerHandle {
         self.shared.regions.live().map(|r| r.info.clone()).collect()
     }
 
+    /// Puts that complete from now on: region, range, client and path, for every client. A
+    /// subscriber that falls more than [`PUT_NOTICE_BACKLOG`] notices behind misses some and is
+    /// told how many (`RecvError::Lagged`).
+    pub fn put_notices(&self) -> tokio::sync::broadcast::Receiver<PutNotice> {
+        self.shared.notices.subscribe()
+    }
+
+    /// Serve one more region while running. Its memory is opened, its path decided (each
+    /// registration strategy proved by a canary) and, with memory windows, its direct part
+    /// registered once, all off the async workers and before any client can see it; then it
+    /// is listed and may be opened. A name already served is refused.
+    pub async fn add_region(&self, spec: RegionSpec) -> Result<RegionInfo> {
+        let _one_at_a_time = self.shared.adding.lock().await;
+        self.check_new_name(&spec.name)?;
+        let sysfs = self.shared.cfg.sysfs.clone();
+        let s = spec.clone();
+        let (provider, read_only) = tokio::task::spawn_blocking(move || s.open(&sysfs))
+            .await
+            .map_err(|e| Error::Config(format!("region '{}': opening task: {e}", spec.name)))??;
+        self.add(spec.name, provider, read_only, spec.options).await
+    }
+
+    /// Serve memory the embedding application owns (see [`MemoryRegionSpec`]) while running,
+    /// as [`ServerHandle::add_region`] does.
+    pub async fn add_memory_region(&self, m: MemoryRegionSpec) -> Result<RegionInfo> {
+        let _one_at_a_time = self.shared.adding.lock().await;
+        self.check_new_name(&m.name)?;
+        let read_only = m.read_only || !m.provider.writable();
+        self.add(m.name, m.provider, read_only, m.options).await
+    }
+
+    fn check_new_name(&self, name: &str) -> Result<()> {
+        if name.is_empty() {
+            return Err(Error::Config("a region needs a name".into()));
+        }
+        if self.shared.regions.live_named(name).is_some() {
+            return Err(Error::Config(format!(
+                "region '{name}' is already served: remove it first, or pick another name"
+            )));
+        }
+        Ok(())
+    }
+
+    async fn add(
+        &self,
+        name: String,
+        provider: Arc<dyn peermem::Provider>,
+        read_only: bool,
+        options: RegionOptions,
+    ) -> Result<RegionInfo> {
+        let s = &self.shared;
+        // the canaries and the registration pin every page of the region: long for a large
+        // one, so on a blocking thread (driving its work requests from there), not on a
+        // worker that serves the connections
+        let on = Arc::clone(s);
+        let what = name.clone();
+        let r = tokio::task::spawn_blocking(move || {
+            tokio::runtime::Handle::current().block_on(regions::build_region(
+                &on.cfg,
+                &on.pd,
+                &on.sharing,
+                name,
+                provider,
+                read_only,
+                options,
+            ))
+        })
+        .await
+        .map_err(|e| Error::Config(format!("region '{what}': registration task: {e}")))??;
+        let info = r.info.clone();
+        s.regions.push(r);
+        s.metrics().regions.set(s.regions.live_count() as i64);
+        tracing::info!(region = info.name, path = %info.path, size = info.size, "region added");
+        Ok(info)
+    }
+
     /// Stop serving a region: new opens are refused, every connection revokes its
     /// registrations of it (clients' one-sided operations on the old rkey then fail with a
     /// remote access error), in-flight bounce copies finish, and the memory is released once
@@ -274,6 +363,21 @@ impl ServerHandle {
             .ok_or_else(|| Error::Config(format!("no region '{name}' is being served")))?;
         r.removed.store(true, Ordering::SeqCst);
         drop(r.provider.lock().unwrap_or_else(|p| p.into_inner()).take());
+        if r.shared
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .is_some()
+        {
+            self.shared
+                .metrics()
+                .shared_registered_bytes
+                .dec_by(r.direct_len as i64);
+        }
+        self.shared
+            .metrics()
+            .regions
+            .set(self.shared.regions.live_count() as i64);
         self.shared.removals.send_modify(|g| *g += 1);
         let released = loop {
             if r.weak.strong_count() == 0 {

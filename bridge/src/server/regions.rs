@@ -5,13 +5,14 @@ use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
-use peermem::canary::Attempt;
+use peermem::canary::{Attempt, DeviceMr};
 use peermem::plan::PathKind;
 use peermem::{DmaBufMemory, HostMemory, Provider};
 use verbs::{Context, ProtectionDomain, RegMode};
 
 use super::config::ServerConfig;
 use super::session::{Catalog, Refusal};
+use super::windows::{self, Sharing};
 use crate::error::{Error, Result};
 use crate::protocol::{AccessMode, DataPath, ErrorCode, Extent, RegionInfo};
 use crate::spec::{RegionOptions, RegionSource, RegionSpec};
@@ -30,6 +31,9 @@ pub(super) struct Region {
     /// Device-private regions: the strategy a canary proved for MRs of window mappings, so the
     /// NIC moves windowed units straight to and from the client (None: the CPU copies them).
     pub(super) window_mode: Option<RegMode>,
+    /// The one registration of the direct part that every open binds a memory window over
+    /// (None: registered per connection, no direct part, or removed).
+    pub(super) shared: Mutex<Option<Arc<DeviceMr>>>,
 }
 
 impl fmt::Debug for Region {
@@ -39,6 +43,15 @@ impl fmt::Debug for Region {
 }
 
 impl Region {
+    /// The shared registration of the direct part (None: per-connection registration, or the
+    /// region was removed).
+    pub(super) fn shared_mr(&self) -> Option<Arc<DeviceMr>> {
+        self.shared
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
     pub(super) fn provider(&self) -> std::result::Result<Arc<dyn Provider>, Refusal> {
         self.provider
             .lock()
@@ -199,16 +212,44 @@ impl RegionSpec {
 }
 
 /// Decide each region's path (registration attempts proved by canaries, policy applied).
-pub(super) async fn build_regions(cfg: &ServerConfig, ctx: &Context) -> Result<RegionTable> {
+/// Returns the table, the server's protection domain and how clients reach direct parts.
+pub(super) async fn build_regions(
+    cfg: &ServerConfig,
+    ctx: &Context,
+) -> Result<(RegionTable, ProtectionDomain, Sharing)> {
     let providers = open_providers(cfg)?;
     let pd = ProtectionDomain::new(ctx)?;
-    let mut out = Vec::new();
+    let mut sharing = windows::probe(&pd).await;
+    if let Some((name, ..)) = providers.iter().find(|p| !p.1.writable()) {
+        if sharing.windows() {
+            sharing = Sharing::PerConnection(windows::read_only_reason(name));
+        }
+    }
+    tracing::info!(sharing = sharing.describe(), "registration");
+    let table = RegionTable::default();
     for (name, provider, read_only, opts) in providers {
+        let r = build_region(cfg, &pd, &sharing, name, provider, read_only, opts).await?;
+        table.push(r);
+    }
+    Ok((table, pd, sharing))
+}
+
+/// Decide one region's path and, with memory windows, register its direct part once.
+pub(super) async fn build_region(
+    cfg: &ServerConfig,
+    pd: &ProtectionDomain,
+    sharing: &Sharing,
+    name: String,
+    provider: Arc<dyn Provider>,
+    read_only: bool,
+    opts: RegionOptions,
+) -> Result<Region> {
+    {
         let len = provider.len();
         let choice = opts.choice(len, cfg.reg, cfg.p2p);
         let window = choice.window;
         let residency_before = provider.residency();
-        let planned = crate::path::decide_path(&pd, &provider, choice)
+        let planned = crate::path::decide_path(pd, &provider, choice)
             .await
             .map_err(|r| {
                 Error::Config(format!(
@@ -235,10 +276,42 @@ pub(super) async fn build_regions(cfg: &ServerConfig, ctx: &Context) -> Result<R
                 })
                 .inc();
         }
-        let direct_len = if d.path == PathKind::Direct {
+        let mut direct_len = if d.path == PathKind::Direct {
             window
         } else {
             0
+        };
+        let (shared, shared_note) = match d.mode.filter(|_| direct_len > 0 && sharing.windows()) {
+            None => (None, String::new()),
+            Some(mode) => {
+                let writable = !read_only && !provider.holds_data();
+                match windows::share(pd, &provider, direct_len, mode, writable).await {
+                    Ok(mr) => {
+                        cfg.metrics
+                            .shared_registered_bytes
+                            .inc_by(direct_len as i64);
+                        (
+                            Some(mr),
+                            format!(
+                            "; registered once ({direct_len} bytes, no remote access of its own): \
+                             each open binds a memory window on the client's QP"
+                        ),
+                        )
+                    }
+                    Err(why) => {
+                        tracing::warn!(region = %name, why, "no memory window over the region");
+                        direct_len = 0;
+                        (
+                            None,
+                            format!(
+                                "; the {mode} registration works, but {why}: this server isolates \
+                                 clients with memory windows, so the region goes through bounce \
+                                 buffers"
+                            ),
+                        )
+                    }
+                }
+            }
         };
         let mut extents = Vec::new();
         if direct_len > 0 {
@@ -261,6 +334,7 @@ pub(super) async fn build_regions(cfg: &ServerConfig, ctx: &Context) -> Result<R
             _ => DataPath::Mixed,
         };
         let mut reason = d.reason.clone();
+        reason.push_str(&shared_note);
         if let (Some(before), Some(after)) = (residency_before, provider.residency()) {
             reason.push_str(&format!(
                 "; pages before registration: {before}; after: {after}"
@@ -275,7 +349,7 @@ pub(super) async fn build_regions(cfg: &ServerConfig, ctx: &Context) -> Result<R
         if let Some(dp) =
             peermem::hmm::DevicePrivate::of(&*provider).filter(|d| d.window_size() > 0)
         {
-            let proof = peermem::plan::prove_window(&pd, dp, choice.reg, choice.p2p).await;
+            let proof = peermem::plan::prove_window(pd, dp, choice.reg, choice.p2p).await;
             tracing::info!(region = %name, mode = ?proof.mode, why = proof.reason, "P2P window units");
             window_mode = proof.mode;
             reason.push_str(&format!("; window units: {}", proof.reason));
@@ -294,7 +368,7 @@ pub(super) async fn build_regions(cfg: &ServerConfig, ctx: &Context) -> Result<R
         }
         tracing::info!(region = %name, %path, reason, "region ready");
         let weak = Arc::downgrade(&provider);
-        out.push(Region {
+        Ok(Region {
             info: RegionInfo {
                 name,
                 size: len,
@@ -314,9 +388,9 @@ pub(super) async fn build_regions(cfg: &ServerConfig, ctx: &Context) -> Result<R
             attempts: d.attempts,
             removed: AtomicBool::new(false),
             window_mode,
-        });
+            shared: Mutex::new(shared),
+        })
     }
-    Ok(RegionTable(out))
 }
 
 /// CRC-32C of a range of a region's memory, reading it in chunks through its copy engine.
@@ -337,10 +411,11 @@ pub fn crc_of(
     Ok(crc)
 }
 
-/// The regions of a server, in the order they were given (a region's index never changes;
-/// a removed one stays, marked, so indexes held by connections stay valid).
-#[derive(Debug)]
-pub(super) struct RegionTable(Vec<Region>);
+/// The regions of a server, in the order they were given or added (a region's index never
+/// changes; a removed one stays, marked, so indexes held by connections stay valid). Append
+/// only: readers never wait for an add.
+#[derive(Debug, Default)]
+pub(super) struct RegionTable(boxcar::Vec<Region>);
 
 impl RegionTable {
     /// Region `idx`.
@@ -350,12 +425,12 @@ impl RegionTable {
 
     /// Every region, removed ones too.
     pub(super) fn all(&self) -> impl Iterator<Item = &Region> {
-        self.0.iter()
+        self.0.iter().map(|(_, r)| r)
     }
 
     /// The regions still served.
     pub(super) fn live(&self) -> impl Iterator<Item = &Region> {
-        self.0.iter().filter(|r| !r.removed.load(Ordering::SeqCst))
+        self.all().filter(|r| !r.removed.load(Ordering::SeqCst))
     }
 
     /// A region still served, by name.
@@ -363,9 +438,14 @@ impl RegionTable {
         self.live().find(|r| r.info.name == name)
     }
 
-    /// How many regions were given.
-    pub(super) fn len(&self) -> usize {
-        self.0.len()
+    /// How many regions are served.
+    pub(super) fn live_count(&self) -> usize {
+        self.live().count()
+    }
+
+    /// Serve one more region (its name is checked by the caller, under the add lock).
+    pub(super) fn push(&self, r: Region) -> usize {
+        self.0.push(r)
     }
 
     /// What a listing shows: the regions still served, with their residency now.
@@ -384,7 +464,8 @@ impl Catalog for RegionTable {
     fn find(&self, name: &str) -> Option<usize> {
         self.0
             .iter()
-            .position(|r| r.info.name == name && !r.removed.load(Ordering::SeqCst))
+            .find(|(_, r)| r.info.name == name && !r.removed.load(Ordering::SeqCst))
+            .map(|(i, _)| i)
     }
 
     fn info(&self, idx: usize) -> &RegionInfo {

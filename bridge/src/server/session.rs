@@ -153,6 +153,7 @@ pub(crate) enum Step<T> {
     /// it holds open: count it. No reply.
     Report {
         region: usize,
+        offset: u64,
         len: u64,
         to_region: bool,
         micros: u64,
@@ -404,6 +405,7 @@ impl<T> Session<T> {
                 }
                 Step::Report {
                     region: e.region,
+                    offset,
                     len,
                     to_region,
                     micros,

@@ -210,13 +210,20 @@ impl Model {
             }
             Step::Report {
                 region,
+                offset,
                 len,
                 to_region,
                 ..
             } => {
-                let Msg::Transferred { handle, offset, .. } = m else {
+                let Msg::Transferred {
+                    handle,
+                    offset: said,
+                    ..
+                } = m
+                else {
                     panic!("a report step for {m:?}")
                 };
+                assert_eq!(offset, said);
                 assert_eq!(self.handles[&handle].0, region);
                 assert!(offset + len <= c.direct[region]);
                 assert!(!to_region || self.handles[&handle].1);

@@ -287,6 +287,7 @@ fn reports_count_only_the_direct_part_of_an_open_handle() {
         s.step(report(r, 0, 64 << 10, false), &c),
         Step::Report {
             region: 0,
+            offset: 0,
             len: 65536,
             to_region: false,
             micros: 5

@@ -1,0 +1,32 @@
+//! The RoCE path settings of our QPs: which GID (and so which interface and RoCE version),
+//! traffic class and service level. Fleets that reserve a lossless class for RoCE need these
+//! set on every QP, or traffic lands in a lossy queue and "works on one host, hangs on another".
+
+/// GID, traffic class and service level of the QPs a server or client creates.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct QpPath {
+    /// GID index (default: the RoCE v2 GID carrying the control connection's local address,
+    /// else the first RoCE v2 GID with an IPv4 address; `p2p-rdma devices` lists them).
+    pub gid_index: Option<u32>,
+    /// GRH traffic class (the IP header's DSCP << 2 | ECN on RoCE v2).
+    pub traffic_class: u8,
+    /// Service level, 0–15.
+    pub service_level: u8,
+}
+
+impl QpPath {
+    /// Put these settings, and the control connection's local address, on QP options.
+    pub(crate) fn apply(
+        &self,
+        opts: verbs::QpOptions,
+        local_ip: Option<std::net::IpAddr>,
+    ) -> verbs::QpOptions {
+        verbs::QpOptions {
+            gid_index: self.gid_index,
+            local_ip,
+            traffic_class: self.traffic_class,
+            service_level: self.service_level,
+            ..opts
+        }
+    }
+}

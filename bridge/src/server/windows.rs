@@ -1,0 +1,150 @@
+//! One registration per region, a memory window per client.
+//!
+//! When the device binds type 2 memory windows, the server registers each region's direct part
+//! once, at start (or when the region is added), in one protection domain with
+//! [`Access::MW_BIND`] and no remote access: the MR's own rkey opens nothing. Every open binds
+//! a window over that registration on the client's own QP, with the rights the open was
+//! granted (read, or read and write); the window's rkey works on that QP only and dies when
+//! the handle closes, the connection ends or the region is removed. Open costs one work
+//! request whatever the region's size, and the pages are pinned once.
+//!
+//! When the device has no memory windows (or a window cannot be proved), the server registers
+//! per connection in a protection domain of its own, as before ([`Sharing::PerConnection`]).
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use peermem::canary::{register_mode, DeviceMr};
+use peermem::Provider;
+use verbs::{Access, HostBuffer, Local, ProtectionDomain, QpOptions, QueuePair, RegMode};
+
+/// How the server gives clients access to a region's direct part.
+#[derive(Debug, Clone)]
+pub(super) enum Sharing {
+    /// One registration per region in the server's PD; a window per open.
+    Windows,
+    /// A registration per connection, in the connection's own PD (why windows are not used).
+    PerConnection(String),
+}
+
+impl Sharing {
+    /// Whether windows are used.
+    pub(super) fn windows(&self) -> bool {
+        matches!(self, Sharing::Windows)
+    }
+
+    /// A line for logs and reasons.
+    pub(super) fn describe(&self) -> String {
+        match self {
+            Sharing::Windows => "one registration per region; each open binds a memory window \
+                                 on the client's QP"
+                .into(),
+            Sharing::PerConnection(why) => {
+                format!("each connection registers the regions it opens ({why})")
+            }
+        }
+    }
+}
+
+/// Why a server that serves read-only memory registers per connection.
+pub(super) fn read_only_reason(region: &str) -> String {
+    format!(
+        "region '{region}' is read-only memory, and a memory window needs an MR registered with \
+         MW_BIND, which the kernel pins for writing (ib_access_writable)"
+    )
+}
+
+fn loopback(pd: &ProtectionDomain) -> verbs::Result<(QueuePair, QueuePair)> {
+    let opts = QpOptions {
+        memory_windows: true,
+        max_send_wr: 4,
+        max_recv_wr: 1,
+        ..QpOptions::default()
+    };
+    let a = QueuePair::new(pd, opts.clone())?;
+    let b = QueuePair::new(pd, opts)?;
+    a.connect(&b.endpoint())?;
+    b.connect(&a.endpoint())?;
+    Ok((a, b))
+}
+
+/// Read `range` of `mr` through a window bound on a loopback QP; the bytes read.
+async fn read_through_window(
+    pd: &ProtectionDomain,
+    mr: Arc<dyn verbs::RegionRef>,
+    range: Range<u64>,
+) -> verbs::Result<Vec<u8>> {
+    let (a, b) = loopback(pd)?;
+    let n = (range.end - range.start) as usize;
+    let w = b
+        .bind_window(mr, range.clone(), Access::REMOTE_READ)
+        .await?;
+    let dst = pd.register(HostBuffer::new(n)?, Access::LOCAL_WRITE, RegMode::Pinned)?;
+    let got = a.read(Local::owned(dst), w.remote()).await?;
+    Ok(got.bytes().map(<[u8]>::to_vec).unwrap_or_default())
+}
+
+/// Whether this device binds type 2 windows on our QPs and serves a READ through one: tried
+/// on a small host buffer.
+pub(super) async fn probe(pd: &ProtectionDomain) -> Sharing {
+    let res = async {
+        let mut mem = HostBuffer::new(4096)?;
+        for (i, b) in mem.as_mut_slice().iter_mut().enumerate() {
+            *b = (i * 13 + 5) as u8;
+        }
+        let want = mem.as_slice().to_vec();
+        let mr = Arc::new(pd.register(mem, Access::MW_BIND, RegMode::Pinned)?);
+        let got = read_through_window(pd, mr, 0..4096).await?;
+        Ok::<_, verbs::Error>(got == want)
+    }
+    .await;
+    match res {
+        Ok(true) => Sharing::Windows,
+        Ok(false) => Sharing::PerConnection(
+            "a READ through a memory window returned other bytes than the memory holds".into(),
+        ),
+        Err(e) => Sharing::PerConnection(format!("memory windows do not work here: {e}")),
+    }
+}
+
+/// Register `[0, direct_len)` of a region once, for windows (local write only when clients
+/// may write it), and prove a window over it: a READ through the window returns what the
+/// CPU sees. Pinning every page takes long for a large region: done off the async workers.
+pub(super) async fn share(
+    pd: &ProtectionDomain,
+    provider: &Arc<dyn Provider>,
+    direct_len: u64,
+    mode: RegMode,
+    writable: bool,
+) -> Result<Arc<DeviceMr>, String> {
+    if !provider.writable() {
+        return Err(read_only_reason("this"));
+    }
+    let access = if writable {
+        Access::MW_BIND | Access::LOCAL_WRITE
+    } else {
+        Access::MW_BIND
+    };
+    let (pd2, p2) = (pd.clone(), Arc::clone(provider));
+    let mr =
+        tokio::task::spawn_blocking(move || register_mode(&pd2, &p2, 0..direct_len, access, mode))
+            .await
+            .map_err(|e| format!("registration task: {e}"))?
+            .map_err(|e| format!("registering the direct part once ({mode}, {access}): {e}"))?;
+    let mr = Arc::new(mr);
+    let n = direct_len.min(4096);
+    let got = read_through_window(pd, mr.clone(), 0..n)
+        .await
+        .map_err(|e| format!("a memory window over the {mode} registration: {e}"))?;
+    let mut want = vec![0u8; n as usize];
+    provider
+        .copy_out(0, &mut want)
+        .map_err(|e| format!("reading the region to check the window: {e}"))?;
+    if got != want {
+        return Err(format!(
+            "a READ through a memory window over the {mode} registration returned other bytes \
+             than the CPU sees"
+        ));
+    }
+    Ok(mr)
+}

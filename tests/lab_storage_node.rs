@@ -1,0 +1,399 @@
+//! Lab tests of what a storage node embedding the server relies on: one registration per
+//! region whatever the number of clients (each client reaching it through a memory window of
+//! its own), regions added and removed while clients fetch, and put notices. The last test
+//! runs `examples/storage_node.rs` as a real node following a directory.
+
+mod common;
+
+use std::io::{BufRead as _, BufReader};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use common::*;
+use p2p_rdma::bridge::protocol::{DataPath, ErrorCode};
+use p2p_rdma::bridge::{Client, ClientConfig, RegionSpec};
+
+fn small_client(addr: std::net::SocketAddr) -> ClientConfig {
+    let mut c = ClientConfig::new(addr.to_string(), TOKEN);
+    // 64 clients in one guest: small staging
+    c.chunk = 64 << 10;
+    c.depth = 2;
+    c
+}
+
+/// Pinned memory of this process (`VmPin` of /proc/self/status), in bytes.
+fn pinned() -> u64 {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap();
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmPin:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .expect("VmPin in /proc/self/status")
+        * 1024
+}
+
+/// Report a figure: printed, and appended to `$P2P_LAB_OUT/storage.txt` (the lab's output
+/// directory), where a passing test's output is kept.
+fn figure(line: String) {
+    println!("{line}");
+    if let Ok(dir) = std::env::var("P2P_LAB_OUT") {
+        use std::io::Write as _;
+        if let Ok(mut f) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(std::path::Path::new(&dir).join("storage.txt"))
+        {
+            let _ = writeln!(f, "{line}");
+        }
+    }
+}
+
+/// MRs of exactly `len` bytes on the lab device.
+fn mrs_of(len: u64) -> usize {
+    rdma_resources("mr", &format!("mrlen {len} "))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_one_registration_serves_every_client_through_its_own_window() {
+    const BIG: u64 = 768 << 20;
+    const SMALL: u64 = 16 << 20;
+    let s = start(&["big=host:768M", "small=host:16M"], |_| {}).await;
+    let regions = s.handle.regions();
+    let big = regions.iter().find(|r| r.name == "big").unwrap();
+    assert_eq!(big.path, DataPath::Direct, "{big:?}");
+    assert!(big.reason.contains("registered once"), "{}", big.reason);
+    assert_eq!(mrs_of(BIG), 1, "the big region is registered once at start");
+    let pinned_at_start = pinned();
+    assert!(pinned_at_start >= BIG, "{pinned_at_start} bytes pinned");
+
+    // open cost, a new client each time: open + first 4 KiB fetch, big vs small region
+    let cost = |name: &'static str| {
+        let addr = s.addr;
+        async move {
+            let mut c = Client::connect(small_client(addr)).await.unwrap();
+            // the client's QP and staging are set up by its first open of another region
+            let warm = c.open("small", false).await.unwrap();
+            let t = Instant::now();
+            let r = c.open(name, false).await.unwrap();
+            let mut sink = Vec::new();
+            c.fetch(&r, 0, 4096, &mut sink, false, &mut |_| {})
+                .await
+                .unwrap();
+            let took = t.elapsed().as_secs_f64();
+            c.close(&r).await.unwrap();
+            c.close(&warm).await.unwrap();
+            c.bye().await.unwrap();
+            took
+        }
+    };
+    let mut ratios = Vec::new();
+    for _ in 0..5 {
+        let b = cost("big").await;
+        let sm = cost("small").await;
+        ratios.push(b / sm);
+    }
+    ratios.sort_by(f64::total_cmp);
+    figure(format!(
+        "storage: open + first 4 KiB fetch, new client each time, 768 MiB vs 16 MiB region: median ratio {:.2} (min {:.2}, max {:.2}, 5 rounds)",
+        ratios[2], ratios[0], ratios[4]
+    ));
+
+    for n in [4usize, 64] {
+        let mut clients = Vec::new();
+        for i in 0..n {
+            let mut c = Client::connect(small_client(s.addr)).await.unwrap();
+            let r = c.open("big", i % 2 == 0).await.unwrap();
+            // each client reads its own 4 KiB, far apart
+            let at = (i as u64 * (BIG / n as u64)) & !4095;
+            let mut sink = Vec::new();
+            let rep = c
+                .fetch(&r, at, 4096, &mut sink, true, &mut |_| {})
+                .await
+                .unwrap();
+            assert_eq!(rep.direct_bytes, 4096);
+            clients.push((c, r));
+        }
+        // every client holds the region open: still one registration of it
+        assert_eq!(mrs_of(BIG), 1, "{n} clients holding the region open");
+        // and its pages were not pinned again (a registration per client would add 768 MiB
+        // each: the guest could not even hold four)
+        let grew = pinned().saturating_sub(pinned_at_start);
+        figure(format!(
+            "storage: {n} clients hold the 768 MiB region open: {} MR of it, pinned memory grew by {:.1} MiB (client staging)",
+            mrs_of(BIG),
+            grew as f64 / (1 << 20) as f64
+        ));
+        assert!(grew < BIG / 4, "pinned memory grew by {grew} bytes");
+        // windows are per client: client 0's rkey is useless on client 1's QP
+        let forged = p2p_rdma::bridge::OpenRegion {
+            handle: u32::MAX,
+            ..clients[0].1.clone()
+        };
+        let c1 = &mut clients[1].0;
+        let mut sink = Vec::new();
+        let e = c1
+            .fetch(&forged, 0, 4096, &mut sink, false, &mut |_| {})
+            .await
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("IBV_WC_REM_ACCESS_ERR"),
+            "another client's window: {e}"
+        );
+        for (mut c, r) in clients.drain(2..) {
+            c.close(&r).await.unwrap();
+            c.bye().await.unwrap();
+        }
+    }
+    assert_eq!(mrs_of(SMALL), 1);
+    s.stop().await;
+    assert_eq!(mrs_of(BIG), 0, "the registration goes with the server");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_regions_added_and_removed_while_clients_fetch_and_puts_are_noticed() {
+    // a node may start empty
+    let s = start(&[], |_| {}).await;
+    let mut notices = s.handle.put_notices();
+    let added = s
+        .handle
+        .add_region("a=host:4M".parse::<RegionSpec>().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(added.path, DataPath::Direct, "{added:?}");
+    let e = s
+        .handle
+        .add_region("a=host:1M".parse::<RegionSpec>().unwrap())
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("already served"), "{e}");
+
+    let mut c = Client::connect(small_client(s.addr)).await.unwrap();
+    let a = c.open("a", true).await.unwrap();
+    let bytes = data(1 << 20, 5);
+    let put = c
+        .put(&a, 4096, &mut bytes.as_slice(), None, true, &mut |_| {})
+        .await
+        .unwrap();
+    assert_eq!(put.direct_bytes, bytes.len() as u64);
+    // the client reports its one-sided writes once they completed
+    let n = tokio::time::timeout(Duration::from_secs(10), notices.recv())
+        .await
+        .expect("a put notice")
+        .unwrap();
+    assert_eq!(
+        (n.region.as_str(), n.offset, n.path),
+        ("a", 4096, DataPath::Direct)
+    );
+    assert!(n.client.contains('@'), "{n:?}");
+
+    // add a region while the client keeps fetching the first
+    let (stop_tx, mut stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let want = bytes.clone();
+    let fetcher = tokio::spawn(async move {
+        let mut rounds = 0;
+        loop {
+            let mut sink = Vec::new();
+            c.fetch(&a, 4096, want.len() as u64, &mut sink, true, &mut |_| {})
+                .await
+                .unwrap();
+            assert_eq!(sink, want);
+            rounds += 1;
+            if stop_rx.try_recv().is_ok() {
+                return (c, a, rounds);
+            }
+        }
+    });
+    let file = std::env::temp_dir().join("lab-storage-b.bin");
+    std::fs::write(&file, data(3 << 20, 9)).unwrap();
+    let b = s
+        .handle
+        .add_region(format!("b=file:{}", file.display()).parse().unwrap())
+        .await
+        .unwrap();
+    assert!(b.server_puts, "{b:?}");
+    let mut d = Client::connect(small_client(s.addr)).await.unwrap();
+    assert!(d.list().await.unwrap().iter().any(|r| r.name == "b"));
+    let rb = d.open("b", true).await.unwrap();
+    let mut sink = Vec::new();
+    d.fetch(&rb, 0, 3 << 20, &mut sink, true, &mut |_| {})
+        .await
+        .unwrap();
+    assert_eq!(sink, data(3 << 20, 9));
+    // a put into data the server holds goes through it: the server saw the bytes arrive
+    let patch = data(100_000, 1);
+    d.put(&rb, 777, &mut patch.as_slice(), None, true, &mut |_| {})
+        .await
+        .unwrap();
+    let mut seen = 0;
+    while seen < patch.len() as u64 {
+        let n = tokio::time::timeout(Duration::from_secs(10), notices.recv())
+            .await
+            .expect("put notices")
+            .unwrap();
+        assert_eq!(
+            (n.region.as_str(), n.path),
+            ("b", DataPath::Bounce),
+            "{n:?}"
+        );
+        assert_eq!(n.offset, 777 + seen);
+        seen += n.len;
+    }
+    assert_eq!(seen, patch.len() as u64);
+    d.close(&rb).await.unwrap();
+    // remove it: new opens are refused; the other client is undisturbed
+    let gone = s
+        .handle
+        .remove_region("b", Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert!(gone.released, "{gone:?}");
+    let e = d.open("b", false).await.unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::UnknownRegion), "{e}");
+    // a region may come back under a removed one's name
+    s.handle
+        .add_region("b=host:1M".parse::<RegionSpec>().unwrap())
+        .await
+        .unwrap();
+    let rb = d.open("b", false).await.unwrap();
+    assert_eq!(rb.info.size, 1 << 20);
+    d.bye().await.unwrap();
+    stop_tx.send(()).unwrap();
+    let (mut c, a, rounds) = fetcher.await.unwrap();
+    assert!(rounds >= 1);
+    c.close(&a).await.unwrap();
+    c.bye().await.unwrap();
+    s.stop().await;
+}
+
+/// `examples/storage_node` next to this test's binary (cargo builds examples with the tests).
+fn storage_node_bin() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let p = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .map(|d| d.join("examples/storage_node"))
+        .unwrap();
+    assert!(
+        p.exists(),
+        "{} is missing: build the examples (cargo test --no-run builds them)",
+        p.display()
+    );
+    p
+}
+
+struct Node {
+    child: std::process::Child,
+    events: std::sync::mpsc::Receiver<serde_json::Value>,
+}
+
+impl Node {
+    fn next(&self, event: &str, region: Option<&str>) -> serde_json::Value {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let v = self
+                .events
+                .recv_timeout(left)
+                .unwrap_or_else(|_| panic!("no '{event}' event from the storage node"));
+            if v["event"] == event && region.is_none_or(|r| v["region"] == r) {
+                return v;
+            }
+        }
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_storage_node_follows_its_directory_while_clients_fetch() {
+    init_tracing();
+    let dir = std::env::temp_dir().join("lab-storage-node");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("alpha"), data(200_000, 1)).unwrap();
+    let token = dir.with_extension("token");
+    std::fs::write(&token, TOKEN).unwrap();
+    let mut child = std::process::Command::new(storage_node_bin())
+        .arg(format!("{}:0", lab_ip()))
+        .arg(&token)
+        .arg(&dir)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = child.stdout.take().unwrap();
+    let (tx, events) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) {
+                let _ = tx.send(v);
+            }
+        }
+    });
+    let node = Node { child, events };
+    let addr: std::net::SocketAddr = node.next("listening", None)["addr"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    node.next("added", Some("alpha"));
+    let mut c = Client::connect(small_client(addr)).await.unwrap();
+    let alpha = c.open("alpha", false).await.unwrap();
+    let mut sink = Vec::new();
+    c.fetch(&alpha, 0, 200_000, &mut sink, true, &mut |_| {})
+        .await
+        .unwrap();
+    assert_eq!(sink, data(200_000, 1));
+    // a new object appears while the client holds the first
+    std::fs::write(dir.join("beta"), data(1 << 20, 2)).unwrap();
+    node.next("added", Some("beta"));
+    let beta = c.open("beta", true).await.unwrap();
+    let mut sink = Vec::new();
+    c.fetch(&beta, 0, 1 << 20, &mut sink, true, &mut |_| {})
+        .await
+        .unwrap();
+    assert_eq!(sink, data(1 << 20, 2));
+    // a put is noticed by the node
+    let patch = data(5000, 3);
+    c.put(&beta, 100, &mut patch.as_slice(), None, true, &mut |_| {})
+        .await
+        .unwrap();
+    let put = node.next("put", Some("beta"));
+    assert_eq!(put["offset"], 100, "{put}");
+    assert_eq!(
+        &std::fs::read(dir.join("beta")).unwrap()[100..5100],
+        &patch[..],
+        "the put reached the object's file"
+    );
+    c.close(&beta).await.unwrap();
+    // the object is deleted: the node stops serving it; the other object is undisturbed
+    std::fs::remove_file(dir.join("beta")).unwrap();
+    let removed = node.next("removed", Some("beta"));
+    assert_eq!(removed["released"], true, "{removed}");
+    let e = c.open("beta", false).await.unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::UnknownRegion), "{e}");
+    let mut sink = Vec::new();
+    c.fetch(&alpha, 0, 200_000, &mut sink, true, &mut |_| {})
+        .await
+        .unwrap();
+    assert_eq!(sink, data(200_000, 1));
+    // an object that grows is served again at its new size
+    c.close(&alpha).await.unwrap();
+    std::fs::write(dir.join("alpha"), data(300_000, 4)).unwrap();
+    node.next("removed", Some("alpha"));
+    let again = node.next("added", Some("alpha"));
+    assert_eq!(again["size"], 300_000, "{again}");
+    let alpha = c.open("alpha", false).await.unwrap();
+    let mut sink = Vec::new();
+    c.fetch(&alpha, 0, 300_000, &mut sink, true, &mut |_| {})
+        .await
+        .unwrap();
+    assert_eq!(sink, data(300_000, 4));
+    c.bye().await.unwrap();
+}
