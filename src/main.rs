@@ -361,6 +361,10 @@ struct ClientArgs {
     timeout: u64,
     #[command(flatten)]
     path: cli::PathArgs,
+    /// How the bytes travel: auto (RDMA when this host has an RDMA device, else TCP over the
+    /// control connection, said on stderr), rdma, or tcp.
+    #[arg(long, value_enum, default_value_t = cli::transfer::TransportArg::Auto)]
+    transport: cli::transfer::TransportArg,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]

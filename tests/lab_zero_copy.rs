@@ -238,3 +238,31 @@ async fn lab_zero_copy_puts_leave_from_the_callers_buffer_and_files_are_flushed(
     s.stop().await;
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_fetched_bytes_are_handed_over_as_bytes_without_a_copy() {
+    // a mixed region: the direct part lands by RDMA READ, the rest through bounce buffers
+    let s = start(&["mix=host:2M,window=1M"], |_| {}).await;
+    let mut c = Client::connect(cfg(s.addr)).await.unwrap();
+    let d = data(2 << 20, 77);
+    put(&mut c, "mix", &d).await;
+    let r = c.open("mix", false).await.unwrap();
+    let b = c.fetch_bytes(&r, 1000, (1 << 20) + 5000).await.unwrap();
+    assert_eq!(b.len(), (1 << 20) + 5000);
+    assert!(b[..] == d[1000..(1 << 20) + 6000], "other bytes");
+    // slices share the buffer: no copy
+    let tail = b.slice((1 << 20)..);
+    assert_eq!(tail.as_ptr(), b[(1 << 20)..].as_ptr());
+    drop(b);
+    assert!(tail[..] == d[(1 << 20) + 1000..(1 << 20) + 6000]);
+    // a buffer of the caller's pool, frozen
+    let buf = c.buffer(4096).await.unwrap();
+    let landed = c.fetch_into(&r, 0, 4096, buf, 0).await.unwrap();
+    let frozen = landed.buffer.freeze();
+    assert!(frozen[..] == d[..4096]);
+    let e = c.fetch_bytes(&r, 2 << 20, 1).await.unwrap_err();
+    assert!(e.to_string().contains("outside region"), "{e}");
+    c.bye().await.unwrap();
+    s.stop().await;
+}

@@ -85,6 +85,61 @@ impl Conn {
         }
     }
 
+    /// Send a message and the `data` it announces (the TCP data path).
+    pub(crate) async fn send_with(&mut self, m: &Msg, data: &[u8]) -> Result<()> {
+        self.send(m).await?;
+        let write = self.stream.write_all(data);
+        let res = match self.send_timeout {
+            Some(t) => tokio::time::timeout(t, write)
+                .await
+                .map_err(|_| Error::Timeout {
+                    peer: self.peer.clone(),
+                    what: "the peer to read data (it stopped reading)",
+                    secs: t.as_secs(),
+                })?,
+            None => write.await,
+        };
+        res.map_err(|e| Error::io(format!("sending {} bytes to {}", data.len(), self.peer), e))
+    }
+
+    /// The `n` raw bytes that follow the message just received.
+    pub(crate) async fn recv_payload(
+        &mut self,
+        n: usize,
+        timeout: Option<Duration>,
+    ) -> Result<Vec<u8>> {
+        let fut = async {
+            let mut buf = vec![0u8; 64 * 1024];
+            loop {
+                if let Some(p) = self.dec.next_payload(n) {
+                    return Ok(p);
+                }
+                let k = self
+                    .stream
+                    .read(&mut buf)
+                    .await
+                    .map_err(|e| Error::io(format!("reading from {}", self.peer), e))?;
+                if k == 0 {
+                    return Err(Error::Closed {
+                        peer: self.peer.clone(),
+                        during: format!(" in the middle of {n} bytes of data"),
+                    });
+                }
+                self.dec.feed(&buf[..k]);
+            }
+        };
+        match timeout {
+            Some(t) => tokio::time::timeout(t, fut)
+                .await
+                .map_err(|_| Error::Timeout {
+                    peer: self.peer.clone(),
+                    what: "data",
+                    secs: t.as_secs(),
+                })?,
+            None => fut.await,
+        }
+    }
+
     async fn recv_inner(&mut self, want: &'static str) -> Result<Msg> {
         let mut buf = [0u8; 16 * 1024];
         loop {

@@ -24,6 +24,7 @@ pub mod token;
 
 pub use client::{
     BatchRange, Client, ClientConfig, Landed, LocalBuffer, OpenRegion, Stranded, TransferReport,
+    Transport,
 };
 pub use error::{Error, Result};
 pub use qp_path::QpPath;

@@ -48,6 +48,8 @@ pub enum XferPath {
     bounce,
     /// RDMA by the server straight from or to a device-private window mapping.
     zero_copy,
+    /// Over the TCP control connection (clients without an RDMA device).
+    tcp,
 }
 
 /// Labels of transfer counters.

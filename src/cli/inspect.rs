@@ -151,7 +151,7 @@ pub(crate) async fn doctor(
     let choice = parsed.options.choice(len, reg, P2pPolicy::Preferred);
     let plan = topology_plan(provider.as_ref(), ctx.name());
     let residency_before = provider.residency();
-    let planned = bridge::path::decide_path(&pd, &provider, choice)
+    let (planned, direct_len) = bridge::path::decide_prefix(&pd, &provider, choice)
         .await
         .map_err(|r| anyhow::anyhow!("{r}"))?;
     let residency_after = provider.residency();
@@ -176,6 +176,7 @@ pub(crate) async fn doctor(
                 "chosen": d.mode,
                 "path": d.path,
                 "reason": d.reason,
+                "direct_bytes": if direct { direct_len } else { 0 },
                 "copy_engine": provider.copy_engine(),
                 "residency_before": residency_before,
                 "residency_after": residency_after,
@@ -220,6 +221,11 @@ pub(crate) async fn doctor(
             o.push_str(&format!("  window units: {}\n", w.reason));
         }
         o.push_str(&match d.mode {
+            Some(m) if direct && direct_len < len => format!(
+                "=> mixed: {m} registration works for the first {direct_len} bytes; the rest \
+                 goes through bounce buffers ({})\n",
+                d.reason
+            ),
             Some(m) if direct => format!("=> direct: {m} registration works\n"),
             _ if d.attempts.is_empty() => format!("=> {}\n", d.reason),
             _ => format!(

@@ -20,7 +20,8 @@ pub(crate) struct PathArgs {
     /// capable transport is 106) [default: 0].
     #[arg(long, value_name = "TC", default_value_t = 0)]
     pub(crate) traffic_class: u8,
-    /// Service level, 0-15 (mapped to a priority by the NIC) [default: 0].
+    /// Service level, 0-15: RoCE packets carry none, a NIC maps it to a priority (soft-RoCE
+    /// ignores it) [default: 0].
     #[arg(long, value_name = "SL", default_value_t = 0,
           value_parser = clap::value_parser!(u8).range(0..=15))]
     pub(crate) sl: u8,

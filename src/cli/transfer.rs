@@ -18,7 +18,24 @@ pub(crate) fn client_config(addr: String, a: &ClientArgs) -> anyhow::Result<brid
     cfg.depth = a.depth;
     cfg.timeout = Duration::from_secs(a.timeout.max(1));
     cfg.qp_path = a.path.qp_path();
+    cfg.transport = match a.transport {
+        TransportArg::Auto => bridge::Transport::Auto,
+        TransportArg::Rdma => bridge::Transport::Rdma,
+        TransportArg::Tcp => bridge::Transport::Tcp,
+    };
     Ok(cfg)
+}
+
+/// How a client's bytes travel (`--transport`).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default)]
+pub(crate) enum TransportArg {
+    /// RDMA when this host has an RDMA device, else TCP (said on stderr, with the reason).
+    #[default]
+    Auto,
+    /// RDMA only.
+    Rdma,
+    /// Over the TCP control connection (no RDMA device needed; slower, the server copies).
+    Tcp,
 }
 
 /// Clear the progress line, release the region and the connection, then report.
@@ -30,6 +47,10 @@ pub(crate) async fn finish_transfer(
     json: bool,
 ) -> anyhow::Result<()> {
     bar.finish();
+    if let Some(why) = c.tcp_reason() {
+        // said whatever the outcome: the user should know why RDMA was not used
+        eprintln!("p2p-rdma: the bytes went over TCP: {why}");
+    }
     let rep = rep?;
     let _ = c.close(r).await;
     let _ = c.bye().await;
@@ -41,7 +62,7 @@ pub(crate) fn print_report(r: &bridge::TransferReport, json: bool) -> anyhow::Re
         return emit(&format!("{}\n", serde_json::to_string(r)?));
     }
     eprintln!(
-        "p2p-rdma: {} {} of '{}' at offset {} in {:.3} s ({:.2} MiB/s; direct {}, bounce {}{}){}",
+        "p2p-rdma: {} {} of '{}' at offset {} in {:.3} s ({:.2} MiB/s; direct {}, bounce {}{}{}){}",
         r.op,
         human(r.bytes),
         r.region,
@@ -55,6 +76,11 @@ pub(crate) fn print_report(r: &bridge::TransferReport, json: bool) -> anyhow::Re
                 " of which {} zero-copy from the device's P2P window",
                 human(r.zero_copy_bytes)
             )
+        } else {
+            String::new()
+        },
+        if r.tcp_bytes > 0 {
+            format!(", tcp {}", human(r.tcp_bytes))
         } else {
             String::new()
         },

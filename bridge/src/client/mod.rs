@@ -15,6 +15,7 @@ use crate::error::{Error, Result};
 use crate::protocol::{DataPath, Extent, Msg, RegionInfo, VERSION};
 use crate::staging::{Pools, Use};
 
+mod tcp;
 mod window;
 mod zero_copy;
 mod zero_copy_put;
@@ -38,6 +39,21 @@ pub struct ClientConfig {
     pub timeout: Duration,
     /// GID, traffic class and service level of our QP.
     pub qp_path: crate::QpPath,
+    /// How the bytes travel: RDMA, TCP, or RDMA when this host has a device (default).
+    pub transport: Transport,
+}
+
+/// How a client's bytes travel.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Transport {
+    /// RDMA when an RDMA device opens here, else TCP over the control connection (said once,
+    /// with the reason).
+    #[default]
+    Auto,
+    /// RDMA only: a host without a device fails with the device error.
+    Rdma,
+    /// Over the TCP control connection: same regions, same checks, no RDMA device needed.
+    Tcp,
 }
 
 impl ClientConfig {
@@ -51,6 +67,7 @@ impl ClientConfig {
             depth: 16,
             timeout: Duration::from_secs(30),
             qp_path: crate::QpPath::default(),
+            transport: Transport::Auto,
         }
     }
 }
@@ -112,6 +129,10 @@ pub struct TransferReport {
     /// Of the bounce bytes, those the server's NIC moved straight between our buffer and the
     /// device's P2P window (device-private regions whose window MRs work): no staging copy.
     pub zero_copy_bytes: u64,
+    /// Bytes that went over the TCP control connection (a client without an RDMA device,
+    /// or `Transport::Tcp`).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub tcp_bytes: u64,
     /// CRC-32C of the bytes moved.
     pub crc32c: u32,
     /// Whether the server's checksum of the range was compared and matched.
@@ -143,6 +164,12 @@ pub struct Client {
     server: String,
     max_outstanding: u32,
     rdma: Option<Rdma>,
+    /// Why this client moves bytes over TCP (None: over RDMA, or not decided yet).
+    tcp: Option<String>,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 impl std::fmt::Debug for Client {
@@ -219,6 +246,7 @@ impl Client {
                     server,
                     max_outstanding,
                     rdma: None,
+                    tcp: None,
                 })
             }
             other => Err(reply_err(&cfg.addr, other, "welcome")),
@@ -246,7 +274,7 @@ impl Client {
     /// Open a region (for writing if `write`). Our QP is connected first: a server that
     /// isolates clients with memory windows binds this handle's window on it.
     pub async fn open(&mut self, region: &str, write: bool) -> Result<OpenRegion> {
-        if self.rdma.is_none() {
+        if self.rdma.is_none() && !self.over_tcp() {
             match self.take_rdma().await {
                 Ok(rdma) => self.put_back(rdma),
                 // the transfer will say so again; a server may still list, open and checksum
@@ -471,6 +499,9 @@ impl Client {
         progress: &mut (dyn FnMut(u64) + Send),
     ) -> Result<TransferReport> {
         Self::check_range(r, offset, len)?;
+        if self.over_tcp() {
+            return self.fetch_tcp(r, offset, len, sink, verify, progress).await;
+        }
         let chunk = self.cfg.chunk as u64;
         let depth = self.depth();
         let stall = self.cfg.timeout;
@@ -569,6 +600,11 @@ impl Client {
             Self::check_range(r, offset, l)?;
         } else {
             Self::check_range(r, offset, 0)?;
+        }
+        if self.over_tcp() {
+            return self
+                .put_tcp(r, offset, source, limit, verify, progress)
+                .await;
         }
         let room = r.info.size - offset;
         let max = limit.unwrap_or(room);

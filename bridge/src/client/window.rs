@@ -162,6 +162,7 @@ pub(super) fn report(
         direct_bytes: by_path[0],
         bounce_bytes: by_path[1],
         zero_copy_bytes: by_path[2],
+        tcp_bytes: 0,
         crc32c,
         verified,
     }

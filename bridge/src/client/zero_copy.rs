@@ -47,6 +47,19 @@ impl LocalBuffer {
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         self.0.as_mut_slice()
     }
+
+    /// The buffer as immutable [`bytes::Bytes`], without a copy: the `Bytes` (and its
+    /// clones and slices) own the buffer, which stays registered until the last one drops.
+    /// Hand a fetched object to code that speaks `Bytes` (hyper, tonic, a cache).
+    pub fn freeze(self) -> bytes::Bytes {
+        bytes::Bytes::from_owner(self)
+    }
+}
+
+impl AsRef<[u8]> for LocalBuffer {
+    fn as_ref(&self) -> &[u8] {
+        self.as_slice()
+    }
 }
 
 /// One range of a batch: `len` bytes at `offset` of `region`, landing at byte `at` of the
@@ -217,6 +230,25 @@ impl Client {
             }
         }
         Ok(buffer)
+    }
+
+    /// Fetch `len` bytes at `offset` into a new buffer of exactly that size, as
+    /// [`bytes::Bytes`] (no copy on the direct path; the buffer is registered for this call, so
+    /// a node that fetches often keeps a pool of [`Client::buffer`]s and uses
+    /// [`Client::fetch_into`] instead).
+    pub async fn fetch_bytes(
+        &mut self,
+        r: &OpenRegion,
+        offset: u64,
+        len: u64,
+    ) -> Result<bytes::Bytes> {
+        let n = usize::try_from(len)
+            .map_err(|_| Error::Config(format!("{len} bytes do not fit in memory")))?;
+        let buf = self.buffer(n).await?;
+        match self.fetch_into(r, offset, len, buf, 0).await {
+            Ok(landed) => Ok(landed.buffer.freeze()),
+            Err(stranded) => Err(stranded.error),
+        }
     }
 
     /// Fetch `len` bytes at `offset` of `r` into `buf` at byte `at`, without a copy on the

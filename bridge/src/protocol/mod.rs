@@ -3,6 +3,8 @@
 //! This module is pure: [`encode`] turns a message into bytes and [`Decoder`] turns bytes into
 //! messages; no I/O, no clock. Frame layout: `u32` big-endian payload length, then the payload,
 //! a JSON object with a `"type"` tag. Frames over [`MAX_FRAME`] are refused before buffering.
+//! On the TCP data path a [`Msg::TcpData`] or [`Msg::TcpWrite`] frame is followed by exactly
+//! the raw bytes it announces ([`Decoder::next_payload`]).
 
 use std::fmt;
 
@@ -46,6 +48,9 @@ pub enum DataPath {
     Bounce,
     /// Some extents direct, the others bounce (see [`RegionInfo::extents`]).
     Mixed,
+    /// Over the TCP control connection (a transfer of a client without an RDMA device; never
+    /// a region's path).
+    Tcp,
 }
 
 /// A range of a region and the path its bytes take.
@@ -65,6 +70,7 @@ impl fmt::Display for DataPath {
             DataPath::Direct => "direct",
             DataPath::Bounce => "bounce",
             DataPath::Mixed => "mixed",
+            DataPath::Tcp => "tcp",
         })
     }
 }
@@ -355,6 +361,38 @@ pub enum Msg {
         /// Human message saying what to do.
         message: String,
     },
+    /// Client → server: send `len` bytes at `offset` of an open region over this connection
+    /// (the TCP data path, for clients without an RDMA device). `len` is at most the
+    /// `bounce_chunk` of [`Msg::Opened`].
+    TcpRead {
+        /// Open handle.
+        handle: u32,
+        /// Offset in the region.
+        offset: u64,
+        /// Bytes.
+        len: u64,
+    },
+    /// Server → client: exactly `len` raw bytes follow this frame on the stream: the range.
+    TcpData {
+        /// Bytes that follow.
+        len: u64,
+    },
+    /// Client → server: exactly `len` raw bytes follow this frame; write them at `offset` of a
+    /// region opened for writing (at most `bounce_chunk`), then reply [`Msg::TcpWritten`]. A
+    /// put is acknowledged by the [`Msg::Flushed`] that follows a [`Msg::Flush`].
+    TcpWrite {
+        /// Open handle.
+        handle: u32,
+        /// Offset in the region.
+        offset: u64,
+        /// Bytes that follow.
+        len: u64,
+    },
+    /// Server → client: the bytes of a [`Msg::TcpWrite`] are in the region.
+    TcpWritten {
+        /// Bytes written.
+        len: u64,
+    },
     /// Client → server, no reply: still here (sent during long one-sided transfers, which
     /// say nothing on the control connection, so that the server's idle timeout does not
     /// close it).
@@ -385,6 +423,10 @@ impl Msg {
             Msg::Close { .. } => "close",
             Msg::Closed { .. } => "closed",
             Msg::Error { .. } => "error",
+            Msg::TcpRead { .. } => "tcp-read",
+            Msg::TcpData { .. } => "tcp-data",
+            Msg::TcpWrite { .. } => "tcp-write",
+            Msg::TcpWritten { .. } => "tcp-written",
             Msg::KeepAlive => "keep-alive",
             Msg::Bye => "bye",
         }
@@ -485,6 +527,16 @@ impl Decoder {
         self.buf.drain(..4 + len);
         res.map(Some)
             .map_err(|e| DecodeError::Malformed(e.to_string()))
+    }
+
+    /// The next `n` raw bytes (the payload a [`Msg::TcpData`] or [`Msg::TcpWrite`] announced),
+    /// `None` until all of them are buffered.
+    pub fn next_payload(&mut self, n: usize) -> Option<Vec<u8>> {
+        if self.buf.len() < n {
+            return None;
+        }
+        let rest = self.buf.split_off(n);
+        Some(std::mem::replace(&mut self.buf, rest))
     }
 
     /// Call at end of stream: an error if a partial frame is left.

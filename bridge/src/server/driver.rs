@@ -342,6 +342,16 @@ async fn serve_connection(
                     Msg::Error { code, message }
                 }
             },
+            step @ (Step::TcpRead { .. } | Step::TcpWrite { .. } | Step::Skip { .. }) => {
+                if let Err(e) = st.drain(shared, conn).await {
+                    break Err(e);
+                }
+                match super::tcp::serve(shared, &st.client, conn, step).await {
+                    Ok(Some(reply)) => reply,
+                    Ok(None) => continue,
+                    Err(e) => break Err(e),
+                }
+            }
             other => {
                 if let Err(e) = st.drain(shared, conn).await {
                     break Err(e);
@@ -453,6 +463,8 @@ impl ConnState {
                 let r = shared.regions.get(region);
                 let lease = self.register(shared, region, writable).await?;
                 let (addr, rkey) = lease.as_ref().map_or((0, 0), HandleKey::remote);
+                // what the rkey covers (nothing without one)
+                let covered = lease.as_ref().map_or(0, |_| r.direct_len);
                 let handle = self.session.opened(region, writable, lease);
                 shared.metrics().open_handles.inc();
                 self.sync_metrics(shared.metrics(), false);
@@ -462,7 +474,7 @@ impl ConnState {
                     info: r.info.clone(),
                     addr,
                     rkey,
-                    len: r.direct_len,
+                    len: covered,
                     bounce_chunk: shared.cfg.bounce_chunk as u64,
                 })
             }
@@ -521,9 +533,13 @@ impl ConnState {
                 }
                 Ok(Msg::Closed { handle })
             }
-            Step::Bounce(_) | Step::Report { .. } | Step::Ignore | Step::Leave => {
-                Err(internal("a step without a reply reached the reply path"))
-            }
+            Step::Bounce(_)
+            | Step::Report { .. }
+            | Step::TcpRead { .. }
+            | Step::TcpWrite { .. }
+            | Step::Skip { .. }
+            | Step::Ignore
+            | Step::Leave => Err(internal("a step without a reply reached the reply path")),
         }
     }
 
@@ -582,7 +598,7 @@ impl ConnState {
         let writable = writable && !r.info.server_puts;
         let provider = r.provider()?;
         if shared.sharing.windows() {
-            return self.bind(r, writable, shared.metrics()).await.map(Some);
+            return self.bind(r, writable, shared.metrics()).await;
         }
         let pd = self.pd(shared)?;
         // least privilege: the rkey allows remote writes only to an open for writing
@@ -615,16 +631,11 @@ impl ConnState {
         r: &super::regions::Region,
         writable: bool,
         metrics: &Metrics,
-    ) -> std::result::Result<HandleKey, Refusal> {
+    ) -> std::result::Result<Option<HandleKey>, Refusal> {
+        // no QP: a client on the TCP data path (or one that connects later and reopens); its
+        // handle gets no window, and so no one-sided access
         let Some(qp) = self.qp.clone() else {
-            return Err((
-                ErrorCode::BadRequest,
-                format!(
-                    "connect a QP before opening region '{}': its direct part is reached through \
-                     a memory window bound to your QP",
-                    r.info.name
-                ),
-            ));
+            return Ok(None);
         };
         let mr = r
             .shared_mr()
@@ -644,7 +655,7 @@ impl ConnState {
                 )
             })?;
         metrics.windows_bound.inc();
-        Ok(HandleKey::Window(w))
+        Ok(Some(HandleKey::Window(w)))
     }
 
     fn cache(&mut self, limits: Limits) -> &RegCache<(usize, bool), DeviceMr> {

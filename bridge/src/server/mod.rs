@@ -42,6 +42,7 @@ mod notices;
 mod preauth;
 mod regions;
 pub(crate) mod session;
+mod tcp;
 #[cfg(any(test, feature = "fuzzing"))]
 pub(crate) mod testkit;
 mod windows;

@@ -247,9 +247,8 @@ pub(super) async fn build_region(
     {
         let len = provider.len();
         let choice = opts.choice(len, cfg.reg, cfg.p2p);
-        let window = choice.window;
         let residency_before = provider.residency();
-        let planned = crate::path::decide_path(pd, &provider, choice)
+        let (planned, window) = crate::path::decide_prefix(pd, &provider, choice)
             .await
             .map_err(|r| {
                 Error::Config(format!(

@@ -149,6 +149,23 @@ pub(crate) enum Step<T> {
     },
     /// Start a bounce transfer (no reply until it completes).
     Bounce(Bounce),
+    /// Send `len` bytes (checked) of a region over the control connection: `TcpData`, then
+    /// the bytes (the TCP data path).
+    TcpRead {
+        region: usize,
+        offset: u64,
+        len: u64,
+    },
+    /// Read the `len` raw bytes that follow the request and write them into a region at
+    /// `offset` (checked), then reply `TcpWritten`.
+    TcpWrite {
+        region: usize,
+        offset: u64,
+        len: u64,
+    },
+    /// A refused `TcpWrite` whose `len` raw bytes (at most the chunk) follow it on the wire:
+    /// read and drop them, then send `reply`.
+    Skip { len: u64, reply: Msg },
     /// The client reports a one-sided transfer it finished inside the direct part of a region
     /// it holds open: count it. No reply.
     Report {
@@ -384,6 +401,37 @@ impl<T> Session<T> {
                 }),
                 Err(r) => refused(r),
             },
+            Msg::TcpRead {
+                handle,
+                offset,
+                len,
+            } => match self.tcp(handle, offset, len, false, regions) {
+                Ok(region) => Step::TcpRead {
+                    region,
+                    offset,
+                    len,
+                },
+                Err(r) => refused(r),
+            },
+            Msg::TcpWrite {
+                handle,
+                offset,
+                len,
+            } => match self.tcp(handle, offset, len, true, regions) {
+                Ok(region) => Step::TcpWrite {
+                    region,
+                    offset,
+                    len,
+                },
+                // the bytes are on the wire: drop them to stay in step with the client, unless
+                // there are more than any request may carry (then they are read as frames,
+                // which ends the connection with a protocol error)
+                Err((code, message)) if len <= self.rules.bounce_chunk => Step::Skip {
+                    len,
+                    reply: Msg::Error { code, message },
+                },
+                Err(r) => refused(r),
+            },
             Msg::Transferred {
                 handle,
                 offset,
@@ -523,6 +571,54 @@ impl<T> Session<T> {
             return Err((
                 ErrorCode::BadRequest,
                 "connect a QP before bounce requests".into(),
+            ));
+        }
+        Ok(e.region)
+    }
+}
+
+impl<T> Session<T> {
+    /// The checks of a TCP data request: an open handle of a region still served, a range
+    /// inside it of 1 to `bounce_chunk` bytes, and for a write a handle opened for writing of a
+    /// writable region. No QP is needed: the bytes travel on this connection.
+    fn tcp(
+        &self,
+        handle: u32,
+        offset: u64,
+        len: u64,
+        to_region: bool,
+        regions: &dyn Catalog,
+    ) -> Result<usize, Refusal> {
+        let e = self.entry(handle).ok_or_else(|| Self::not_open(handle))?;
+        let info = regions.info(e.region);
+        if regions.is_removed(e.region) {
+            return Err((
+                ErrorCode::Removed,
+                format!("region '{}' was removed from this server", info.name),
+            ));
+        }
+        if let Some(r) = out_of_range(info, offset, len) {
+            return Err(r);
+        }
+        let chunk = self.rules.bounce_chunk;
+        if len == 0 || len > chunk {
+            return Err((
+                ErrorCode::BadRequest,
+                format!("a TCP data request moves 1 to {chunk} bytes, not {len}"),
+            ));
+        }
+        if to_region && (info.access == AccessMode::ReadOnly || !e.writable) {
+            return Err((
+                ErrorCode::ReadOnly,
+                format!(
+                    "handle {handle} of region '{}' cannot be written: {}",
+                    info.name,
+                    if info.access == AccessMode::ReadOnly {
+                        "the region is read-only"
+                    } else {
+                        "it was opened for reading; open it for writing to put"
+                    }
+                ),
             ));
         }
         Ok(e.region)

@@ -186,6 +186,39 @@ impl Model {
                     "a put through a handle opened for reading"
                 );
             }
+            Step::TcpRead {
+                region,
+                offset,
+                len,
+            }
+            | Step::TcpWrite {
+                region,
+                offset,
+                len,
+            } => {
+                let (Msg::TcpRead { handle, .. } | Msg::TcpWrite { handle, .. }) = m else {
+                    panic!("a TCP data step for {m:?}")
+                };
+                let (open, writable) = self.handles[&handle];
+                assert_eq!(open, region);
+                assert!(!c.removed[region], "TCP data of a removed region");
+                assert!((1..=RULES.bounce_chunk).contains(&len));
+                assert!(offset
+                    .checked_add(len)
+                    .is_some_and(|e| e <= c.infos[region].size));
+                if matches!(m, Msg::TcpWrite { .. }) {
+                    assert!(writable, "a TCP write through a handle opened for reading");
+                    assert_eq!(c.infos[region].access, AccessMode::ReadWrite);
+                }
+            }
+            Step::Skip { len, reply } => {
+                let Msg::TcpWrite { len: said, .. } = m else {
+                    panic!("a skip step for {m:?}")
+                };
+                assert_eq!(len, said);
+                assert!(len <= RULES.bounce_chunk, "skipping more than a chunk");
+                assert!(matches!(reply, Msg::Error { .. }), "{reply:?}");
+            }
             Step::Checksum {
                 region,
                 offset,
@@ -309,7 +342,7 @@ impl<'a> Script<'a> {
     /// The next request, or None at the end of the bytes.
     pub(crate) fn next_msg(&mut self) -> Option<Msg> {
         let op = self.byte()?;
-        Some(match op % 12 {
+        Some(match op % 14 {
             0 => Msg::Open {
                 region: ["rw", "ro", "gone", "held", "x", ""][self.raw(1) as usize % 6].into(),
                 write: self.raw(1) % 2 == 0,
@@ -351,6 +384,16 @@ impl<'a> Script<'a> {
             },
             10 => Msg::Closed {
                 handle: self.handle(),
+            },
+            11 => Msg::TcpRead {
+                handle: self.handle(),
+                offset: self.u64(),
+                len: self.u64(),
+            },
+            12 => Msg::TcpWrite {
+                handle: self.handle(),
+                offset: self.u64(),
+                len: self.u64(),
             },
             _ if self.raw(1) % 2 == 0 => Msg::KeepAlive,
             _ => Msg::Bye,

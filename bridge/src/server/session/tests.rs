@@ -600,3 +600,59 @@ fn a_scoped_token_sees_and_writes_only_what_it_grants() {
     open(&mut s, &c, "rw", false, 0);
     open(&mut s, &c, "held", true, 0);
 }
+
+#[test]
+fn tcp_data_needs_an_open_handle_and_a_range_of_one_chunk_but_no_qp() {
+    let c = fake();
+    let mut s: Session<u32> = Session::new(RULES, Scope::All);
+    let rw = open(&mut s, &c, "rw", true, 0);
+    let ro = open(&mut s, &c, "ro", false, 1);
+    let read = |handle, offset, len| Msg::TcpRead {
+        handle,
+        offset,
+        len,
+    };
+    let write = |handle, offset, len| Msg::TcpWrite {
+        handle,
+        offset,
+        len,
+    };
+    // the direct part too, and without a QP: the bytes travel on this connection
+    assert!(matches!(
+        s.step(read(rw, 0, 4096), &c),
+        Step::TcpRead {
+            region: 0,
+            offset: 0,
+            len: 4096
+        }
+    ));
+    assert!(matches!(
+        s.step(write(rw, 100, 64 << 10), &c),
+        Step::TcpWrite { region: 0, .. }
+    ));
+    assert_eq!(
+        code(s.step(read(rw, (1 << 20) - 1, 2), &c)),
+        ErrorCode::OutOfRange
+    );
+    assert!(message(s.step(read(rw, 0, RULES.bounce_chunk + 1), &c)).contains("1 to"));
+    assert_eq!(code(s.step(read(rw, 0, 0), &c)), ErrorCode::BadRequest);
+    assert_eq!(code(s.step(read(99, 0, 1), &c)), ErrorCode::NotOpen);
+    // a refused write whose bytes follow on the wire: they are dropped, then the refusal
+    match s.step(write(ro, 0, 10), &c) {
+        Step::Skip {
+            len: 10,
+            reply: Msg::Error { code, .. },
+        } => assert_eq!(code, ErrorCode::ReadOnly),
+        other => panic!("{other:?}"),
+    }
+    let rw_for_reading = open(&mut s, &c, "rw", false, 2);
+    assert!(matches!(
+        s.step(write(rw_for_reading, 0, 10), &c),
+        Step::Skip { len: 10, .. }
+    ));
+    // more bytes than any request may carry are not read: the connection breaks on them
+    assert_eq!(
+        code(s.step(write(ro, 0, RULES.bounce_chunk + 1), &c)),
+        ErrorCode::BadRequest
+    );
+}

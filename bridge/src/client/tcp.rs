@@ -1,0 +1,226 @@
+//! The TCP data path of the client: for hosts without an RDMA device (or
+//! [`Transport::Tcp`]), fetch and put move the bytes over the control connection, with the
+//! same regions, checks and verification. Up to `depth` requests of one chunk are in flight;
+//! replies come back in order.
+
+use std::collections::VecDeque;
+use std::io::{Read, Write};
+use std::time::Instant;
+
+use super::window::{read_full, report};
+use super::{reply_err, Client, OpenRegion, TransferReport, Transport};
+use crate::error::{Error, Result};
+use crate::protocol::Msg;
+
+impl Client {
+    /// Why this client moves its bytes over TCP, once it decided to (None: RDMA, or no
+    /// transfer yet).
+    pub fn tcp_reason(&self) -> Option<&str> {
+        self.tcp.as_deref()
+    }
+
+    /// Whether the next transfer goes over TCP: `Transport::Tcp`; or `Auto` on a host where
+    /// no RDMA device opens (and none was named: a named device's error is the answer).
+    pub(super) fn over_tcp(&mut self) -> bool {
+        if self.rdma.is_some() {
+            return false;
+        }
+        if self.tcp.is_some() {
+            return true;
+        }
+        match self.cfg.transport {
+            Transport::Rdma => false,
+            Transport::Tcp => {
+                self.tcp = Some("the TCP transport was asked for".into());
+                true
+            }
+            Transport::Auto if self.cfg.device.is_some() => false,
+            Transport::Auto => match verbs::Context::open(None) {
+                Ok(_) => false,
+                Err(e) => {
+                    tracing::warn!(error = %e, "no RDMA device: moving the bytes over TCP");
+                    self.tcp = Some(format!("no RDMA device on this host ({e})"));
+                    true
+                }
+            },
+        }
+    }
+
+    /// The chunk of a TCP request: ours, at most what the server accepts.
+    fn tcp_chunk(&self, r: &OpenRegion) -> u64 {
+        (self.cfg.chunk as u64).min(r.bounce_chunk).max(1)
+    }
+
+    /// After an error, read the replies of the requests still in flight (each a refusal, or
+    /// data to drop), so that the connection stays in step for the next request.
+    async fn settle_tcp(&mut self, inflight: &mut VecDeque<u64>) {
+        while let Some(n) = inflight.pop_front() {
+            match self.conn.recv(Some(self.cfg.timeout), "tcp data").await {
+                Ok(Msg::TcpData { len }) if len == n => {
+                    if self
+                        .conn
+                        .recv_payload(n as usize, Some(self.cfg.timeout))
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+                Ok(_) => {}
+                Err(_) => return,
+            }
+        }
+    }
+
+    pub(super) async fn fetch_tcp(
+        &mut self,
+        r: &OpenRegion,
+        offset: u64,
+        len: u64,
+        sink: &mut (dyn Write + Send),
+        verify: bool,
+        progress: &mut (dyn FnMut(u64) + Send),
+    ) -> Result<TransferReport> {
+        let chunk = self.tcp_chunk(r);
+        let depth = self.depth().max(1);
+        let stall = Some(self.cfg.timeout);
+        let start = Instant::now();
+        let mut inflight: VecDeque<u64> = VecDeque::with_capacity(depth);
+        let (mut sent, mut done, mut crc) = (0u64, 0u64, 0u32);
+        let result: Result<()> = async {
+            while done < len {
+                while inflight.len() < depth && sent < len {
+                    let n = chunk.min(len - sent);
+                    let m = Msg::TcpRead {
+                        handle: r.handle,
+                        offset: offset + sent,
+                        len: n,
+                    };
+                    self.conn.send(&m).await?;
+                    inflight.push_back(n);
+                    sent += n;
+                }
+                let n = inflight.front().copied().expect("a request in flight");
+                match self.conn.recv(stall, "tcp data").await? {
+                    Msg::TcpData { len: got } if got == n => {}
+                    other => {
+                        inflight.pop_front();
+                        return Err(reply_err(&self.conn.peer, other, "tcp data"));
+                    }
+                }
+                let data = self.conn.recv_payload(n as usize, stall).await?;
+                inflight.pop_front();
+                crc = crc32c::crc32c_append(crc, &data);
+                sink.write_all(&data)
+                    .map_err(|e| Error::io("writing the fetched data", e))?;
+                done += n;
+                progress(done);
+            }
+            Ok(())
+        }
+        .await;
+        if let Err(e) = result {
+            self.settle_tcp(&mut inflight).await;
+            return Err(e);
+        }
+        let seconds = start.elapsed().as_secs_f64();
+        let verified = verify && self.verify(r, "fetch", offset, len, crc).await?;
+        let mut rep = report("fetch", r, offset, len, seconds, crc, verified, [0; 3]);
+        rep.tcp_bytes = len;
+        Ok(rep)
+    }
+
+    pub(super) async fn put_tcp(
+        &mut self,
+        r: &OpenRegion,
+        offset: u64,
+        source: &mut (dyn Read + Send),
+        limit: Option<u64>,
+        verify: bool,
+        progress: &mut (dyn FnMut(u64) + Send),
+    ) -> Result<TransferReport> {
+        let room = r.info.size - offset;
+        let max = limit.unwrap_or(room);
+        let chunk = self.tcp_chunk(r);
+        let depth = self.depth().max(1);
+        let stall = Some(self.cfg.timeout);
+        let start = Instant::now();
+        let mut buf = vec![0u8; chunk as usize];
+        let mut inflight: VecDeque<u64> = VecDeque::with_capacity(depth);
+        let (mut posted, mut done, mut crc) = (0u64, 0u64, 0u32);
+        let mut overflow = false;
+        let result: Result<()> = async {
+            let mut eof = false;
+            loop {
+                while inflight.len() < depth && !eof && posted < max {
+                    let want = chunk.min(max - posted) as usize;
+                    let n = read_full(source, &mut buf[..want])
+                        .map_err(|e| Error::io("reading the data to put", e))?;
+                    if n < want {
+                        eof = true;
+                    }
+                    if n == 0 {
+                        break;
+                    }
+                    crc = crc32c::crc32c_append(crc, &buf[..n]);
+                    let m = Msg::TcpWrite {
+                        handle: r.handle,
+                        offset: offset + posted,
+                        len: n as u64,
+                    };
+                    self.conn.send_with(&m, &buf[..n]).await?;
+                    inflight.push_back(n as u64);
+                    posted += n as u64;
+                }
+                if !eof && posted >= max && limit.is_none() {
+                    // the region is full: is there more input?
+                    let mut probe = [0u8; 1];
+                    if read_full(source, &mut probe)
+                        .map_err(|e| Error::io("reading the data to put", e))?
+                        > 0
+                    {
+                        overflow = true;
+                    }
+                    eof = true;
+                }
+                let Some(n) = inflight.pop_front() else {
+                    break;
+                };
+                match self.conn.recv(stall, "tcp written").await? {
+                    Msg::TcpWritten { len } if len == n => {}
+                    other => return Err(reply_err(&self.conn.peer, other, "tcp written")),
+                }
+                done += n;
+                progress(done);
+            }
+            Ok(())
+        }
+        .await;
+        if let Err(e) = result {
+            // the replies still due: refusals or acknowledgements, no data
+            for _ in inflight.drain(..) {
+                if self.conn.recv(stall, "tcp written").await.is_err() {
+                    break;
+                }
+            }
+            return Err(e);
+        }
+        if overflow {
+            return Err(Error::Server {
+                code: crate::protocol::ErrorCode::OutOfRange,
+                message: format!(
+                    "the input is longer than the {room} bytes from offset {offset} to the end of region '{}'; \
+                     the first {done} bytes were written",
+                    r.info.name
+                ),
+            });
+        }
+        // acknowledged only once the server made it durable
+        self.flush(r, offset, done).await?;
+        let seconds = start.elapsed().as_secs_f64();
+        let verified = verify && self.verify(r, "put", offset, done, crc).await?;
+        let mut rep = report("put", r, offset, done, seconds, crc, verified, [0; 3]);
+        rep.tcp_bytes = done;
+        Ok(rep)
+    }
+}
