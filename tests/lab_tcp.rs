@@ -115,10 +115,13 @@ async fn lab_cli_without_an_rdma_device_fetches_and_puts_over_tcp_and_says_why()
     let token = dir.join("token");
     std::fs::write(&token, TOKEN).unwrap();
     let bin = env!("CARGO_BIN_EXE_p2p-rdma");
-    // a host where no RDMA device shows: an empty sysfs class directory in a mount namespace
+    // a host where no RDMA device shows: in a mount namespace, empty directories over the
+    // device nodes and the sysfs classes (libibverbs may list devices over netlink, but cannot
+    // open one without its /dev/infiniband node)
     let no_rdma = |args: String| {
         let script = format!(
-            "mount -t tmpfs none /sys/class/infiniband_verbs && exec {bin} {args} --token-file {}",
+            "for d in /dev/infiniband /sys/class/infiniband /sys/class/infiniband_verbs; do \
+             mount -t tmpfs none $d || exit 99; done; exec {bin} {args} --token-file {}",
             token.display()
         );
         let addr = s.addr;
