@@ -44,6 +44,17 @@ fn lab_devices_json_lists_the_device_with_a_roce_v2_gid() {
         t.contains(&dev) && t.contains("RoCEv2") && t.contains("software RDMA"),
         "{t}"
     );
+    // the default GID is marked, and the mark explained: the RoCE v2 one with an IPv4 address
+    let marked: Vec<&str> = t
+        .lines()
+        .filter(|l| l.trim_start().starts_with("* GID["))
+        .collect();
+    assert_eq!(marked.len(), 1, "{t}");
+    assert!(
+        marked[0].contains("::ffff:") && marked[0].contains("RoCEv2"),
+        "{t}"
+    );
+    assert!(t.contains("--gid-index N overrides"), "{t}");
 }
 
 #[test]

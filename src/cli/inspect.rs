@@ -315,10 +315,12 @@ pub(crate) fn devices(json: bool) -> anyhow::Result<()> {
                 "  port {}: {} ({}), MTU {} active / {} max, LID {}",
                 p.port, p.state, p.link_layer, p.active_mtu, p.max_mtu, p.lid
             )?;
+            let default = verbs::pick_gid(&p.gids).map(|g| g.index);
             for g in &p.gids {
                 writeln!(
                     o,
-                    "    GID[{}] {:<40} {:<10} {}",
+                    "  {} GID[{}] {:<40} {:<10} {}",
+                    if Some(g.index) == default { "*" } else { " " },
                     g.index,
                     g.gid.to_string(),
                     serde_json::to_value(g.kind)
@@ -330,6 +332,12 @@ pub(crate) fn devices(json: bool) -> anyhow::Result<()> {
             }
         }
     }
+    o.push_str(
+        "\n* the GID a QP uses when nothing else decides: the first RoCE v2 GID with an IPv4 \
+         address. serve, fetch, put and bench prefer the RoCE v2 GID that carries the local \
+         address of their TCP control connection (so RDMA takes the same interface); \
+         --gid-index N overrides both.\n",
+    );
     emit(&o)?;
     Ok(())
 }
