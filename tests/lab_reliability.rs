@@ -543,14 +543,23 @@ async fn lab_reliability_a_server_killed_mid_put_loses_no_acknowledged_byte() {
     let mut c2 = Client::connect(small_client(addr)).await.unwrap();
     let h2 = c2.open("f", true).await.unwrap();
     let started = Instant::now();
+    let moved = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let seen = std::sync::Arc::clone(&moved);
     let put = tokio::spawn(async move {
         let mut src: &[u8] = &second;
         let r = c2
-            .put(&h2, 8 << 20, &mut src, None, true, &mut |_| {})
+            .put(&h2, 8 << 20, &mut src, None, true, &mut |d| {
+                seen.store(d, std::sync::atomic::Ordering::SeqCst)
+            })
             .await;
         (r, started.elapsed())
     });
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // cut it once its first 2 MiB are in: mid-put whatever the lab's speed
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while moved.load(std::sync::atomic::Ordering::SeqCst) < 2 << 20 {
+        assert!(Instant::now() < deadline, "the second put did not start");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     server.kill();
     let killed_at = started.elapsed();
     let (res, ended) = tokio::time::timeout(Duration::from_secs(120), put)
