@@ -84,7 +84,7 @@ pub struct RegionOptions {
     pub policy: Option<peermem::hmm::Policy>,
 }
 
-/// `NAME=KIND:ARGS[,OPTION=VALUE]...`, see [`RegionSpec::FORMS`].
+/// `NAME=KIND:ARGS[,OPTION=VALUE]...`; `p2p-rdma serve --help` lists every form.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RegionSpec {
     /// Name clients use.

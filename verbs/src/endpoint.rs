@@ -9,7 +9,7 @@ use sideway::ibverbs::device_context::Mtu;
 use crate::error::{Error, Result};
 
 /// Everything the peer needs to connect its QP to ours (exchanged over the caller's control
-/// connection; [`QueuePair::connect`] checks every field, whatever carried it).
+/// connection; [`QueuePair::connect`](crate::QueuePair::connect) checks every field, whatever carried it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Endpoint {
     /// LID (InfiniBand; 0 on RoCE).

@@ -63,7 +63,7 @@ pub struct QpOptions {
     /// Port (default: the first ACTIVE port with a usable GID).
     pub port: Option<u8>,
     /// GID index (default: the RoCE v2 GID of `local_ip` if one carries it, else RoCE v2 with
-    /// an IPv4-mapped address, see [`pick_gid`]).
+    /// an IPv4-mapped address, see [`pick_gid`](crate::pick_gid)).
     pub gid_index: Option<u32>,
     /// The address our control connection uses: without `gid_index`, the RoCE v2 GID that
     /// carries it is preferred, so RDMA takes the same interface as the TCP connection.

@@ -1,23 +1,29 @@
-//! The server: a catalog of regions served over RC QPs, one PD + QP per connection.
+//! The server: a catalog of regions served over RC QPs, one QP per connection.
 //!
-//! Each region's memory comes from a [`Provider`] (host RAM, a file, NVMe CMB through P2PDMA,
-//! a dma-buf). At start-up the server decides, per region, the path its bytes take
+//! Each region's memory comes from a [`peermem::Provider`] (host RAM, a file, NVMe CMB through
+//! P2PDMA, a dma-buf, device-private memory). When a region is built (at start-up, or by
+//! [`ServerHandle::add_region`]) the server decides the path its bytes take
 //! ([`peermem::plan::decide`]): **direct** — one-sided RDMA on an MR of the memory, with the
 //! first registration strategy that a canary proves — or **bounce** — the provider's copy
 //! engine plus a ring of registered host staging buffers per connection, the server
 //! RDMA-WRITEs (fetch) or RDMA-READs (put) the client's buffer. A region may be direct for its
 //! first `window` bytes and bounce for the rest (mixed); clients see the split in `ls`.
+//! Clients without an RDMA device move bytes over the control connection instead (`tcp`).
 //!
-//! Each connection gets its own protection domain, so an rkey handed to one client is useless
-//! on another client's QP; MRs are registered per connection through a registration cache
-//! (a reopened region is a hit) and released when the connection ends, so a vanished client
-//! leaves nothing behind. A region can be removed while clients use it
-//! ([`ServerHandle::remove_region`]): its registrations are revoked, in-flight bounce copies
-//! finish, and the memory is freed only when nothing refers to it any more.
+//! A region's direct part is registered once, in the server's protection domain, with no
+//! remote access of its own; each open binds a memory window over it on the client's own QP
+//! (`windows`), so an rkey handed to one client is useless on another client's QP and dies
+//! with the handle. On a device without memory windows, or a server that serves read-only
+//! memory, each connection registers what it opens in a protection domain of its own, through
+//! a registration cache. A region can be removed while clients use it
+//! ([`ServerHandle::remove_region`]): its windows and registrations are revoked, in-flight
+//! bounce copies finish, and the memory is freed only when nothing refers to it any more.
+//! Completed puts are announced on [`ServerHandle::put_notices`].
 //!
 //! The code is split by concern: [`config`] (settings), `regions` (the region table),
-//! `session` (the protocol rules of a connection, sans-IO), `driver` (the connection task that
-//! feeds the session and carries out its steps) and `bounce` (the staging pipeline).
+//! `windows` (one registration per region), `session` (the protocol rules of a connection,
+//! sans-IO), `driver` (the connection task that feeds the session and carries out its steps),
+//! `bounce` (the staging pipeline), `tcp` (the TCP data path) and `notices` (put notices).
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -401,7 +407,8 @@ impl ServerHandle {
 impl ServerHandle {
     /// The owner of a device-private region (`devpriv:memfd`) freed or moved the units
     /// overlapping `range`: their window mappings are revoked (waiting at most `timeout` for
-    /// transfers using them), transfers planned before fail with [`ErrorCode::Invalidated`],
+    /// transfers using them), transfers planned before fail with
+    /// [`ErrorCode::Invalidated`](crate::protocol::ErrorCode::Invalidated),
     /// and a freed unit is never read or written again. Returns how many window mappings were
     /// revoked.
     pub async fn invalidate(

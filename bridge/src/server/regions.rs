@@ -68,7 +68,7 @@ pub(super) fn removed(name: &str) -> Refusal {
     )
 }
 
-/// What [`ServerHandle::remove_region`] did.
+/// What [`ServerHandle::remove_region`](super::ServerHandle::remove_region) did.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Removal {
     /// Region.
