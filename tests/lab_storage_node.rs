@@ -257,6 +257,28 @@ async fn lab_regions_added_and_removed_while_clients_fetch_and_puts_are_noticed(
         .unwrap();
     let rb = d.open("b", false).await.unwrap();
     assert_eq!(rb.info.size, 1 << 20);
+    // read-only memory added to a server that isolates clients with memory windows cannot
+    // carry one: it is served through bounce buffers, and its reason says why
+    let ro = std::env::temp_dir().join("lab-storage-ro.bin");
+    std::fs::write(&ro, data(1 << 20, 3)).unwrap();
+    let info = s
+        .handle
+        .add_region(format!("ro=file:{}:ro", ro.display()).parse().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(info.path, DataPath::Bounce, "{info:?}");
+    assert!(
+        info.reason.contains("region 'ro' is read-only memory")
+            && info.reason.contains("memory window"),
+        "{}",
+        info.reason
+    );
+    let r = d.open("ro", false).await.unwrap();
+    let mut sink = Vec::new();
+    d.fetch(&r, 0, 1 << 20, &mut sink, true, &mut |_| {})
+        .await
+        .unwrap();
+    assert_eq!(sink, data(1 << 20, 3));
     d.bye().await.unwrap();
     stop_tx.send(()).unwrap();
     let (mut c, a, rounds) = fetcher.await.unwrap();

@@ -244,152 +244,148 @@ pub(super) async fn build_region(
     read_only: bool,
     opts: RegionOptions,
 ) -> Result<Region> {
-    {
-        let len = provider.len();
-        let choice = opts.choice(len, cfg.reg, cfg.p2p);
-        let residency_before = provider.residency();
-        let (planned, window) = crate::path::decide_prefix(pd, &provider, choice)
-            .await
-            .map_err(|r| {
-                Error::Config(format!(
-                    "region '{name}' ({}) is refused: {r}",
-                    provider.describe()
-                ))
-            })?;
-        drop(planned.mr);
-        let d = planned.decision;
-        for a in &d.attempts {
-            let result = match &a.outcome {
-                peermem::canary::AttemptOutcome::NotApplicable { .. } => "not-applicable",
-                peermem::canary::AttemptOutcome::RegistrationFailed { .. } => "registration-failed",
-                peermem::canary::AttemptOutcome::CanaryFailed { .. } => "canary-failed",
-                peermem::canary::AttemptOutcome::CanaryError { .. } => "canary-error",
-                peermem::canary::AttemptOutcome::Works { .. } => "works",
-            };
-            cfg.metrics
-                .canary
-                .get_or_create(&crate::metrics::CanaryLabels {
-                    region: name.clone(),
-                    strategy: a.mode.to_string(),
-                    result: result.to_string(),
-                })
-                .inc();
-        }
-        let mut direct_len = if d.path == PathKind::Direct {
-            window
-        } else {
-            0
+    let len = provider.len();
+    let choice = opts.choice(len, cfg.reg, cfg.p2p);
+    let residency_before = provider.residency();
+    let (planned, window) = crate::path::decide_prefix(pd, &provider, choice)
+        .await
+        .map_err(|r| {
+            Error::Config(format!(
+                "region '{name}' ({}) is refused: {r}",
+                provider.describe()
+            ))
+        })?;
+    drop(planned.mr);
+    let d = planned.decision;
+    for a in &d.attempts {
+        let result = match &a.outcome {
+            peermem::canary::AttemptOutcome::NotApplicable { .. } => "not-applicable",
+            peermem::canary::AttemptOutcome::RegistrationFailed { .. } => "registration-failed",
+            peermem::canary::AttemptOutcome::CanaryFailed { .. } => "canary-failed",
+            peermem::canary::AttemptOutcome::CanaryError { .. } => "canary-error",
+            peermem::canary::AttemptOutcome::Works { .. } => "works",
         };
-        let (shared, shared_note) = match d.mode.filter(|_| direct_len > 0 && sharing.windows()) {
-            None => (None, String::new()),
-            Some(mode) => {
-                let writable = !read_only && !provider.holds_data();
-                match windows::share(pd, &provider, direct_len, mode, writable).await {
-                    Ok(mr) => {
-                        cfg.metrics
-                            .shared_registered_bytes
-                            .inc_by(direct_len as i64);
-                        (
-                            Some(mr),
-                            format!(
+        cfg.metrics
+            .canary
+            .get_or_create(&crate::metrics::CanaryLabels {
+                region: name.clone(),
+                strategy: a.mode.to_string(),
+                result: result.to_string(),
+            })
+            .inc();
+    }
+    let mut direct_len = if d.path == PathKind::Direct {
+        window
+    } else {
+        0
+    };
+    let (shared, shared_note) = match d.mode.filter(|_| direct_len > 0 && sharing.windows()) {
+        None => (None, String::new()),
+        Some(mode) => {
+            let writable = !read_only && !provider.holds_data();
+            match windows::share(pd, &name, &provider, direct_len, mode, writable).await {
+                Ok(mr) => {
+                    cfg.metrics
+                        .shared_registered_bytes
+                        .inc_by(direct_len as i64);
+                    (
+                        Some(mr),
+                        format!(
                             "; registered once ({direct_len} bytes, no remote access of its own): \
-                             each open binds a memory window on the client's QP"
+                         each open binds a memory window on the client's QP"
                         ),
-                        )
-                    }
-                    Err(why) => {
-                        tracing::warn!(region = %name, why, "no memory window over the region");
-                        direct_len = 0;
-                        (
-                            None,
-                            format!(
-                                "; the {mode} registration works, but {why}: this server isolates \
-                                 clients with memory windows, so the region goes through bounce \
-                                 buffers"
-                            ),
-                        )
-                    }
+                    )
+                }
+                Err(why) => {
+                    tracing::warn!(region = %name, why, "no memory window over the region");
+                    direct_len = 0;
+                    (
+                        None,
+                        format!(
+                            "; the {mode} registration works, but {why}: this server isolates \
+                             clients with memory windows, so the region goes through bounce \
+                             buffers"
+                        ),
+                    )
                 }
             }
-        };
-        let mut extents = Vec::new();
-        if direct_len > 0 {
-            extents.push(Extent {
-                offset: 0,
-                len: direct_len,
-                path: DataPath::Direct,
-            });
         }
-        if direct_len < len {
-            extents.push(Extent {
-                offset: direct_len,
-                len: len - direct_len,
-                path: DataPath::Bounce,
-            });
-        }
-        let path = match (direct_len, direct_len == len) {
-            (_, true) => DataPath::Direct,
-            (0, _) => DataPath::Bounce,
-            _ => DataPath::Mixed,
-        };
-        let mut reason = d.reason.clone();
-        reason.push_str(&shared_note);
-        if let (Some(before), Some(after)) = (residency_before, provider.residency()) {
-            reason.push_str(&format!(
-                "; pages before registration: {before}; after: {after}"
-            ));
-        }
-        if direct_len > 0 && direct_len < len {
-            reason.push_str(&format!(
-                "; bytes from {direct_len} on are beyond the {direct_len}-byte P2P window and go through bounce buffers"
-            ));
-        }
-        let mut window_mode = None;
-        if let Some(dp) =
-            peermem::hmm::DevicePrivate::of(&*provider).filter(|d| d.window_size() > 0)
-        {
-            let proof = peermem::plan::prove_window(pd, dp, choice.reg, choice.p2p).await;
-            tracing::info!(region = %name, mode = ?proof.mode, why = proof.reason, "P2P window units");
-            window_mode = proof.mode;
-            reason.push_str(&format!("; window units: {}", proof.reason));
-        }
-        let access = if read_only {
-            AccessMode::ReadOnly
-        } else {
-            AccessMode::ReadWrite
-        };
-        let server_puts = !read_only && provider.holds_data();
-        if server_puts {
-            reason.push_str(
-                "; puts go through the server and are made durable before they are acknowledged \
-                 (the memory holds data the server did not create: no rkey allows remote writes)",
-            );
-        }
-        tracing::info!(region = %name, %path, reason, "region ready");
-        let weak = Arc::downgrade(&provider);
-        Ok(Region {
-            info: RegionInfo {
-                name,
-                size: len,
-                access,
-                kind: provider.kind().to_string(),
-                path,
-                reason,
-                strategy: d.mode.filter(|_| direct_len > 0).map(|m| m.to_string()),
-                extents,
-                residency: None,
-                server_puts,
-            },
-            provider: Mutex::new(Some(provider)),
-            weak,
-            direct_len,
-            mode: d.mode,
-            attempts: d.attempts,
-            removed: AtomicBool::new(false),
-            window_mode,
-            shared: Mutex::new(shared),
-        })
+    };
+    let mut extents = Vec::new();
+    if direct_len > 0 {
+        extents.push(Extent {
+            offset: 0,
+            len: direct_len,
+            path: DataPath::Direct,
+        });
     }
+    if direct_len < len {
+        extents.push(Extent {
+            offset: direct_len,
+            len: len - direct_len,
+            path: DataPath::Bounce,
+        });
+    }
+    let path = match (direct_len, direct_len == len) {
+        (_, true) => DataPath::Direct,
+        (0, _) => DataPath::Bounce,
+        _ => DataPath::Mixed,
+    };
+    let mut reason = d.reason.clone();
+    reason.push_str(&shared_note);
+    if let (Some(before), Some(after)) = (residency_before, provider.residency()) {
+        reason.push_str(&format!(
+            "; pages before registration: {before}; after: {after}"
+        ));
+    }
+    if direct_len > 0 && direct_len < len {
+        reason.push_str(&format!(
+            "; bytes from {direct_len} on are beyond the {direct_len}-byte P2P window and go through bounce buffers"
+        ));
+    }
+    let mut window_mode = None;
+    if let Some(dp) = peermem::hmm::DevicePrivate::of(&*provider).filter(|d| d.window_size() > 0) {
+        let proof = peermem::plan::prove_window(pd, dp, choice.reg, choice.p2p).await;
+        tracing::info!(region = %name, mode = ?proof.mode, why = proof.reason, "P2P window units");
+        window_mode = proof.mode;
+        reason.push_str(&format!("; window units: {}", proof.reason));
+    }
+    let access = if read_only {
+        AccessMode::ReadOnly
+    } else {
+        AccessMode::ReadWrite
+    };
+    let server_puts = !read_only && provider.holds_data();
+    if server_puts {
+        reason.push_str(
+            "; puts go through the server and are made durable before they are acknowledged \
+             (the memory holds data the server did not create: no rkey allows remote writes)",
+        );
+    }
+    tracing::info!(region = %name, %path, reason, "region ready");
+    let weak = Arc::downgrade(&provider);
+    Ok(Region {
+        info: RegionInfo {
+            name,
+            size: len,
+            access,
+            kind: provider.kind().to_string(),
+            path,
+            reason,
+            strategy: d.mode.filter(|_| direct_len > 0).map(|m| m.to_string()),
+            extents,
+            residency: None,
+            server_puts,
+        },
+        provider: Mutex::new(Some(provider)),
+        weak,
+        direct_len,
+        mode: d.mode,
+        attempts: d.attempts,
+        removed: AtomicBool::new(false),
+        window_mode,
+        shared: Mutex::new(shared),
+    })
 }
 
 /// CRC-32C of a range of a region's memory, reading it in chunks through its copy engine.

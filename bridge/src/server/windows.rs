@@ -61,11 +61,7 @@ fn loopback(pd: &ProtectionDomain) -> verbs::Result<(QueuePair, QueuePair)> {
         max_recv_wr: 1,
         ..QpOptions::default()
     };
-    let a = QueuePair::new(pd, opts.clone())?;
-    let b = QueuePair::new(pd, opts)?;
-    a.connect(&b.endpoint())?;
-    b.connect(&a.endpoint())?;
-    Ok((a, b))
+    QueuePair::loopback_pair(pd, opts)
 }
 
 /// Read `range` of `mr` through a window bound on a loopback QP; the bytes read.
@@ -112,13 +108,14 @@ pub(super) async fn probe(pd: &ProtectionDomain) -> Sharing {
 /// CPU sees. Pinning every page takes long for a large region: done off the async workers.
 pub(super) async fn share(
     pd: &ProtectionDomain,
+    name: &str,
     provider: &Arc<dyn Provider>,
     direct_len: u64,
     mode: RegMode,
     writable: bool,
 ) -> Result<Arc<DeviceMr>, String> {
     if !provider.writable() {
-        return Err(read_only_reason("this"));
+        return Err(read_only_reason(name));
     }
     let access = if writable {
         Access::MW_BIND | Access::LOCAL_WRITE
