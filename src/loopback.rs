@@ -120,10 +120,7 @@ pub async fn run(cfg: &LoopbackConfig) -> Result<LoopbackReport, LoopbackError> 
         cq_mode: cfg.cq_mode,
         ..QpOptions::default()
     };
-    let a = QueuePair::new(&pd, opts.clone())?;
-    let b = QueuePair::new(&pd, opts)?;
-    a.connect(&b.endpoint())?;
-    b.connect(&a.endpoint())?;
+    let (a, b) = QueuePair::loopback_pair(&pd, opts)?;
     let path_mtu = verbs::negotiate_mtu(a.endpoint().mtu, b.endpoint().mtu);
     let reg = |len, access| -> Result<RegisteredBuffer, verbs::Error> {
         pd.register(HostBuffer::new(len)?, access, RegMode::Pinned)

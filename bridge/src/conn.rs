@@ -51,19 +51,45 @@ impl Conn {
     }
 
     pub(crate) async fn send(&mut self, m: &Msg) -> Result<()> {
-        let bytes = encode(m);
-        let write = self.stream.write_all(&bytes);
-        let res = match self.send_timeout {
-            Some(t) => tokio::time::timeout(t, write)
+        self.write(
+            &encode(m),
+            "the peer to read a reply (it stopped reading)",
+            || format!("sending '{}'", m.kind()),
+        )
+        .await
+    }
+
+    /// Send a message and the `data` it announces (the TCP data path).
+    pub(crate) async fn send_with(&mut self, m: &Msg, data: &[u8]) -> Result<()> {
+        self.send(m).await?;
+        self.write(data, "the peer to read data (it stopped reading)", || {
+            format!("sending {} bytes", data.len())
+        })
+        .await
+    }
+
+    /// Write `bytes` within the send timeout; `waiting` names what a timeout waited for,
+    /// `doing` what failed.
+    async fn write(
+        &mut self,
+        bytes: &[u8],
+        waiting: &'static str,
+        doing: impl FnOnce() -> String,
+    ) -> Result<()> {
+        let Conn {
+            stream,
+            peer,
+            send_timeout,
+            ..
+        } = self;
+        let peer: &str = peer;
+        let write = async {
+            stream
+                .write_all(bytes)
                 .await
-                .map_err(|_| Error::Timeout {
-                    peer: self.peer.clone(),
-                    what: "the peer to read a reply (it stopped reading)",
-                    secs: t.as_secs(),
-                })?,
-            None => write.await,
+                .map_err(|e| Error::io(format!("{} to {peer}", doing()), e))
         };
-        res.map_err(|e| Error::io(format!("sending '{}' to {}", m.kind(), self.peer), e))
+        within(*send_timeout, peer, waiting, write).await
     }
 
     /// The next message; `want` names what the caller waits for (for error messages).
@@ -72,34 +98,8 @@ impl Conn {
         timeout: Option<Duration>,
         want: &'static str,
     ) -> Result<Msg> {
-        let fut = self.recv_inner(want);
-        match timeout {
-            Some(t) => tokio::time::timeout(t, fut)
-                .await
-                .map_err(|_| Error::Timeout {
-                    peer: self.peer.clone(),
-                    what: want,
-                    secs: t.as_secs(),
-                })?,
-            None => fut.await,
-        }
-    }
-
-    /// Send a message and the `data` it announces (the TCP data path).
-    pub(crate) async fn send_with(&mut self, m: &Msg, data: &[u8]) -> Result<()> {
-        self.send(m).await?;
-        let write = self.stream.write_all(data);
-        let res = match self.send_timeout {
-            Some(t) => tokio::time::timeout(t, write)
-                .await
-                .map_err(|_| Error::Timeout {
-                    peer: self.peer.clone(),
-                    what: "the peer to read data (it stopped reading)",
-                    secs: t.as_secs(),
-                })?,
-            None => write.await,
-        };
-        res.map_err(|e| Error::io(format!("sending {} bytes to {}", data.len(), self.peer), e))
+        let peer = self.peer.clone();
+        within(timeout, &peer, want, self.recv_inner(want)).await
     }
 
     /// The `n` raw bytes that follow the message just received.
@@ -108,40 +108,24 @@ impl Conn {
         n: usize,
         timeout: Option<Duration>,
     ) -> Result<Vec<u8>> {
+        let peer = self.peer.clone();
         let fut = async {
-            let mut buf = vec![0u8; 64 * 1024];
             loop {
                 if let Some(p) = self.dec.next_payload(n) {
                     return Ok(p);
                 }
-                let k = self
-                    .stream
-                    .read(&mut buf)
-                    .await
-                    .map_err(|e| Error::io(format!("reading from {}", self.peer), e))?;
-                if k == 0 {
+                if self.read_some().await? == 0 {
                     return Err(Error::Closed {
                         peer: self.peer.clone(),
                         during: format!(" in the middle of {n} bytes of data"),
                     });
                 }
-                self.dec.feed(&buf[..k]);
             }
         };
-        match timeout {
-            Some(t) => tokio::time::timeout(t, fut)
-                .await
-                .map_err(|_| Error::Timeout {
-                    peer: self.peer.clone(),
-                    what: "data",
-                    secs: t.as_secs(),
-                })?,
-            None => fut.await,
-        }
+        within(timeout, &peer, "data", fut).await
     }
 
     async fn recv_inner(&mut self, want: &'static str) -> Result<Msg> {
-        let mut buf = [0u8; 16 * 1024];
         loop {
             match self.dec.next_msg() {
                 Ok(Some(m)) => return Ok(m),
@@ -153,12 +137,7 @@ impl Conn {
                     })
                 }
             }
-            let n = self
-                .stream
-                .read(&mut buf)
-                .await
-                .map_err(|e| Error::io(format!("reading from {}", self.peer), e))?;
-            if n == 0 {
+            if self.read_some().await? == 0 {
                 return Err(match self.dec.finish() {
                     Ok(()) => Error::Closed {
                         peer: self.peer.clone(),
@@ -170,11 +149,42 @@ impl Conn {
                     },
                 });
             }
-            self.dec.feed(&buf[..n]);
         }
+    }
+
+    /// Read what the peer sent into the decoder; 0 at the end of the stream.
+    async fn read_some(&mut self) -> Result<usize> {
+        let mut buf = [0u8; 16 * 1024];
+        let n = self
+            .stream
+            .read(&mut buf)
+            .await
+            .map_err(|e| Error::io(format!("reading from {}", self.peer), e))?;
+        self.dec.feed(&buf[..n]);
+        Ok(n)
     }
 
     pub(crate) async fn shutdown(&mut self) {
         let _ = self.stream.shutdown().await;
+    }
+}
+
+/// `fut` within `limit` (None: as long as it takes); a timeout names `peer` and `what` was
+/// awaited.
+async fn within<T>(
+    limit: Option<Duration>,
+    peer: &str,
+    what: &'static str,
+    fut: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
+    match limit {
+        Some(t) => tokio::time::timeout(t, fut)
+            .await
+            .map_err(|_| Error::Timeout {
+                peer: peer.to_string(),
+                what,
+                secs: t.as_secs(),
+            })?,
+        None => fut.await,
     }
 }

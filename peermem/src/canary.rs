@@ -299,10 +299,7 @@ pub fn register_mode(
 /// memory only the READ half runs (against the CPU's view of the bytes).
 pub async fn run_canary(pd: &ProtectionDomain, region: &DeviceMr) -> Result<CanaryReport, Error> {
     let prov = region.provider();
-    let a = QueuePair::new(pd, QpOptions::default())?;
-    let b = QueuePair::new(pd, QpOptions::default())?;
-    a.connect(&b.endpoint())?;
-    b.connect(&a.endpoint())?;
+    let (a, b) = QueuePair::loopback_pair(pd, QpOptions::default())?;
     let path_mtu = verbs::negotiate_mtu(a.endpoint().mtu, b.endpoint().mtu);
     let region_len = region.mr().len() as u64;
     let (offset, len) = scratch_range(region_len, path_mtu);

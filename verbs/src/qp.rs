@@ -258,6 +258,16 @@ impl QueuePair {
         })
     }
 
+    /// Two QPs on `pd`, each connected to the other (loopback on one port): for canaries,
+    /// probes and benchmarks of a device against itself.
+    pub fn loopback_pair(pd: &ProtectionDomain, opts: QpOptions) -> Result<(QueuePair, QueuePair)> {
+        let a = QueuePair::new(pd, opts.clone())?;
+        let b = QueuePair::new(pd, opts)?;
+        a.connect(&b.endpoint())?;
+        b.connect(&a.endpoint())?;
+        Ok((a, b))
+    }
+
     /// Our side of the connection.
     pub fn endpoint(&self) -> Endpoint {
         let i = &self.inner;

@@ -41,10 +41,7 @@ struct Pair {
 fn pair_with(opts: QpOptions) -> Pair {
     let ctx = device();
     let pd = ProtectionDomain::new(&ctx).unwrap();
-    let a = QueuePair::new(&pd, opts.clone()).unwrap();
-    let b = QueuePair::new(&pd, opts).unwrap();
-    a.connect(&b.endpoint()).unwrap();
-    b.connect(&a.endpoint()).unwrap();
+    let (a, b) = QueuePair::loopback_pair(&pd, opts).unwrap();
     assert_eq!(a.state().unwrap(), QpState::Rts);
     Pair { pd, a, b }
 }
@@ -591,11 +588,7 @@ fn window_pair(pd: &ProtectionDomain) -> (QueuePair, QueuePair) {
         memory_windows: true,
         ..QpOptions::default()
     };
-    let a = QueuePair::new(pd, opts.clone()).unwrap();
-    let b = QueuePair::new(pd, opts).unwrap();
-    a.connect(&b.endpoint()).unwrap();
-    b.connect(&a.endpoint()).unwrap();
-    (a, b)
+    QueuePair::loopback_pair(pd, opts).unwrap()
 }
 
 fn refused_remotely(r: verbs::Result<Local>, what: &str) {

@@ -19,7 +19,10 @@ mod tcp;
 mod window;
 mod zero_copy;
 mod zero_copy_put;
-use window::{await_or_stall, bounce_reply, issue, piece, read_full, report, settle, Slot};
+use window::{
+    await_or_stall, bounce_reply, issue, more_input, overflow_error, piece, read_full, report,
+    settle, Slot,
+};
 pub use zero_copy::{BatchRange, Landed, LocalBuffer, Stranded};
 
 /// Client settings.
@@ -166,6 +169,8 @@ pub struct Client {
     rdma: Option<Rdma>,
     /// Why this client moves bytes over TCP (None: over RDMA, or not decided yet).
     tcp: Option<String>,
+    /// The device opened to decide the transport, kept for the QP (opened once).
+    device: Option<Context>,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -247,6 +252,7 @@ impl Client {
                     max_outstanding,
                     rdma: None,
                     tcp: None,
+                    device: None,
                 })
             }
             other => Err(reply_err(&cfg.addr, other, "welcome")),
@@ -430,7 +436,10 @@ impl Client {
         let mut rdma = match self.rdma.take() {
             Some(r) => r,
             None => {
-                let ctx = Context::open(self.cfg.device.as_deref())?;
+                let ctx = match self.device.take() {
+                    Some(ctx) => ctx,
+                    None => Context::open(self.cfg.device.as_deref())?,
+                };
                 let pd = ProtectionDomain::new(&ctx)?;
                 let qp = QueuePair::new(
                     &pd,
@@ -655,14 +664,7 @@ impl Client {
                     posted += n as u64;
                 }
                 if !eof && posted >= max && limit.is_none() {
-                    // the region is full: is there more input?
-                    let mut probe = [0u8; 1];
-                    if read_full(source, &mut probe)
-                        .map_err(|e| Error::io("reading the data to put", e))?
-                        > 0
-                    {
-                        overflow = true;
-                    }
+                    overflow = more_input(source)?;
                     eof = true;
                 }
                 let Some(slot) = window.pop_front() else {
@@ -700,14 +702,7 @@ impl Client {
         self.put_back(rdma);
         result?;
         if overflow {
-            return Err(Error::Server {
-                code: crate::protocol::ErrorCode::OutOfRange,
-                message: format!(
-                    "the input is longer than the {room} bytes from offset {offset} to the end of region '{}'; \
-                     the first {done} bytes were written",
-                    r.info.name
-                ),
-            });
+            return Err(overflow_error(r, room, offset, done));
         }
         // acknowledged only once the server made it durable
         self.flush(r, offset, done).await?;

@@ -7,7 +7,7 @@ use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::time::Instant;
 
-use super::window::{read_full, report};
+use super::window::{more_input, overflow_error, read_full, report};
 use super::{reply_err, Client, OpenRegion, TransferReport, Transport};
 use crate::error::{Error, Result};
 use crate::protocol::Msg;
@@ -34,9 +34,14 @@ impl Client {
                 self.tcp = Some("the TCP transport was asked for".into());
                 true
             }
-            Transport::Auto if self.cfg.device.is_some() => false,
+            // a named device: its errors are the answer; an opened one: RDMA
+            Transport::Auto if self.cfg.device.is_some() || self.device.is_some() => false,
             Transport::Auto => match verbs::Context::open(None) {
-                Ok(_) => false,
+                Ok(ctx) => {
+                    // the QP is created on it: the device is opened once
+                    self.device = Some(ctx);
+                    false
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "no RDMA device: moving the bytes over TCP");
                     self.tcp = Some(format!("no RDMA device on this host ({e})"));
@@ -173,14 +178,7 @@ impl Client {
                     posted += n as u64;
                 }
                 if !eof && posted >= max && limit.is_none() {
-                    // the region is full: is there more input?
-                    let mut probe = [0u8; 1];
-                    if read_full(source, &mut probe)
-                        .map_err(|e| Error::io("reading the data to put", e))?
-                        > 0
-                    {
-                        overflow = true;
-                    }
+                    overflow = more_input(source)?;
                     eof = true;
                 }
                 let Some(n) = inflight.pop_front() else {
@@ -206,14 +204,7 @@ impl Client {
             return Err(e);
         }
         if overflow {
-            return Err(Error::Server {
-                code: crate::protocol::ErrorCode::OutOfRange,
-                message: format!(
-                    "the input is longer than the {room} bytes from offset {offset} to the end of region '{}'; \
-                     the first {done} bytes were written",
-                    r.info.name
-                ),
-            });
+            return Err(overflow_error(r, room, offset, done));
         }
         // acknowledged only once the server made it durable
         self.flush(r, offset, done).await?;

@@ -141,6 +141,26 @@ pub(super) async fn settle(
     }
 }
 
+/// Whether `source` holds more bytes (one is read to find out): asked once a put without a
+/// length filled the region to its end.
+pub(super) fn more_input(source: &mut (dyn Read + Send)) -> Result<bool> {
+    let mut probe = [0u8; 1];
+    Ok(read_full(source, &mut probe).map_err(|e| Error::io("reading the data to put", e))? > 0)
+}
+
+/// The error of a put whose input is longer than the `room` bytes from `offset` to the end of
+/// the region; `done` bytes were written.
+pub(super) fn overflow_error(r: &OpenRegion, room: u64, offset: u64, done: u64) -> Error {
+    Error::Server {
+        code: crate::protocol::ErrorCode::OutOfRange,
+        message: format!(
+            "the input is longer than the {room} bytes from offset {offset} to the end of region '{}'; \
+             the first {done} bytes were written",
+            r.info.name
+        ),
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 pub(super) fn report(
     op: &'static str,

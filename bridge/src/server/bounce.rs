@@ -557,6 +557,22 @@ impl ConnState {
     }
 }
 
+/// Run `f` on region `region`'s memory on a blocking thread (copy engines and `fdatasync` may
+/// take long); a failure is refused with its copy-engine code and `doing` (what was done, for
+/// the message).
+pub(super) async fn on_memory<R: Send + 'static>(
+    shared: &Shared,
+    region: usize,
+    doing: impl FnOnce() -> String,
+    f: impl FnOnce(&dyn Provider) -> std::result::Result<R, peermem::Error> + Send + 'static,
+) -> std::result::Result<R, Refusal> {
+    let provider = shared.regions.get(region).provider()?;
+    tokio::task::spawn_blocking(move || f(&*provider))
+        .await
+        .map_err(internal)?
+        .map_err(|e| (copy_error_code(&e), format!("{}: {e}", doing())))
+}
+
 /// The error code for a failed copy engine: the owner's invalidation, or a server failure.
 pub(super) fn copy_error_code(e: &peermem::Error) -> ErrorCode {
     match e {

@@ -14,7 +14,7 @@ use peermem::regcache::{Lease, Limits, RegCache};
 use tokio::sync::watch;
 use verbs::{Access, ProtectionDomain, QpOptions, QueuePair, RegisteredBuffer};
 
-use super::bounce::InFlight;
+use super::bounce::{on_memory, InFlight};
 use super::preauth;
 use super::regions::crc_of;
 use super::session::{self, Catalog, HelloFault, Refusal, Rules, Session, Step};
@@ -483,16 +483,13 @@ impl ConnState {
                 offset,
                 len,
             } => {
-                let provider = shared.regions.get(region).provider()?;
-                let crc = tokio::task::spawn_blocking(move || crc_of(&*provider, offset, len))
-                    .await
-                    .map_err(internal)?
-                    .map_err(|e| {
-                        (
-                            super::bounce::copy_error_code(&e),
-                            format!("checksum of {len} bytes at {offset}: {e}"),
-                        )
-                    })?;
+                let crc = on_memory(
+                    shared,
+                    region,
+                    || format!("checksum of {len} bytes at {offset}"),
+                    move |p| crc_of(p, offset, len),
+                )
+                .await?;
                 Ok(Msg::ChecksumIs { crc32c: crc })
             }
             Step::Flush {
@@ -500,16 +497,13 @@ impl ConnState {
                 offset,
                 len,
             } => {
-                let provider = shared.regions.get(region).provider()?;
-                tokio::task::spawn_blocking(move || provider.sync(offset, len))
-                    .await
-                    .map_err(internal)?
-                    .map_err(|e| {
-                        (
-                            super::bounce::copy_error_code(&e),
-                            format!("making {len} bytes at {offset} durable: {e}"),
-                        )
-                    })?;
+                on_memory(
+                    shared,
+                    region,
+                    || format!("making {len} bytes at {offset} durable"),
+                    move |p| p.sync(offset, len),
+                )
+                .await?;
                 Ok(Msg::Flushed { len })
             }
             Step::Close {

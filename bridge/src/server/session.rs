@@ -523,17 +523,8 @@ impl<T> Session<T> {
         to_region: bool,
         regions: &dyn Catalog,
     ) -> Result<usize, Refusal> {
-        let e = self.entry(handle).ok_or_else(|| Self::not_open(handle))?;
+        let e = self.live_range(handle, offset, len, regions)?;
         let info = regions.info(e.region);
-        if regions.is_removed(e.region) {
-            return Err((
-                ErrorCode::Removed,
-                format!("region '{}' was removed from this server", info.name),
-            ));
-        }
-        if let Some(r) = out_of_range(info, offset, len) {
-            return Err(r);
-        }
         let direct = regions.direct_len(e.region);
         // puts to a region that holds data go through the server, over its direct part too
         if offset < direct && !(to_region && info.server_puts) {
@@ -545,27 +536,9 @@ impl<T> Session<T> {
                 ),
             ));
         }
-        let chunk = self.rules.bounce_chunk;
-        if len == 0 || len > chunk {
-            return Err((
-                ErrorCode::BadRequest,
-                format!("a bounce request moves 1 to {chunk} bytes, not {len}"),
-            ));
-        }
-        if to_region && info.access == AccessMode::ReadOnly {
-            return Err((
-                ErrorCode::ReadOnly,
-                format!("region '{}' is read-only; puts are refused", info.name),
-            ));
-        }
-        if to_region && !e.writable {
-            return Err((
-                ErrorCode::ReadOnly,
-                format!(
-                    "handle {handle} of region '{}' was opened for reading; open it for writing to put",
-                    info.name
-                ),
-            ));
+        self.one_chunk(len, "a bounce request")?;
+        if to_region {
+            Self::writable(handle, e, info)?;
         }
         if !self.qp {
             return Err((
@@ -575,12 +548,9 @@ impl<T> Session<T> {
         }
         Ok(e.region)
     }
-}
 
-impl<T> Session<T> {
-    /// The checks of a TCP data request: an open handle of a region still served, a range
-    /// inside it of 1 to `bounce_chunk` bytes, and for a write a handle opened for writing of a
-    /// writable region. No QP is needed: the bytes travel on this connection.
+    /// The checks of a TCP data request: those of a bounce request, except that any byte of
+    /// the region may go this way and no QP is needed (the bytes travel on this connection).
     fn tcp(
         &self,
         handle: u32,
@@ -589,6 +559,22 @@ impl<T> Session<T> {
         to_region: bool,
         regions: &dyn Catalog,
     ) -> Result<usize, Refusal> {
+        let e = self.live_range(handle, offset, len, regions)?;
+        self.one_chunk(len, "a TCP data request")?;
+        if to_region {
+            Self::writable(handle, e, regions.info(e.region))?;
+        }
+        Ok(e.region)
+    }
+
+    /// The open handle `handle`, of a region still served that `offset..offset + len` fits in.
+    fn live_range(
+        &self,
+        handle: u32,
+        offset: u64,
+        len: u64,
+        regions: &dyn Catalog,
+    ) -> Result<&Entry<T>, Refusal> {
         let e = self.entry(handle).ok_or_else(|| Self::not_open(handle))?;
         let info = regions.info(e.region);
         if regions.is_removed(e.region) {
@@ -600,28 +586,40 @@ impl<T> Session<T> {
         if let Some(r) = out_of_range(info, offset, len) {
             return Err(r);
         }
+        Ok(e)
+    }
+
+    /// One request moves 1 to `bounce_chunk` bytes (`what` names the request).
+    fn one_chunk(&self, len: u64, what: &str) -> Result<(), Refusal> {
         let chunk = self.rules.bounce_chunk;
         if len == 0 || len > chunk {
             return Err((
                 ErrorCode::BadRequest,
-                format!("a TCP data request moves 1 to {chunk} bytes, not {len}"),
+                format!("{what} moves 1 to {chunk} bytes, not {len}"),
             ));
         }
-        if to_region && (info.access == AccessMode::ReadOnly || !e.writable) {
+        Ok(())
+    }
+
+    /// A put through handle `handle`: the region is writable and the handle was opened for
+    /// writing.
+    fn writable(handle: u32, e: &Entry<T>, info: &RegionInfo) -> Result<(), Refusal> {
+        if info.access == AccessMode::ReadOnly {
+            return Err((
+                ErrorCode::ReadOnly,
+                format!("region '{}' is read-only; puts are refused", info.name),
+            ));
+        }
+        if !e.writable {
             return Err((
                 ErrorCode::ReadOnly,
                 format!(
-                    "handle {handle} of region '{}' cannot be written: {}",
-                    info.name,
-                    if info.access == AccessMode::ReadOnly {
-                        "the region is read-only"
-                    } else {
-                        "it was opened for reading; open it for writing to put"
-                    }
+                    "handle {handle} of region '{}' was opened for reading; open it for writing to put",
+                    info.name
                 ),
             ));
         }
-        Ok(e.region)
+        Ok(())
     }
 }
 

@@ -7,8 +7,7 @@ use crate::error::Result;
 use crate::metrics::{Direction, XferPath};
 use crate::protocol::{DataPath, ErrorCode, Msg};
 
-use super::bounce::copy_error_code;
-use super::driver::internal;
+use super::bounce::on_memory;
 use super::session::{Refusal, Step};
 use super::Shared;
 
@@ -94,19 +93,16 @@ async fn read(
     offset: u64,
     len: u64,
 ) -> std::result::Result<Vec<u8>, Refusal> {
-    let provider = shared.regions.get(region).provider()?;
-    tokio::task::spawn_blocking(move || {
-        let mut data = vec![0u8; len as usize];
-        provider.copy_out(offset, &mut data).map(|()| data)
-    })
+    on_memory(
+        shared,
+        region,
+        || format!("reading {len} bytes at {offset}"),
+        move |p| {
+            let mut data = vec![0u8; len as usize];
+            p.copy_out(offset, &mut data).map(|()| data)
+        },
+    )
     .await
-    .map_err(internal)?
-    .map_err(|e| {
-        (
-            copy_error_code(&e),
-            format!("reading {len} bytes at {offset}: {e}"),
-        )
-    })
 }
 
 async fn write(
@@ -115,15 +111,12 @@ async fn write(
     offset: u64,
     data: Vec<u8>,
 ) -> std::result::Result<(), Refusal> {
-    let provider = shared.regions.get(region).provider()?;
     let len = data.len();
-    tokio::task::spawn_blocking(move || provider.copy_in(offset, &data))
-        .await
-        .map_err(internal)?
-        .map_err(|e| {
-            (
-                copy_error_code(&e),
-                format!("writing {len} bytes at {offset}: {e}"),
-            )
-        })
+    on_memory(
+        shared,
+        region,
+        || format!("writing {len} bytes at {offset}"),
+        move |p| p.copy_in(offset, &data),
+    )
+    .await
 }
