@@ -173,18 +173,19 @@ fn lab_doctor_applies_the_specs_own_options_as_serve_does() {
 
 #[test]
 #[ignore = "lab"]
-fn lab_doctor_keeps_the_largest_prefix_that_registers_direct() {
+fn lab_doctor_registers_a_region_over_one_mrs_size_limit_as_several_mrs() {
     // 1.25 GiB of host memory in a 3 GiB guest: rxe on Linux 7.x refuses one MR over 1 GiB
-    // (its page list is one kmalloc) with ENOMEM; the prefix that registers goes direct
+    // (its page list is one kmalloc) with ENOMEM; the region goes direct as two MRs
     let (code, v, err) = doctor_region("host:1280M", &["--reg", "pinned"]);
     assert_eq!(code, Some(0), "{err}");
     assert_eq!(v["path"], "direct", "{v}");
-    let direct = v["direct_bytes"].as_u64().unwrap();
-    if direct < 1280 << 20 {
-        assert!(direct >= 1 << 30, "only {direct} bytes direct: {v}");
+    assert_eq!(v["direct_bytes"].as_u64(), Some(1280 << 20), "{v}");
+    let mrs = v["direct_mrs"].as_u64().unwrap();
+    if mrs > 1 {
+        assert_eq!(mrs, 2, "{v}");
         let why = v["reason"].as_str().unwrap();
         assert!(
-            why.contains("ENOMEM") && why.contains("largest prefix"),
+            why.contains("ENOMEM") && why.contains("registered as 2 "),
             "{why}"
         );
     }

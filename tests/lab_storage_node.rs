@@ -419,3 +419,160 @@ async fn lab_storage_node_follows_its_directory_while_clients_fetch() {
     assert_eq!(sink, data(300_000, 4));
     c.bye().await.unwrap();
 }
+
+const GIB: u64 = 1 << 30;
+const HUGE: u64 = 1280 << 20;
+
+/// The direct extents of a region, checked to cover `[0, size)` in order with nothing bounced.
+fn direct_extents(info: &p2p_rdma::bridge::protocol::RegionInfo) -> Vec<(u64, u64)> {
+    let mut at = 0;
+    let out: Vec<(u64, u64)> = info
+        .extents()
+        .iter()
+        .map(|e| {
+            assert_eq!(e.path, DataPath::Direct, "{info:?}");
+            assert_eq!(e.offset, at, "{info:?}");
+            at += e.len;
+            (e.offset, e.len)
+        })
+        .collect();
+    assert_eq!(at, info.size, "{info:?}");
+    out
+}
+
+/// 8 MiB of a pattern, the same for a seed.
+fn pattern(seed: u8) -> Vec<u8> {
+    (0..8u32 << 20)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8 ^ seed)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_a_region_over_one_mrs_size_limit_goes_direct_as_several_mrs() {
+    // rxe on Linux 7.x refuses one MR over 1 GiB (its page list is one kmalloc of 16 bytes per
+    // 4 KiB page) with ENOMEM: the server registers 1.25 GiB as two MRs, a window over each
+    let s = start(&["huge=host:1280M"], |_| {}).await;
+    let info = s
+        .handle
+        .regions()
+        .into_iter()
+        .find(|r| r.name == "huge")
+        .unwrap();
+    let extents = direct_extents(&info);
+    let split = extents.len() > 1;
+    if split {
+        assert_eq!(extents, vec![(0, GIB), (GIB, HUGE - GIB)], "{info:?}");
+        assert!(
+            info.reason.contains("ENOMEM") && info.reason.contains("2 MRs"),
+            "{}",
+            info.reason
+        );
+        assert_eq!(
+            (mrs_of(GIB), mrs_of(HUGE - GIB)),
+            (1, 1),
+            "one MR per segment"
+        );
+    } else {
+        assert_eq!(mrs_of(HUGE), 1, "the driver took the region in one MR");
+    }
+    figure(format!(
+        "storage: 1.25 GiB host region: {} direct MR(s), reason: {}",
+        extents.len(),
+        info.reason
+    ));
+    // a put and a fetch across the boundary between the two MRs, verified end to end
+    let at = GIB - (4 << 20);
+    let data = pattern(0x5a);
+    let mut writer = Client::connect(small_client(s.addr)).await.unwrap();
+    let w = writer.open("huge", true).await.unwrap();
+    assert_eq!(w.segments.len(), if split { 2 } else { 0 }, "{w:?}");
+    let rep = writer
+        .put(&w, at, &mut &data[..], None, true, &mut |_| {})
+        .await
+        .unwrap();
+    assert_eq!(rep.direct_bytes, data.len() as u64, "{rep:?}");
+    let mut back = Vec::new();
+    let rep = writer
+        .fetch(&w, at, data.len() as u64, &mut back, true, &mut |_| {})
+        .await
+        .unwrap();
+    assert_eq!(rep.direct_bytes, data.len() as u64, "{rep:?}");
+    assert!(
+        back == data,
+        "the bytes across the MR boundary came back changed"
+    );
+    // another client, zero-copy, straddling the boundary by 4 KiB each side
+    let mut reader = Client::connect(small_client(s.addr)).await.unwrap();
+    let r = reader.open("huge", false).await.unwrap();
+    let got = reader.fetch_bytes(&r, GIB - 4096, 8192).await.unwrap();
+    assert_eq!(&got[..], &data[(4 << 20) - 4096..(4 << 20) + 4096]);
+    if split {
+        // still one registration per segment with two clients, and the writer's window over
+        // the second MR is useless on the reader's QP
+        assert_eq!((mrs_of(GIB), mrs_of(HUGE - GIB)), (1, 1));
+        let forged = p2p_rdma::bridge::OpenRegion {
+            handle: u32::MAX,
+            ..w.clone()
+        };
+        let e = reader
+            .fetch(
+                &forged,
+                GIB + 4096,
+                4096,
+                &mut Vec::new(),
+                false,
+                &mut |_| {},
+            )
+            .await
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("IBV_WC_REM_ACCESS_ERR"),
+            "another client's window over the second MR: {e}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_a_read_only_file_over_one_mrs_size_limit_is_registered_per_connection_in_segments() {
+    // read-only memory: no memory windows (an MW_BIND MR is pinned for writing), so each
+    // connection registers what it opens, one MR per segment as well
+    use std::os::unix::fs::FileExt as _;
+    let path = std::env::temp_dir().join(format!("p2p-huge-{}.bin", std::process::id()));
+    let data = pattern(0xc3);
+    {
+        let f = std::fs::File::create(&path).unwrap();
+        f.set_len(HUGE).unwrap();
+        f.write_all_at(&data, GIB - (4 << 20)).unwrap();
+    }
+    let spec = format!("huge=file:{}:ro", path.display());
+    let s = start(&[spec.as_str()], |_| {}).await;
+    let info = s
+        .handle
+        .regions()
+        .into_iter()
+        .find(|r| r.name == "huge")
+        .unwrap();
+    let extents = direct_extents(&info);
+    let mut c = Client::connect(small_client(s.addr)).await.unwrap();
+    let r = c.open("huge", false).await.unwrap();
+    if extents.len() > 1 {
+        assert_eq!(r.segments.len(), extents.len(), "{r:?}");
+        assert!(mrs_of(GIB) >= 1 && mrs_of(HUGE - GIB) >= 1);
+    }
+    let mut back = Vec::new();
+    let rep = c
+        .fetch(&r, GIB - (4 << 20), 8 << 20, &mut back, true, &mut |_| {})
+        .await
+        .unwrap();
+    assert_eq!(rep.direct_bytes, 8 << 20, "{rep:?}");
+    assert!(
+        back == data,
+        "the file's bytes across the MR boundary came back changed"
+    );
+    c.close(&r).await.unwrap();
+    c.bye().await.unwrap();
+    drop(s);
+    let _ = std::fs::remove_file(&path);
+}

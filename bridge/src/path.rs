@@ -46,18 +46,16 @@ pub async fn decide_path(
 /// The shortest direct prefix worth retrying with when a registration is refused for its size.
 const MIN_PREFIX: u64 = 64 << 20;
 
-/// Whether a decision went to bounce because a registration was refused with ENOMEM: the
-/// driver may cap one MR's size (rxe on Linux 7.x keeps an MR's page list in one kmalloc of
-/// 16 bytes per 4 KiB page, at most 4 MiB: 1 GiB per MR, huge pages or not).
-fn refused_for_size(p: &Planned) -> Option<String> {
-    if p.decision.path != PathKind::Bounce {
-        return None;
-    }
+/// The strategy whose registration of the whole range was refused with ENOMEM, if one was: the
+/// driver may cap one MR's size (rxe on Linux 7.x keeps an MR's page list in one kmalloc of 16
+/// bytes per 4 KiB page, at most 4 MiB: 1 GiB per MR, huge pages or not). It came before the
+/// strategy chosen, if any (the search stops at the first that works).
+fn refused_for_size(p: &Planned) -> Option<verbs::RegMode> {
     p.decision.attempts.iter().find_map(|a| match &a.outcome {
         AttemptOutcome::RegistrationFailed {
             errno: Some(libc::ENOMEM),
             ..
-        } => Some(format!("{} registration", a.mode)),
+        } => Some(a.mode),
         _ => None,
     })
 }
@@ -71,34 +69,174 @@ fn pow2_below(n: u64) -> u64 {
     }
 }
 
+/// The direct part of a region as the driver can register it: `segment`-byte MRs one after
+/// the other (the last one shorter), one MR when the driver takes the whole part at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Segments {
+    /// Bytes from the start that go direct.
+    pub direct_len: u64,
+    /// Bytes of one MR (at least `direct_len` when one MR covers it all).
+    pub segment: u64,
+}
+
+impl Segments {
+    /// One MR over `direct_len` bytes.
+    pub fn whole(direct_len: u64) -> Segments {
+        Segments {
+            direct_len,
+            segment: direct_len,
+        }
+    }
+
+    /// The byte ranges of the MRs, in order.
+    pub fn ranges(&self) -> Vec<std::ops::Range<u64>> {
+        if self.direct_len == 0 || self.segment == 0 {
+            return Vec::new();
+        }
+        (0..self.direct_len.div_ceil(self.segment))
+            .map(|k| k * self.segment..((k + 1) * self.segment).min(self.direct_len))
+            .collect()
+    }
+
+    /// How many MRs.
+    pub fn count(&self) -> usize {
+        self.ranges().len()
+    }
+}
+
 /// Like [`decide_path`], but when every strategy failed because a registration of the whole
-/// window was refused with ENOMEM, retry with shorter prefixes (powers of two, down to 64 MiB):
-/// the largest that registers goes direct and the rest through bounce buffers, and the reason
-/// says so. Returns the plan and the direct prefix it covers.
-pub async fn decide_prefix(
+/// window was refused with ENOMEM, retry with shorter ranges (powers of two, down to 64 MiB):
+/// the largest that registers is proved by the canaries and becomes the size of one MR, and
+/// the whole window goes direct as several MRs of that size ([`Segments`]); the reason says
+/// so. Registering the other segments is the caller's, which may still fail for memory
+/// ([`register_segments`]).
+pub async fn decide_segments(
     pd: &ProtectionDomain,
     provider: &Arc<dyn Provider>,
     choice: PathChoice,
-) -> Result<(Planned, u64), Refused> {
+) -> Result<(Planned, Segments), Refused> {
     let whole = decide_path(pd, provider, choice).await?;
-    let Some(what) = refused_for_size(&whole) else {
-        return Ok((whole, choice.window));
+    let Some(mode) = refused_for_size(&whole) else {
+        return Ok((whole, Segments::whole(choice.window)));
     };
-    let mut window = pow2_below(choice.window);
-    while window >= MIN_PREFIX {
-        let mut p = decide(pd, provider, 0..window, choice.reg, choice.p2p).await?;
-        if p.decision.path == PathKind::Direct {
+    // the preferred strategy was refused only for the size of one MR: it wins, in segments,
+    // over a later strategy that took the whole range (an ODP MR faults pages in on the NIC's
+    // first touch; a pinned one does not)
+    let instead = match (whole.decision.path, whole.decision.mode) {
+        (PathKind::Direct, Some(m)) => format!(", preferred over {m}, which took it in one MR"),
+        _ => String::new(),
+    };
+    let mut segment = pow2_below(choice.window);
+    while segment >= MIN_PREFIX {
+        let p = decide(pd, provider, 0..segment, RegChoice::Only(mode), choice.p2p).await;
+        if let Ok(mut p) = p.map_err(drop).and_then(|p| {
+            if p.decision.path == PathKind::Direct {
+                Ok(p)
+            } else {
+                Err(())
+            }
+        }) {
+            let s = Segments {
+                direct_len: choice.window,
+                segment,
+            };
+            let mut attempts = whole.decision.attempts.clone();
+            attempts.truncate(
+                attempts
+                    .iter()
+                    .position(|a| a.mode == mode)
+                    .map_or(attempts.len(), |i| i + 1),
+            );
+            attempts.append(&mut p.decision.attempts);
+            p.decision.attempts = attempts;
             p.decision.reason.push_str(&format!(
-                "; the {what} of all {} bytes was refused with ENOMEM (the driver caps one MR's \
-                 size: rxe keeps its page list in one kmalloc, 1 GiB of 4 KiB pages), so the \
-                 first {window} bytes, the largest prefix that registers, go direct",
-                choice.window
+                "; the {mode} registration of all {} bytes in one MR was refused with ENOMEM \
+                 (the driver caps one MR's size: rxe keeps its page list in one kmalloc, 1 GiB \
+                 of 4 KiB pages), so the region is registered as {} {mode} MRs of at most \
+                 {segment} bytes, the largest that registers{instead}",
+                choice.window,
+                s.count()
             ));
-            return Ok((p, window));
+            return Ok((p, s));
         }
-        window /= 2;
+        segment /= 2;
     }
-    Ok((whole, choice.window))
+    Ok((whole, Segments::whole(choice.window)))
+}
+
+/// Register each segment of `s` with `register` (in order, stopping at the first refusal).
+/// Returns the MRs and, when one was refused, the segments that did register and why the
+/// next one did not: the caller serves the registered prefix direct and the rest through
+/// bounce buffers.
+pub fn register_segments<M, E: std::fmt::Display>(
+    s: Segments,
+    mut register: impl FnMut(std::ops::Range<u64>) -> Result<M, E>,
+) -> (Vec<M>, Option<(Segments, String)>) {
+    let mut out = Vec::new();
+    for r in s.ranges() {
+        match register(r.clone()) {
+            Ok(m) => out.push(m),
+            Err(e) => {
+                let kept = Segments {
+                    direct_len: r.start,
+                    segment: s.segment,
+                };
+                let why = format!(
+                    "registering bytes {}..{} (MR {} of {}) failed: {e}",
+                    r.start,
+                    r.end,
+                    out.len() + 1,
+                    s.count()
+                );
+                return (out, Some((kept, why)));
+            }
+        }
+    }
+    (out, None)
+}
+
+/// For a report (`doctor`): register every segment of a direct plan with its strategy and
+/// release them, so the direct length reported is one the driver really takes. A refused
+/// segment shortens the direct part to the ones before it, and the reason says so. Runs on a
+/// blocking thread (pinning takes long).
+pub async fn prove_segments(
+    pd: &ProtectionDomain,
+    provider: &Arc<dyn Provider>,
+    planned: &mut Planned,
+    segments: Segments,
+) -> Segments {
+    let Some(mode) = planned.decision.mode.filter(|_| segments.count() > 1) else {
+        return segments;
+    };
+    // the canary's MR covers the first segment: release it before registering them all
+    drop(planned.mr.take());
+    let (pd2, p2) = (pd.clone(), Arc::clone(provider));
+    let access = verbs::Access::LOCAL_WRITE | verbs::Access::REMOTE_READ;
+    let res = tokio::task::spawn_blocking(move || {
+        let (mrs, short) = register_segments(segments, |r| {
+            peermem::canary::register_mode(&pd2, &p2, r, access, mode)
+        });
+        drop(mrs);
+        short
+    })
+    .await;
+    match res {
+        Ok(None) => segments,
+        Ok(Some((kept, why))) => {
+            planned.decision.reason.push_str(&format!(
+                "; {why}: the first {} bytes go direct",
+                kept.direct_len
+            ));
+            kept
+        }
+        Err(e) => {
+            planned
+                .decision
+                .reason
+                .push_str(&format!("; the segments could not be checked: {e}"));
+            segments
+        }
+    }
 }
 
 #[cfg(test)]
@@ -110,6 +248,42 @@ mod tests {
         assert_eq!(pow2_below(1 << 30), 512 << 20);
         assert_eq!(pow2_below(3), 2);
         assert_eq!(pow2_below(1), 0);
+    }
+
+    #[test]
+    fn segments_cover_the_direct_part_in_order_and_a_refusal_keeps_the_prefix() {
+        use super::{register_segments, Segments};
+        let s = Segments {
+            direct_len: 1280 << 20,
+            segment: 1 << 30,
+        };
+        assert_eq!(s.ranges(), vec![0..1 << 30, 1 << 30..1280 << 20]);
+        assert_eq!(Segments::whole(5).ranges(), vec![0..5]);
+        assert!(Segments::whole(0).ranges().is_empty());
+        let exact = Segments {
+            direct_len: 4 << 20,
+            segment: 2 << 20,
+        };
+        assert_eq!(exact.count(), 2);
+        // every segment registers
+        let (mrs, failed) = register_segments(s, Ok::<_, String>);
+        assert_eq!((mrs.len(), failed), (2, None));
+        // the second is refused: the first is kept, and the reason names the range
+        let three = Segments {
+            direct_len: 3 << 20,
+            segment: 1 << 20,
+        };
+        let (mrs, failed) = register_segments(three, |r| {
+            if r.start == 1 << 20 {
+                Err("ENOMEM".to_string())
+            } else {
+                Ok(r)
+            }
+        });
+        assert_eq!(mrs, vec![0..1 << 20]);
+        let (kept, why) = failed.unwrap();
+        assert_eq!(kept.direct_len, 1 << 20);
+        assert!(why.contains("MR 2 of 3") && why.contains("ENOMEM"), "{why}");
     }
 
     use super::*;

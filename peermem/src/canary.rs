@@ -363,6 +363,29 @@ pub async fn run_canary(pd: &ProtectionDomain, region: &DeviceMr) -> Result<Cana
     Ok(report)
 }
 
+/// The full canary (a pattern written, then read at an offset inside a page) on a scratch host
+/// buffer registered with `mode`: what a read-only region's own canary cannot check, since it
+/// only reads bytes it cannot choose. `Ok(None)`: the strategy moves bytes right; `Ok(Some)`:
+/// the report of what went wrong. Strategies without a CPU mapping (dma-buf) have no host
+/// equivalent: `Ok(None)`.
+async fn scratch_canary(
+    pd: &ProtectionDomain,
+    mode: RegMode,
+) -> Result<Option<CanaryReport>, Error> {
+    if !matches!(mode, RegMode::Pinned | RegMode::OnDemand) {
+        return Ok(None);
+    }
+    let mem: Arc<dyn Provider> = Arc::new(crate::HostMemory::anonymous(64 << 10, false)?);
+    let len = mem.len();
+    let access = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ;
+    let reg = register_mode(pd, &mem, 0..len, access, mode).map_err(|r| match r {
+        Refusal::Failed(e) => Error::from(e),
+        Refusal::NotApplicable(m) => Error::from(verbs::Error::InvalidArgument(m)),
+    })?;
+    let report = run_canary(pd, &reg).await?;
+    Ok((!report.ok()).then_some(report))
+}
+
 /// Try `modes` in order on `range` of `provider`; each registration is proved by a canary
 /// before it is trusted. The first strategy that works ends the search; its MR (registered with
 /// the canary's access) is returned with every attempt.
@@ -403,6 +426,25 @@ pub async fn register_with_canary(
             }
         };
         let outcome = match run_canary(pd, &reg).await {
+            Ok(c) if c.ok() && !access.contains(Access::REMOTE_WRITE) => {
+                match scratch_canary(pd, mode).await {
+                    Ok(None) => AttemptOutcome::Works { canary: c },
+                    Ok(Some(bad)) => AttemptOutcome::CanaryError {
+                        message: format!(
+                            "the READ of this read-only memory matched what the CPU sees, but \
+                             bytes that cannot be written need not reveal a misplaced read (a \
+                             run of zeros reads the same from anywhere); the {mode} strategy on \
+                             a scratch host buffer with a pattern: {bad}"
+                        ),
+                    },
+                    Err(e) => AttemptOutcome::CanaryError {
+                        message: format!(
+                            "the {mode} strategy on a scratch host buffer (to check what \
+                             read-only memory cannot show): {e}"
+                        ),
+                    },
+                }
+            }
             Ok(c) if c.ok() => AttemptOutcome::Works { canary: c },
             Ok(c) => AttemptOutcome::CanaryFailed { canary: c },
             Err(e) => AttemptOutcome::CanaryError {

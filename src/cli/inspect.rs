@@ -151,9 +151,11 @@ pub(crate) async fn doctor(
     let choice = parsed.options.choice(len, reg, P2pPolicy::Preferred);
     let plan = topology_plan(provider.as_ref(), ctx.name());
     let residency_before = provider.residency();
-    let (planned, direct_len) = bridge::path::decide_prefix(&pd, &provider, choice)
+    let (mut planned, segments) = bridge::path::decide_segments(&pd, &provider, choice)
         .await
         .map_err(|r| anyhow::anyhow!("{r}"))?;
+    let segments = bridge::path::prove_segments(&pd, &provider, &mut planned, segments).await;
+    let direct_len = segments.direct_len;
     let residency_after = provider.residency();
     let window_proof = match peermem::hmm::DevicePrivate::of(&*provider) {
         Some(dp) if dp.window_size() > 0 => {
@@ -177,6 +179,7 @@ pub(crate) async fn doctor(
                 "path": d.path,
                 "reason": d.reason,
                 "direct_bytes": if direct { direct_len } else { 0 },
+                "direct_mrs": if direct { segments.count() } else { 0 },
                 "copy_engine": provider.copy_engine(),
                 "residency_before": residency_before,
                 "residency_after": residency_after,
@@ -224,6 +227,12 @@ pub(crate) async fn doctor(
             Some(m) if direct && direct_len < len => format!(
                 "=> mixed: {m} registration works for the first {direct_len} bytes; the rest \
                  goes through bounce buffers ({})\n",
+                d.reason
+            ),
+            Some(m) if direct && segments.count() > 1 => format!(
+                "=> direct: {m} registration works, as {} MRs of at most {} bytes ({})\n",
+                segments.count(),
+                segments.segment,
                 d.reason
             ),
             Some(m) if direct => format!("=> direct: {m} registration works\n"),

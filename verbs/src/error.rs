@@ -120,7 +120,7 @@ pub fn meaning(call: Call, errno: i32) -> &'static str {
         (RegMr | RegMrOdp, libc::ENOMEM) => {
             "cannot lock the memory: RLIMIT_MEMLOCK is too low (check `ulimit -l`), the system is \
              out of memory, or the driver refuses an MR this large (rxe on Linux 7.x: at most \
-             1 GiB of 4 KiB pages per MR; serve keeps the largest prefix that registers direct)"
+             1 GiB of 4 KiB pages per MR; serve registers a larger region as several MRs)"
         }
         (RegMr | RegMrOdp, libc::EPERM | libc::EACCES) => {
             "not permitted: the access flags ask for write access to read-only memory, or the \

@@ -87,7 +87,11 @@ pub struct OpenRegion {
     /// What the server says about it.
     pub info: RegionInfo,
     /// Where one-sided operations go (the direct extents; `len` is the bytes the rkey covers).
+    /// With several [`OpenRegion::segments`], the first one's.
     pub remote: RemoteSlice,
+    /// The direct part's MRs when the server registered it as more than one (empty: `remote`
+    /// covers it all).
+    pub segments: Vec<crate::protocol::Segment>,
     /// Largest bounce request the server accepts.
     pub bounce_chunk: u64,
     /// Whether it was opened for writing.
@@ -95,6 +99,32 @@ pub struct OpenRegion {
 }
 
 impl OpenRegion {
+    /// Where the region's bytes `[pos, pos + len)` are for a one-sided operation: a slice of
+    /// the one MR, or of the segment that holds them (a range across two segments is
+    /// refused: the extents are split at their boundaries).
+    pub fn remote_at(&self, pos: u64, len: u64) -> Result<RemoteSlice> {
+        if self.segments.is_empty() {
+            return Ok(self.remote.slice(pos, len)?);
+        }
+        let s = self
+            .segments
+            .iter()
+            .find(|s| s.offset <= pos && pos - s.offset < s.len)
+            .ok_or_else(|| {
+                Error::Config(format!(
+                    "offset {pos} of region '{}' is in none of the server's {} segments",
+                    self.info.name,
+                    self.segments.len()
+                ))
+            })?;
+        let seg = RemoteSlice {
+            addr: s.addr,
+            rkey: s.rkey,
+            len: s.len,
+        };
+        Ok(seg.slice(pos - s.offset, len)?)
+    }
+
     /// The extents a put follows: the region's own, except that a region that holds data (a
     /// file) takes puts through the server only, so that they are durable when acknowledged.
     pub(super) fn put_extents(&self) -> Vec<Extent> {
@@ -299,10 +329,12 @@ impl Client {
                 rkey,
                 len,
                 bounce_chunk,
+                segments,
             } => Ok(OpenRegion {
                 handle,
                 info,
                 remote: RemoteSlice { addr, rkey, len },
+                segments,
                 bounce_chunk: if bounce_chunk == 0 {
                     1 << 20
                 } else {

@@ -70,7 +70,7 @@ pub(super) async fn issue(
     to_region: bool,
 ) -> Result<Slot> {
     if p.path == DataPath::Direct {
-        let remote = r.remote.slice(p.pos, p.len)?;
+        let remote = r.remote_at(p.pos, p.len)?;
         let wr = SendWr {
             op: if to_region {
                 SendOp::Write(remote)
@@ -254,5 +254,65 @@ mod tests {
         assert_eq!(p.len, 10);
         let e = piece(&ext, 10_000, 1, 512, 64).unwrap_err().to_string();
         assert!(e.contains("do not cover offset 10000"), "{e}");
+    }
+
+    #[test]
+    fn a_piece_goes_to_the_segment_that_holds_it() {
+        use crate::protocol::{AccessMode, RegionInfo, Segment};
+        use verbs::RemoteSlice;
+        const G: u64 = 1 << 30;
+        let info = RegionInfo {
+            name: "big".into(),
+            size: G + (G / 4),
+            access: AccessMode::ReadWrite,
+            kind: "host".into(),
+            path: DataPath::Direct,
+            reason: String::new(),
+            strategy: None,
+            extents: Vec::new(),
+            residency: None,
+            server_puts: false,
+        };
+        let mut r = OpenRegion {
+            handle: 1,
+            info,
+            remote: RemoteSlice {
+                addr: 1 << 40,
+                rkey: 7,
+                len: G,
+            },
+            segments: Vec::new(),
+            bounce_chunk: 1 << 20,
+            write: true,
+        };
+        // one MR: the remote slice itself
+        let one = r.remote_at(G - 4096, 4096).unwrap();
+        assert_eq!((one.addr, one.rkey), ((1 << 40) + G - 4096, 7));
+        assert!(r.remote_at(G - 4096, 8192).is_err());
+        r.segments = vec![
+            Segment {
+                offset: 0,
+                len: G,
+                addr: 1 << 40,
+                rkey: 7,
+            },
+            Segment {
+                offset: G,
+                len: G / 4,
+                addr: 1 << 50,
+                rkey: 8,
+            },
+        ];
+        let second = r.remote_at(G + 5, 100).unwrap();
+        assert_eq!(
+            (second.addr, second.rkey, second.len),
+            ((1 << 50) + 5, 8, 100)
+        );
+        let first = r.remote_at(0, 4096).unwrap();
+        assert_eq!(first.rkey, 7);
+        // across the boundary, or past the last segment: refused, never a wrong address
+        assert!(r.remote_at(G - 10, 20).is_err());
+        let e = r.remote_at(G + G / 4, 1).unwrap_err().to_string();
+        assert!(e.contains("none of the server's 2 segments"), "{e}");
     }
 }

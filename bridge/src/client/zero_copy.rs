@@ -408,7 +408,7 @@ impl Batch<'_, '_> {
                         unreachable!("share_with_reads")
                     };
                     let wr = SendWr {
-                        op: SendOp::Read(region.remote.slice(p.pos, p.len)?),
+                        op: SendOp::Read(region.remote_at(p.pos, p.len)?),
                         local: Local::sink(Arc::clone(sink), dst..dst + p.len as usize)?,
                     };
                     let pending = rdma.qp.post_send(vec![wr])?;

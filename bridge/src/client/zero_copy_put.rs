@@ -158,7 +158,7 @@ impl Client {
                 let src = r.at + done as usize..r.at + (done + p.len) as usize;
                 if p.path == DataPath::Direct {
                     let wr = SendWr {
-                        op: SendOp::Write(r.region.remote.slice(p.pos, p.len)?),
+                        op: SendOp::Write(r.region.remote_at(p.pos, p.len)?),
                         local: Local::shared(Arc::clone(shared), src)?,
                     };
                     window.push_back(Flight::Direct(rdma.qp.post_send(vec![wr])?, p.pos));

@@ -64,6 +64,21 @@ pub struct Extent {
     pub path: DataPath,
 }
 
+/// One MR of a region's direct part as an open sees it: the bytes `[offset, offset + len)` of
+/// the region are at `addr` under `rkey` (valid only on the connection's QP). A region whose
+/// direct part is one MR sends none: [`Msg::Opened`]'s own `addr`, `rkey` and `len` cover it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Segment {
+    /// Start in the region.
+    pub offset: u64,
+    /// Length.
+    pub len: u64,
+    /// Remote address of the segment's first byte.
+    pub addr: u64,
+    /// Remote key.
+    pub rkey: u32,
+}
+
 impl fmt::Display for DataPath {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
@@ -275,6 +290,11 @@ pub enum Msg {
         /// Largest bounce request the server accepts (bytes).
         #[serde(default)]
         bounce_chunk: u64,
+        /// The direct part's MRs, in order, when there is more than one (the driver caps one
+        /// MR's size); `addr`, `rkey` and `len` are then the first's. The region's extents
+        /// are split at the same boundaries, so no transfer piece crosses one.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        segments: Vec<Segment>,
     },
     /// Client → server: checksum (CRC-32C) of a range, for end-to-end verification.
     Checksum {

@@ -58,6 +58,40 @@ fn sample() -> Vec<Msg> {
             rkey: 7,
             len: 64 << 20,
             bounce_chunk: 1 << 20,
+            segments: Vec::new(),
+        },
+        Msg::Opened {
+            handle: 2,
+            info: RegionInfo {
+                name: "big".into(),
+                size: 3 << 30,
+                access: AccessMode::ReadWrite,
+                kind: "host".into(),
+                path: DataPath::Direct,
+                reason: String::new(),
+                strategy: Some("pinned".into()),
+                extents: Vec::new(),
+                residency: None,
+                server_puts: false,
+            },
+            addr: 1 << 40,
+            rkey: 9,
+            len: 1 << 30,
+            bounce_chunk: 1 << 20,
+            segments: vec![
+                Segment {
+                    offset: 0,
+                    len: 1 << 30,
+                    addr: 1 << 40,
+                    rkey: 9,
+                },
+                Segment {
+                    offset: 1 << 30,
+                    len: 2 << 30,
+                    addr: (1 << 40) + (1 << 30),
+                    rkey: 10,
+                },
+            ],
         },
         Msg::error(ErrorCode::OutOfRange, "offset 5 + length 9 > 10"),
         Msg::Bye,
@@ -217,6 +251,16 @@ fn arb_msg() -> impl Strategy<Value = Msg> {
                 rkey,
                 len: size,
                 bounce_chunk: size / 2,
+                segments: if ro {
+                    Vec::new()
+                } else {
+                    vec![Segment {
+                        offset: size / 3,
+                        len: size / 5,
+                        addr: addr / 2,
+                        rkey: rkey ^ 1,
+                    }]
+                },
             }),
         (
             any::<u16>(),

@@ -22,25 +22,36 @@ use super::Shared;
 use crate::conn::Conn;
 use crate::error::{Error, Result};
 use crate::metrics::{Direction, Metrics, XferPath};
-use crate::protocol::{AccessMode, ErrorCode, Msg, VERSION};
+use crate::protocol::{AccessMode, ErrorCode, Msg, Segment, VERSION};
 use crate::token::Scope;
 
-/// What gives a handle's client access to the region's direct part: a lease of the
-/// connection's own registration, or a memory window bound on its QP over the region's one
-/// registration. Dropping it revokes the rkey (at once for a window; for a registration, when
-/// the connection's last handle of the region closes).
+/// What gives a handle's client access to the region's direct part, one per MR of it
+/// (segment): leases of the connection's own registrations, or memory windows bound on its QP
+/// over the region's one registration. Dropping it revokes the rkeys (at once for windows; for
+/// registrations, when the connection's last handle of the region closes).
 pub(super) enum HandleKey {
-    Lease(Lease<DeviceMr>),
-    Window(verbs::MemoryWindow),
+    Leases(Vec<Lease<DeviceMr>>),
+    Windows(Vec<verbs::MemoryWindow>),
 }
 
 impl HandleKey {
-    /// The address and rkey the client uses.
-    fn remote(&self) -> (u64, u32) {
-        match self {
-            HandleKey::Lease(l) => (l.mr().addr(), l.mr().rkey()),
-            HandleKey::Window(w) => (w.addr(), w.rkey()),
-        }
+    /// The address and rkey of each segment, with the region bytes it covers.
+    fn remote(&self, segments: crate::path::Segments) -> Vec<Segment> {
+        let keys: Vec<(u64, u32)> = match self {
+            HandleKey::Leases(l) => l.iter().map(|l| (l.mr().addr(), l.mr().rkey())).collect(),
+            HandleKey::Windows(w) => w.iter().map(|w| (w.addr(), w.rkey())).collect(),
+        };
+        segments
+            .ranges()
+            .into_iter()
+            .zip(keys)
+            .map(|(r, (addr, rkey))| Segment {
+                offset: r.start,
+                len: r.end - r.start,
+                addr,
+                rkey,
+            })
+            .collect()
     }
 }
 
@@ -69,7 +80,7 @@ pub(super) struct ConnState {
     pub(super) session: Session<HandleMr>,
     pub(super) inflight: VecDeque<InFlight>,
     /// Keyed by (region index, writable): an open for reading gets an MR without remote write.
-    cache: Option<RegCache<(usize, bool), DeviceMr>>,
+    cache: Option<RegCache<(usize, bool, usize), DeviceMr>>,
     pub(super) ring: Vec<RegisteredBuffer>,
     /// MRs of device-private window mappings, by the mapping's address (the MR holds the
     /// mapping, so the address is not reused while the entry exists). Entries whose mapping the
@@ -462,9 +473,20 @@ impl ConnState {
             Step::Open { region, writable } => {
                 let r = shared.regions.get(region);
                 let lease = self.register(shared, region, writable).await?;
-                let (addr, rkey) = lease.as_ref().map_or((0, 0), HandleKey::remote);
-                // what the rkey covers (nothing without one)
-                let covered = lease.as_ref().map_or(0, |_| r.direct_len);
+                let mut segments = lease
+                    .as_ref()
+                    .map_or_else(Vec::new, |k| k.remote(r.segments()));
+                // the first segment (what the rkey covers: nothing without one); the list
+                // only when there is more than one
+                let first = segments.first().copied().unwrap_or(Segment {
+                    offset: 0,
+                    len: 0,
+                    addr: 0,
+                    rkey: 0,
+                });
+                if segments.len() == 1 {
+                    segments.clear();
+                }
                 let handle = self.session.opened(region, writable, lease);
                 shared.metrics().open_handles.inc();
                 self.sync_metrics(shared.metrics(), false);
@@ -472,10 +494,11 @@ impl ConnState {
                 Ok(Msg::Opened {
                     handle,
                     info: r.info.clone(),
-                    addr,
-                    rkey,
-                    len: covered,
+                    addr: first.addr,
+                    rkey: first.rkey,
+                    len: first.len,
                     bounce_chunk: shared.cfg.bounce_chunk as u64,
+                    segments,
                 })
             }
             Step::Checksum {
@@ -601,13 +624,22 @@ impl ConnState {
         } else {
             AccessMode::ReadOnly
         });
-        let direct = r.direct_len;
         let cache = self.cache(shared.cfg.cache);
-        // registering pins (or maps) every page of the direct part: long for a large region
-        let lease = blocking(|| {
-            cache.get(&(region, writable), 0..direct, direct, |range| {
-                register_mode(&pd, &provider, range, access, mode)
-            })
+        // registering pins (or maps) every page of the direct part: long for a large region.
+        // One MR per segment (the driver may cap one MR's size), each cached on its own.
+        let leases = blocking(|| {
+            r.segments()
+                .ranges()
+                .into_iter()
+                .enumerate()
+                .map(|(k, seg)| {
+                    let len = seg.end - seg.start;
+                    cache.get(&(region, writable, k), 0..len, len, |range| {
+                        let at = seg.start + range.start..seg.start + range.end;
+                        register_mode(&pd, &provider, at, access, mode)
+                    })
+                })
+                .collect::<std::result::Result<Vec<_>, _>>()
         })
         .map_err(|e| {
             (
@@ -615,7 +647,7 @@ impl ConnState {
                 format!("registering region '{}' ({mode}): {e}", r.info.name),
             )
         })?;
-        Ok(Some(HandleKey::Lease(lease)))
+        Ok(Some(HandleKey::Leases(leases)))
     }
 
     /// A memory window over the region's one registration, bound on this connection's QP:
@@ -631,28 +663,35 @@ impl ConnState {
         let Some(qp) = self.qp.clone() else {
             return Ok(None);
         };
-        let mr = r
-            .shared_mr()
+        let mrs = r
+            .shared_mrs()
             .ok_or_else(|| super::regions::removed(&r.info.name))?;
         let access = if writable {
             Access::REMOTE_READ | Access::REMOTE_WRITE
         } else {
             Access::REMOTE_READ
         };
-        let w = qp
-            .bind_window(mr, 0..r.direct_len, access)
-            .await
-            .map_err(|e| {
-                (
-                    ErrorCode::Internal,
-                    format!("binding a memory window over region '{}': {e}", r.info.name),
-                )
-            })?;
-        metrics.windows_bound.inc();
-        Ok(Some(HandleKey::Window(w)))
+        let mut windows = Vec::with_capacity(mrs.len());
+        for (mr, seg) in mrs.into_iter().zip(r.segments().ranges()) {
+            let w = qp
+                .bind_window(mr, 0..seg.end - seg.start, access)
+                .await
+                .map_err(|e| {
+                    (
+                        ErrorCode::Internal,
+                        format!(
+                            "binding a memory window over region '{}' (bytes {}..{}): {e}",
+                            r.info.name, seg.start, seg.end
+                        ),
+                    )
+                })?;
+            metrics.windows_bound.inc();
+            windows.push(w);
+        }
+        Ok(Some(HandleKey::Windows(windows)))
     }
 
-    fn cache(&mut self, limits: Limits) -> &RegCache<(usize, bool), DeviceMr> {
+    fn cache(&mut self, limits: Limits) -> &RegCache<(usize, bool, usize), DeviceMr> {
         self.cache.get_or_insert_with(|| RegCache::new(limits))
     }
 

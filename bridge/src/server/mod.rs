@@ -370,12 +370,7 @@ impl ServerHandle {
             .ok_or_else(|| Error::Config(format!("no region '{name}' is being served")))?;
         r.removed.store(true, Ordering::SeqCst);
         drop(r.provider.lock().unwrap_or_else(|p| p.into_inner()).take());
-        if r.shared
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-            .is_some()
-        {
+        if !std::mem::take(&mut *r.shared.lock().unwrap_or_else(|p| p.into_inner())).is_empty() {
             self.shared
                 .metrics()
                 .shared_registered_bytes

@@ -25,15 +25,18 @@ pub(super) struct Region {
     pub(super) weak: Weak<dyn Provider>,
     /// Bytes `[0, direct_len)` are direct (with `mode`); the rest bounce.
     pub(super) direct_len: u64,
+    /// Bytes of one MR of the direct part (the driver may cap one MR's size): the direct part
+    /// is registered as MRs of this size, one after the other.
+    pub(super) segment: u64,
     pub(super) mode: Option<RegMode>,
     pub(super) attempts: Vec<Attempt>,
     pub(super) removed: AtomicBool,
     /// Device-private regions: the strategy a canary proved for MRs of window mappings, so the
     /// NIC moves windowed units straight to and from the client (None: the CPU copies them).
     pub(super) window_mode: Option<RegMode>,
-    /// The one registration of the direct part that every open binds a memory window over
-    /// (None: registered per connection, no direct part, or removed).
-    pub(super) shared: Mutex<Option<Arc<DeviceMr>>>,
+    /// The one registration of the direct part (an MR per segment) that every open binds its
+    /// memory windows over (empty: registered per connection, no direct part, or removed).
+    pub(super) shared: Mutex<Vec<Arc<DeviceMr>>>,
 }
 
 impl fmt::Debug for Region {
@@ -43,13 +46,23 @@ impl fmt::Debug for Region {
 }
 
 impl Region {
-    /// The shared registration of the direct part (None: per-connection registration, or the
-    /// region was removed).
-    pub(super) fn shared_mr(&self) -> Option<Arc<DeviceMr>> {
-        self.shared
+    /// The shared registration of the direct part, an MR per segment (None: per-connection
+    /// registration, or the region was removed).
+    pub(super) fn shared_mrs(&self) -> Option<Vec<Arc<DeviceMr>>> {
+        let mrs = self
+            .shared
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .clone()
+            .clone();
+        (!mrs.is_empty()).then_some(mrs)
+    }
+
+    /// How the direct part is registered: its MRs' ranges.
+    pub(super) fn segments(&self) -> crate::path::Segments {
+        crate::path::Segments {
+            direct_len: self.direct_len,
+            segment: self.segment,
+        }
     }
 
     pub(super) fn provider(&self) -> std::result::Result<Arc<dyn Provider>, Refusal> {
@@ -247,7 +260,7 @@ pub(super) async fn build_region(
     let len = provider.len();
     let choice = opts.choice(len, cfg.reg, cfg.p2p);
     let residency_before = provider.residency();
-    let (planned, window) = crate::path::decide_prefix(pd, &provider, choice)
+    let (planned, segments) = crate::path::decide_segments(pd, &provider, choice)
         .await
         .map_err(|r| {
             Error::Config(format!(
@@ -274,33 +287,51 @@ pub(super) async fn build_region(
             })
             .inc();
     }
-    let mut direct_len = if d.path == PathKind::Direct {
-        window
+    let mut segments = if d.path == PathKind::Direct {
+        segments
     } else {
-        0
+        crate::path::Segments::whole(0)
     };
-    let (shared, shared_note) = match d.mode.filter(|_| direct_len > 0 && sharing.windows()) {
-        None => (None, String::new()),
+    let (shared, shared_note) = match d
+        .mode
+        .filter(|_| segments.direct_len > 0 && sharing.windows())
+    {
+        None => (Vec::new(), String::new()),
         Some(mode) => {
             let writable = !read_only && !provider.holds_data();
-            match windows::share(pd, &name, &provider, direct_len, mode, writable).await {
-                Ok(mr) => {
+            match windows::share(pd, &name, &provider, segments, mode, writable).await {
+                Ok((mrs, short)) => {
+                    let mut note = String::new();
+                    if let Some((kept, why)) = short {
+                        note = format!(
+                            "; {why}: the first {} bytes go direct, the rest through bounce \
+                             buffers",
+                            kept.direct_len
+                        );
+                        segments = kept;
+                    }
+                    let direct_len = segments.direct_len;
                     cfg.metrics
                         .shared_registered_bytes
                         .inc_by(direct_len as i64);
+                    let mrs_note = match mrs.len() {
+                        1 => String::new(),
+                        n => format!(" in {n} MRs"),
+                    };
                     (
-                        Some(mr),
+                        mrs,
                         format!(
-                            "; registered once ({direct_len} bytes, no remote access of its own): \
-                         each open binds a memory window on the client's QP"
+                            "{note}; registered once ({direct_len} bytes{mrs_note}, no remote \
+                             access of its own): each open binds a memory window on the \
+                             client's QP"
                         ),
                     )
                 }
                 Err(why) => {
                     tracing::warn!(region = %name, why, "no memory window over the region");
-                    direct_len = 0;
+                    segments = crate::path::Segments::whole(0);
                     (
-                        None,
+                        Vec::new(),
                         format!(
                             "; the {mode} registration works, but {why}: this server isolates \
                              clients with memory windows, so the region goes through bounce \
@@ -311,14 +342,17 @@ pub(super) async fn build_region(
             }
         }
     };
-    let mut extents = Vec::new();
-    if direct_len > 0 {
-        extents.push(Extent {
-            offset: 0,
-            len: direct_len,
+    let direct_len = segments.direct_len;
+    // a direct extent per MR: no transfer piece crosses from one MR to the next
+    let mut extents: Vec<Extent> = segments
+        .ranges()
+        .into_iter()
+        .map(|r| Extent {
+            offset: r.start,
+            len: r.end - r.start,
             path: DataPath::Direct,
-        });
-    }
+        })
+        .collect();
     if direct_len < len {
         extents.push(Extent {
             offset: direct_len,
@@ -380,6 +414,7 @@ pub(super) async fn build_region(
         provider: Mutex::new(Some(provider)),
         weak,
         direct_len,
+        segment: segments.segment,
         mode: d.mode,
         attempts: d.attempts,
         removed: AtomicBool::new(false),

@@ -16,6 +16,8 @@ use std::sync::Arc;
 
 use peermem::canary::{register_mode, DeviceMr};
 use peermem::Provider;
+
+use crate::path::{register_segments, Segments};
 use verbs::{Access, HostBuffer, Local, ProtectionDomain, QpOptions, QueuePair, RegMode};
 
 /// How the server gives clients access to a region's direct part.
@@ -103,17 +105,22 @@ pub(super) async fn probe(pd: &ProtectionDomain) -> Sharing {
     }
 }
 
-/// Register `[0, direct_len)` of a region once, for windows (local write only when clients
-/// may write it), and prove a window over it: a READ through the window returns what the
-/// CPU sees. Pinning every page takes long for a large region: done off the async workers.
+/// What [`share`] registered: an MR per segment, and, when a segment after the first was
+/// refused, the segments kept and why the next one was not.
+pub(super) type Shared = (Vec<Arc<DeviceMr>>, Option<(Segments, String)>);
+
+/// Register a region's direct part once, an MR per segment, for windows (local write only
+/// when clients may write it), and prove a window over the first and the last MR: a READ
+/// through it returns what the CPU sees. Pinning every page takes long for a large region:
+/// done off the async workers.
 pub(super) async fn share(
     pd: &ProtectionDomain,
     name: &str,
     provider: &Arc<dyn Provider>,
-    direct_len: u64,
+    segments: Segments,
     mode: RegMode,
     writable: bool,
-) -> Result<Arc<DeviceMr>, String> {
+) -> Result<Shared, String> {
     if !provider.writable() {
         return Err(read_only_reason(name));
     }
@@ -123,25 +130,42 @@ pub(super) async fn share(
         Access::MW_BIND
     };
     let (pd2, p2) = (pd.clone(), Arc::clone(provider));
-    let mr =
-        tokio::task::spawn_blocking(move || register_mode(&pd2, &p2, 0..direct_len, access, mode))
-            .await
-            .map_err(|e| format!("registration task: {e}"))?
-            .map_err(|e| format!("registering the direct part once ({mode}, {access}): {e}"))?;
-    let mr = Arc::new(mr);
-    let n = direct_len.min(4096);
-    let got = read_through_window(pd, mr.clone(), 0..n)
-        .await
-        .map_err(|e| format!("a memory window over the {mode} registration: {e}"))?;
-    let mut want = vec![0u8; n as usize];
-    provider
-        .copy_out(0, &mut want)
-        .map_err(|e| format!("reading the region to check the window: {e}"))?;
-    if got != want {
+    let (mrs, short) = tokio::task::spawn_blocking(move || {
+        register_segments(segments, |r| {
+            register_mode(&pd2, &p2, r, access, mode).map(Arc::new)
+        })
+    })
+    .await
+    .map_err(|e| format!("registration task: {e}"))?;
+    if mrs.is_empty() {
+        let why = short.map(|(_, why)| why).unwrap_or_default();
         return Err(format!(
-            "a READ through a memory window over the {mode} registration returned other bytes \
-             than the CPU sees"
+            "registering the direct part once ({mode}, {access}): {why}"
         ));
     }
-    Ok(mr)
+    let kept = short.as_ref().map_or(segments, |(k, _)| *k);
+    let ranges = kept.ranges();
+    let mut check = vec![0];
+    if ranges.len() > 1 {
+        check.push(ranges.len() - 1);
+    }
+    for i in check {
+        let (mr, r) = (&mrs[i], &ranges[i]);
+        let n = (r.end - r.start).min(4096);
+        let got = read_through_window(pd, mr.clone(), 0..n)
+            .await
+            .map_err(|e| format!("a memory window over the {mode} registration: {e}"))?;
+        let mut want = vec![0u8; n as usize];
+        provider
+            .copy_out(r.start, &mut want)
+            .map_err(|e| format!("reading the region to check the window: {e}"))?;
+        if got != want {
+            return Err(format!(
+                "a READ through a memory window over the {mode} registration of bytes {}.. \
+                 returned other bytes than the CPU sees",
+                r.start
+            ));
+        }
+    }
+    Ok((mrs, short))
 }
