@@ -92,6 +92,39 @@ fn lab_doctor_odp_follows_the_kernel_and_the_canary_catches_the_rxe_odp_offset_b
 
 #[test]
 #[ignore = "lab"]
+fn lab_doctor_read_only_memory_proves_the_strategy_on_a_scratch_buffer_too() {
+    // a read-only file of zeros: its own canary can only read, and zeros read the same from
+    // any offset, so the rxe 7.3 ODP offset bug (LAB.md) cannot show in its bytes; the scratch
+    // host buffer's pattern must catch it
+    let path = std::env::temp_dir().join(format!("p2p-doctor-ro-{}.bin", std::process::id()));
+    std::fs::File::create(&path)
+        .unwrap()
+        .set_len(1 << 20)
+        .unwrap();
+    let spec = format!("file:{}:ro", path.display());
+    let ctx = verbs::Context::open(Some(&device())).unwrap();
+    let odp = ctx.info().caps.odp.supported;
+    let (code, v, err) = doctor_region(&spec, &["--reg", "odp"]);
+    let a = &v["attempts"][0];
+    if !odp {
+        assert_eq!(a["outcome"], "registration-failed", "{a}");
+    } else if std::env::var("P2P_LAB_KERNEL").as_deref() == Ok("7.3") {
+        assert_eq!(code, Some(1), "{err}\n{v}");
+        assert_eq!(a["outcome"], "canary-error", "{a}");
+        let m = a["message"].as_str().unwrap();
+        assert!(m.contains("scratch host buffer"), "{m}");
+    } else {
+        assert_eq!(code, Some(0), "{err}\n{v}");
+    }
+    // pinned moves bytes right: the scratch canary passes and the file goes direct
+    let (code, v, err) = doctor_region(&spec, &["--reg", "pinned"]);
+    assert_eq!(code, Some(0), "{err}\n{v}");
+    assert_eq!(v["attempts"][0]["outcome"], "works", "{v}");
+    let _ = std::fs::remove_file(&path);
+}
+
+#[test]
+#[ignore = "lab"]
 fn lab_doctor_shows_hmm_page_residency_before_and_after_the_attempts() {
     let kernel = std::env::var("P2P_LAB_KERNEL").unwrap_or_else(|_| {
         panic!("P2P_LAB_KERNEL is not set. lab test: run it with soft-roce/lab")
