@@ -278,6 +278,18 @@ fn lab_ops_metrics_show_a_fetch_under_its_region_and_path() {
     assert_eq!(regions[0]["info"]["path"], "direct");
     assert_eq!(regions[1]["info"]["path"], "bounce");
     assert!(!regions[0]["attempts"].as_array().unwrap().is_empty());
+    // how clients reach the direct parts, and why
+    let windows = v["memory_windows"]
+        .as_bool()
+        .expect("memory_windows in the report");
+    let how = v["registration"]
+        .as_str()
+        .expect("registration in the report");
+    assert_eq!(
+        how.contains("each open binds a memory window on the client's QP"),
+        windows,
+        "{how}"
+    );
     assert_eq!(s.child.wait().unwrap().code(), Some(0));
 }
 

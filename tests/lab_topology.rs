@@ -210,3 +210,66 @@ fn lab_topo_capture_replays_as_live() {
     assert!(String::from_utf8_lossy(&again.stderr).contains("not empty"));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+#[ignore = "lab"]
+fn lab_dualnic_each_cmb_ranks_the_nic_beside_it_first() {
+    assert_eq!(
+        std::env::var("P2P_LAB_NICS").as_deref(),
+        Ok("2"),
+        "needs the two-NIC guest (soft-roce/lab --topology switch --nics 2). {LAB}"
+    );
+    let v = topo(&["--json"]);
+    let mut nics: Vec<&str> = v["rdma_devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["name"].as_str().unwrap())
+        .collect();
+    nics.sort();
+    assert_eq!(nics, ["rxe0", "rxe1"], "{v}");
+    let best = v["best_nics"].as_array().expect("best_nics with two NICs");
+    // each NVMe with a CMB sits under its own switch with one NIC: that NIC ranks first
+    // (PIX, direct on 7.3) and nothing ties with it
+    let mut chosen = Vec::new();
+    for m in v["memory_devices"].as_array().unwrap() {
+        let (Some(nvme), Some(_)) = (m["nvme"].as_str(), m["p2pmem"].as_object()) else {
+            continue;
+        };
+        let bdf = m["bdf"].as_str().unwrap();
+        let b = best
+            .iter()
+            .find(|b| b["device_pci"] == bdf)
+            .unwrap_or_else(|| panic!("no best NIC for {bdf}: {v}"));
+        assert_eq!(b["path"], "PIX", "{nvme}: {b}");
+        if kernel() == "7.3" {
+            assert_eq!(b["verdict"], "direct", "{nvme}: {b}");
+        }
+        assert_eq!(b["ties"].as_array().map(Vec::len), Some(0), "{b}");
+        chosen.push((
+            nvme.to_string(),
+            b["rdma_device"].as_str().unwrap().to_string(),
+        ));
+    }
+    assert_eq!(chosen.len(), 2, "two CMBs: {v}");
+    assert_ne!(
+        chosen[0].1, chosen[1].1,
+        "each CMB has its own NIC: {chosen:?}"
+    );
+    // the doctor, run on the other NIC, names the better one; on the best one it says nothing
+    let (nvme, best_nic) = &chosen[0];
+    let other = if best_nic == "rxe0" { "rxe1" } else { "rxe0" };
+    let doctor = |dev: &str| -> Value {
+        let out = Command::new(env!("CARGO_BIN_EXE_p2p-rdma"))
+            .args(["doctor", "--region", &format!("cmb:{nvme}:1M"), "--json"])
+            .args(["--device", dev])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {err}"))
+    };
+    let d = doctor(other);
+    assert_eq!(d["better_nic"]["rdma_device"], best_nic.as_str(), "{d}");
+    let d = doctor(best_nic);
+    assert!(d["better_nic"].is_null(), "{d}");
+}

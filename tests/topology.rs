@@ -283,6 +283,44 @@ fn a_gpu_with_a_large_bar_and_an_nvme_without_a_cmb() {
 }
 
 #[test]
+fn the_nic_beside_a_device_ranks_first_and_one_nic_lists_no_ranking() {
+    let r = report("gpu-switch");
+    // the GPU: mlx5_0 under its switch (PIX, direct) beats rxe0 through the host bridge
+    let gpu = r.nics_for("0000:03:00.0", &[]);
+    let names: Vec<&str> = gpu.iter().map(|p| p.rdma_device.as_str()).collect();
+    assert_eq!(names, ["mlx5_0", "rxe0"]);
+    let best = r
+        .best_nics
+        .iter()
+        .find(|b| b.device_pci == "0000:03:00.0")
+        .unwrap();
+    assert_eq!(
+        (best.rdma_device.as_str(), best.path, best.verdict),
+        ("mlx5_0", Some(PathClass::Pix), Verdict::Direct)
+    );
+    assert!(best.ties.is_empty(), "{best:?}");
+    // restricted to the NICs a server uses: the only one left wins, whatever its path
+    let only = r.best_nics(&["rxe0"]);
+    assert!(only.iter().all(|b| b.rdma_device == "rxe0"), "{only:?}");
+    assert_eq!(only.len(), r.memory_devices.len());
+    // every memory device has an answer, and the text says it
+    assert_eq!(r.best_nics.len(), r.memory_devices.len());
+    assert!(
+        r.render()
+            .contains("best NIC for 0000:03:00.0: mlx5_0 (PIX direct)"),
+        "{}",
+        r.render()
+    );
+    // one RDMA device: nothing to rank, and the JSON has no such key
+    let one = report("switch-acs");
+    assert!(one.best_nics.is_empty());
+    let v = serde_json::to_value(&one).unwrap();
+    assert!(v.get("best_nics").is_none(), "{v}");
+    let v = serde_json::to_value(&r).unwrap();
+    assert_eq!(v["best_nics"][0]["rdma_device"], "mlx5_0", "{v}");
+}
+
+#[test]
 fn the_json_contract_holds() {
     let r = report("switch-acs");
     let v = serde_json::to_value(&r).unwrap();

@@ -6,8 +6,12 @@ use bridge::size::human;
 use super::emit;
 
 /// The topology doctor's verdict for the pair (RDMA device, the memory's PCI device), when the
-/// memory lives on a PCI device.
-fn topology_plan(provider: &dyn peermem::Provider, rdma: &str) -> Option<peermem::topology::Pair> {
+/// memory lives on a PCI device; and, with several RDMA devices, the one the topology ranks
+/// best for it when that is another (and not as good as `rdma`).
+fn topology_plans(
+    provider: &dyn peermem::Provider,
+    rdma: &str,
+) -> Option<(peermem::topology::Pair, Option<peermem::topology::BestNic>)> {
     use peermem::topology::{Extra, Sysfs, Topology};
     let bdf = provider.pci_device()?;
     let extra = Extra {
@@ -19,7 +23,12 @@ fn topology_plan(provider: &dyn peermem::Provider, rdma: &str) -> Option<peermem
     };
     let topo = Topology::read(&Sysfs::new("/sys"), &extra);
     let r = topo.rdma.iter().find(|r| r.name == rdma)?;
-    Some(topo.pair(r, topo.device(&bdf)?))
+    let pair = topo.pair(r, topo.device(&bdf)?);
+    let better = (topo.rdma.len() > 1)
+        .then(|| topo.report().best_nics(&[]))
+        .and_then(|b| b.into_iter().find(|b| b.device_pci == bdf))
+        .filter(|b| b.rdma_device != rdma && !b.ties.iter().any(|t| t == rdma));
+    Some((pair, better))
 }
 
 /// Driver probes for every RDMA device the live system has (ODP caps, dma-buf MR probe).
@@ -149,7 +158,10 @@ pub(crate) async fn doctor(
     let len = provider.len();
     // the spec's own ,reg= ,p2p= ,window= apply as in serve (over --reg)
     let choice = parsed.options.choice(len, reg, P2pPolicy::Preferred);
-    let plan = topology_plan(provider.as_ref(), ctx.name());
+    let (plan, better_nic) = match topology_plans(provider.as_ref(), ctx.name()) {
+        Some((p, b)) => (Some(p), b),
+        None => (None, None),
+    };
     let residency_before = provider.residency();
     let (mut planned, segments) = bridge::path::decide_segments(&pd, &provider, choice)
         .await
@@ -171,6 +183,7 @@ pub(crate) async fn doctor(
             serde_json::json!({
                 "device": ctx.name(),
                 "plan": plan,
+                "better_nic": better_nic,
                 "memory": provider.kind(),
                 "describe": provider.describe(),
                 "size": len,
@@ -206,6 +219,15 @@ pub(crate) async fn doctor(
                 }
             }
             None => o.push_str("  plan: host memory, no PCIe peer path involved\n"),
+        }
+        if let Some(b) = &better_nic {
+            o.push_str(&format!(
+                "  ! {} is closer to this memory ({} {}): run with --device {}\n",
+                b.rdma_device,
+                b.path.map(|c| c.as_str()).unwrap_or("-"),
+                b.verdict.as_str(),
+                b.rdma_device
+            ));
         }
         if let Some(r) = &residency_before {
             o.push_str(&format!("  residency before the attempts: {r}\n"));

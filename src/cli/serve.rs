@@ -225,11 +225,14 @@ pub(crate) async fn run(a: ServeArgs) -> anyhow::Result<()> {
         let doc = serde_json::json!({
             "listen": addr.to_string(),
             "device": server.device(),
+            "memory_windows": server.memory_windows(),
+            "registration": server.registration(),
             "metrics": metrics_addr.map(|m| m.to_string()),
             "regions": server.reports(),
         });
         println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
+        eprintln!("p2p-rdma: registration: {}", server.registration());
         eprintln!(
             "p2p-rdma: serving on {addr} with RDMA device {}:",
             server.device()

@@ -194,6 +194,18 @@ impl Server {
         self.shared.ctx.name()
     }
 
+    /// How clients reach the regions' direct parts, and why: one registration per region and a
+    /// memory window per open, or a registration per connection (with the reason windows are
+    /// not used: the device has none, or the server serves read-only memory).
+    pub fn registration(&self) -> String {
+        self.shared.sharing.describe()
+    }
+
+    /// Whether opens bind memory windows over one registration per region.
+    pub fn memory_windows(&self) -> bool {
+        self.shared.sharing.windows()
+    }
+
     /// A handle to control the server while it runs.
     pub fn handle(&self) -> ServerHandle {
         ServerHandle {

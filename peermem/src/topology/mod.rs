@@ -14,6 +14,7 @@
 
 pub mod config;
 mod pair;
+mod rank;
 mod read;
 mod render;
 pub mod sysfs;
@@ -25,6 +26,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use config::{acs, Access, Config, PortType};
+pub use rank::BestNic;
 use read::last_name;
 pub use sysfs::Sysfs;
 
@@ -354,6 +356,10 @@ pub struct Report {
     pub pci_path_devices: Vec<PciDev>,
     /// One entry per RDMA device × memory device.
     pub pairs: Vec<Pair>,
+    /// With more than one RDMA device: for each memory device, the one to serve it from
+    /// (verdict first, then path class, then the kernel's distance).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub best_nics: Vec<BestNic>,
 }
 
 /// The PCI tree and everything else read from one sysfs root.
@@ -472,7 +478,7 @@ impl Topology {
             .collect();
         on_path.sort();
         on_path.dedup();
-        Report {
+        let mut report = Report {
             system: self.system.clone(),
             rdma_devices: self.rdma.clone(),
             memory_devices: mems.into_iter().cloned().collect(),
@@ -481,6 +487,11 @@ impl Topology {
                 .filter_map(|b| self.devs.get(b).cloned())
                 .collect(),
             pairs,
+            best_nics: Vec::new(),
+        };
+        if report.rdma_devices.len() > 1 {
+            report.best_nics = report.best_nics(&[]);
         }
+        report
     }
 }

@@ -68,6 +68,21 @@ impl Report {
             }
             o.push('\n');
         }
+        for b in &self.best_nics {
+            let _ = writeln!(
+                o,
+                "best NIC for {}: {} ({} {}){}",
+                b.device_pci,
+                b.rdma_device,
+                b.path.map(|c| c.as_str()).unwrap_or("-"),
+                b.verdict.as_str(),
+                if b.ties.is_empty() {
+                    String::new()
+                } else {
+                    format!(", as good: {}", b.ties.join(", "))
+                }
+            );
+        }
         o.push_str("\nLegend: SAME one function, PIX one switch, PXB several bridges, PHB through a host bridge, SYS across sockets\n");
         let _ = writeln!(
             o,
