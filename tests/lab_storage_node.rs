@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use common::*;
-use p2p_rdma::bridge::protocol::{DataPath, ErrorCode};
+use p2p_rdma::bridge::protocol::{DataPath, ErrorCode, RegionInfo};
 use p2p_rdma::bridge::{Client, ClientConfig, RegionSpec};
 
 fn small_client(addr: std::net::SocketAddr) -> ClientConfig {
@@ -47,6 +47,31 @@ fn figure(line: String) {
     }
 }
 
+/// What the server says of its region `name`.
+fn served(s: &Running, name: &str) -> RegionInfo {
+    s.handle
+        .regions()
+        .into_iter()
+        .find(|r| r.name == name)
+        .unwrap_or_else(|| panic!("no region '{name}' is served"))
+}
+
+/// Write `bytes` to `<temp>/lab-storage-NAME.bin` and add it to the server as region `name`
+/// (`:ro` when `read_only`).
+async fn add_file(s: &Running, name: &str, bytes: &[u8], read_only: bool) -> RegionInfo {
+    let file = std::env::temp_dir().join(format!("lab-storage-{name}.bin"));
+    std::fs::write(&file, bytes).unwrap();
+    let ro = if read_only { ":ro" } else { "" };
+    s.handle
+        .add_region(
+            format!("{name}=file:{}{ro}", file.display())
+                .parse()
+                .unwrap(),
+        )
+        .await
+        .unwrap()
+}
+
 /// MRs of exactly `len` bytes on the lab device.
 fn mrs_of(len: u64) -> usize {
     rdma_resources("mr", &format!("mrlen {len} "))
@@ -58,8 +83,7 @@ async fn lab_one_registration_serves_every_client_through_its_own_window() {
     const BIG: u64 = 768 << 20;
     const SMALL: u64 = 16 << 20;
     let s = start(&["big=host:768M", "small=host:16M"], |_| {}).await;
-    let regions = s.handle.regions();
-    let big = regions.iter().find(|r| r.name == "big").unwrap();
+    let big = served(&s, "big");
     assert_eq!(big.path, DataPath::Direct, "{big:?}");
     assert!(big.reason.contains("registered once"), "{}", big.reason);
     assert_eq!(mrs_of(BIG), 1, "the big region is registered once at start");
@@ -204,13 +228,7 @@ async fn lab_regions_added_and_removed_while_clients_fetch_and_puts_are_noticed(
             }
         }
     });
-    let file = std::env::temp_dir().join("lab-storage-b.bin");
-    std::fs::write(&file, data(3 << 20, 9)).unwrap();
-    let b = s
-        .handle
-        .add_region(format!("b=file:{}", file.display()).parse().unwrap())
-        .await
-        .unwrap();
+    let b = add_file(&s, "b", &data(3 << 20, 9), false).await;
     assert!(b.server_puts, "{b:?}");
     let mut d = Client::connect(small_client(s.addr)).await.unwrap();
     assert!(d.list().await.unwrap().iter().any(|r| r.name == "b"));
@@ -259,13 +277,7 @@ async fn lab_regions_added_and_removed_while_clients_fetch_and_puts_are_noticed(
     assert_eq!(rb.info.size, 1 << 20);
     // read-only memory added to a server that isolates clients with memory windows cannot
     // carry one: it is served through bounce buffers, and its reason says why
-    let ro = std::env::temp_dir().join("lab-storage-ro.bin");
-    std::fs::write(&ro, data(1 << 20, 3)).unwrap();
-    let info = s
-        .handle
-        .add_region(format!("ro=file:{}:ro", ro.display()).parse().unwrap())
-        .await
-        .unwrap();
+    let info = add_file(&s, "ro", &data(1 << 20, 3), true).await;
     assert_eq!(info.path, DataPath::Bounce, "{info:?}");
     assert!(
         info.reason.contains("region 'ro' is read-only memory")
@@ -424,7 +436,7 @@ const GIB: u64 = 1 << 30;
 const HUGE: u64 = 1280 << 20;
 
 /// The direct extents of a region, checked to cover `[0, size)` in order with nothing bounced.
-fn direct_extents(info: &p2p_rdma::bridge::protocol::RegionInfo) -> Vec<(u64, u64)> {
+fn direct_extents(info: &RegionInfo) -> Vec<(u64, u64)> {
     let mut at = 0;
     let out: Vec<(u64, u64)> = info
         .extents()
@@ -453,12 +465,7 @@ async fn lab_a_region_over_one_mrs_size_limit_goes_direct_as_several_mrs() {
     // rxe on Linux 7.x refuses one MR over 1 GiB (its page list is one kmalloc of 16 bytes per
     // 4 KiB page) with ENOMEM: the server registers 1.25 GiB as two MRs, a window over each
     let s = start(&["huge=host:1280M"], |_| {}).await;
-    let info = s
-        .handle
-        .regions()
-        .into_iter()
-        .find(|r| r.name == "huge")
-        .unwrap();
+    let info = served(&s, "huge");
     let extents = direct_extents(&info);
     let split = extents.len() > 1;
     if split {
@@ -548,12 +555,7 @@ async fn lab_a_read_only_file_over_one_mrs_size_limit_is_registered_per_connecti
     }
     let spec = format!("huge=file:{}:ro", path.display());
     let s = start(&[spec.as_str()], |_| {}).await;
-    let info = s
-        .handle
-        .regions()
-        .into_iter()
-        .find(|r| r.name == "huge")
-        .unwrap();
+    let info = served(&s, "huge");
     let extents = direct_extents(&info);
     let mut c = Client::connect(small_client(s.addr)).await.unwrap();
     let r = c.open("huge", false).await.unwrap();

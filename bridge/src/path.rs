@@ -90,17 +90,17 @@ impl Segments {
 
     /// The byte ranges of the MRs, in order.
     pub fn ranges(&self) -> Vec<std::ops::Range<u64>> {
-        if self.direct_len == 0 || self.segment == 0 {
-            return Vec::new();
-        }
-        (0..self.direct_len.div_ceil(self.segment))
+        (0..self.count() as u64)
             .map(|k| k * self.segment..((k + 1) * self.segment).min(self.direct_len))
             .collect()
     }
 
     /// How many MRs.
     pub fn count(&self) -> usize {
-        self.ranges().len()
+        if self.segment == 0 {
+            return 0;
+        }
+        self.direct_len.div_ceil(self.segment) as usize
     }
 }
 
@@ -128,38 +128,35 @@ pub async fn decide_segments(
     };
     let mut segment = pow2_below(choice.window);
     while segment >= MIN_PREFIX {
-        let p = decide(pd, provider, 0..segment, RegChoice::Only(mode), choice.p2p).await;
-        if let Ok(mut p) = p.map_err(drop).and_then(|p| {
-            if p.decision.path == PathKind::Direct {
-                Ok(p)
-            } else {
-                Err(())
+        match decide(pd, provider, 0..segment, RegChoice::Only(mode), choice.p2p).await {
+            Ok(mut p) if p.decision.path == PathKind::Direct => {
+                let s = Segments {
+                    direct_len: choice.window,
+                    segment,
+                };
+                let mut attempts = whole.decision.attempts.clone();
+                attempts.truncate(
+                    attempts
+                        .iter()
+                        .position(|a| a.mode == mode)
+                        .map_or(attempts.len(), |i| i + 1),
+                );
+                attempts.append(&mut p.decision.attempts);
+                p.decision.attempts = attempts;
+                p.decision.reason.push_str(&format!(
+                    "; the {mode} registration of all {} bytes in one MR was refused with ENOMEM \
+                     (the driver caps one MR's size: rxe keeps its page list in one kmalloc, \
+                     1 GiB of 4 KiB pages), so the region is registered as {} {mode} MRs of at \
+                     most {segment} bytes, the largest that registers{instead}",
+                    choice.window,
+                    s.count()
+                ));
+                return Ok((p, s));
             }
-        }) {
-            let s = Segments {
-                direct_len: choice.window,
-                segment,
-            };
-            let mut attempts = whole.decision.attempts.clone();
-            attempts.truncate(
-                attempts
-                    .iter()
-                    .position(|a| a.mode == mode)
-                    .map_or(attempts.len(), |i| i + 1),
-            );
-            attempts.append(&mut p.decision.attempts);
-            p.decision.attempts = attempts;
-            p.decision.reason.push_str(&format!(
-                "; the {mode} registration of all {} bytes in one MR was refused with ENOMEM \
-                 (the driver caps one MR's size: rxe keeps its page list in one kmalloc, 1 GiB \
-                 of 4 KiB pages), so the region is registered as {} {mode} MRs of at most \
-                 {segment} bytes, the largest that registers{instead}",
-                choice.window,
-                s.count()
-            ));
-            return Ok((p, s));
+            // bounce, or refused (`--p2p required`) with this one strategy: try shorter, and in
+            // the end keep the whole-range plan
+            _ => segment /= 2,
         }
-        segment /= 2;
     }
     Ok((whole, Segments::whole(choice.window)))
 }

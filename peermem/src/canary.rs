@@ -426,25 +426,24 @@ pub async fn register_with_canary(
             }
         };
         let outcome = match run_canary(pd, &reg).await {
-            Ok(c) if c.ok() && !access.contains(Access::REMOTE_WRITE) => {
-                match scratch_canary(pd, mode).await {
-                    Ok(None) => AttemptOutcome::Works { canary: c },
-                    Ok(Some(bad)) => AttemptOutcome::CanaryError {
-                        message: format!(
-                            "the READ of this read-only memory matched what the CPU sees, but \
+            // the canary could only read bytes it did not choose
+            Ok(c) if c.ok() && !c.write_checked => match scratch_canary(pd, mode).await {
+                Ok(None) => AttemptOutcome::Works { canary: c },
+                Ok(Some(bad)) => AttemptOutcome::CanaryError {
+                    message: format!(
+                        "the READ of this read-only memory matched what the CPU sees, but \
                              bytes that cannot be written need not reveal a misplaced read (a \
                              run of zeros reads the same from anywhere); the {mode} strategy on \
                              a scratch host buffer with a pattern: {bad}"
-                        ),
-                    },
-                    Err(e) => AttemptOutcome::CanaryError {
-                        message: format!(
-                            "the {mode} strategy on a scratch host buffer (to check what \
+                    ),
+                },
+                Err(e) => AttemptOutcome::CanaryError {
+                    message: format!(
+                        "the {mode} strategy on a scratch host buffer (to check what \
                              read-only memory cannot show): {e}"
-                        ),
-                    },
-                }
-            }
+                    ),
+                },
+            },
             Ok(c) if c.ok() => AttemptOutcome::Works { canary: c },
             Ok(c) => AttemptOutcome::CanaryFailed { canary: c },
             Err(e) => AttemptOutcome::CanaryError {

@@ -24,9 +24,12 @@ fn topology_plans(
     let topo = Topology::read(&Sysfs::new("/sys"), &extra);
     let r = topo.rdma.iter().find(|r| r.name == rdma)?;
     let pair = topo.pair(r, topo.device(&bdf)?);
-    let better = (topo.rdma.len() > 1)
-        .then(|| topo.report().best_nics(&[]))
-        .and_then(|b| b.into_iter().find(|b| b.device_pci == bdf))
+    // the report ranks the NICs only when there is more than one
+    let better = topo
+        .report()
+        .best_nics
+        .into_iter()
+        .find(|b| b.device_pci == bdf)
         .filter(|b| b.rdma_device != rdma && !b.ties.iter().any(|t| t == rdma));
     Some((pair, better))
 }

@@ -258,24 +258,12 @@ mod tests {
 
     #[test]
     fn a_piece_goes_to_the_segment_that_holds_it() {
-        use crate::protocol::{AccessMode, RegionInfo, Segment};
+        use crate::protocol::{AccessMode, Segment};
         use verbs::RemoteSlice;
         const G: u64 = 1 << 30;
-        let info = RegionInfo {
-            name: "big".into(),
-            size: G + (G / 4),
-            access: AccessMode::ReadWrite,
-            kind: "host".into(),
-            path: DataPath::Direct,
-            reason: String::new(),
-            strategy: None,
-            extents: Vec::new(),
-            residency: None,
-            server_puts: false,
-        };
         let mut r = OpenRegion {
             handle: 1,
-            info,
+            info: crate::server::testkit::info("big", G + G / 4, AccessMode::ReadWrite),
             remote: RemoteSlice {
                 addr: 1 << 40,
                 rkey: 7,

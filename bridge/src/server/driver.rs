@@ -475,15 +475,12 @@ impl ConnState {
                 let lease = self.register(shared, region, writable).await?;
                 let mut segments = lease
                     .as_ref()
-                    .map_or_else(Vec::new, |k| k.remote(r.segments()));
+                    .map_or_else(Vec::new, |k| k.remote(r.segments));
                 // the first segment (what the rkey covers: nothing without one); the list
                 // only when there is more than one
-                let first = segments.first().copied().unwrap_or(Segment {
-                    offset: 0,
-                    len: 0,
-                    addr: 0,
-                    rkey: 0,
-                });
+                let (addr, rkey, len) = segments
+                    .first()
+                    .map_or((0, 0, 0), |s| (s.addr, s.rkey, s.len));
                 if segments.len() == 1 {
                     segments.clear();
                 }
@@ -494,9 +491,9 @@ impl ConnState {
                 Ok(Msg::Opened {
                     handle,
                     info: r.info.clone(),
-                    addr: first.addr,
-                    rkey: first.rkey,
-                    len: first.len,
+                    addr,
+                    rkey,
+                    len,
                     bounce_chunk: shared.cfg.bounce_chunk as u64,
                     segments,
                 })
@@ -608,7 +605,7 @@ impl ConnState {
         writable: bool,
     ) -> std::result::Result<HandleMr, Refusal> {
         let r = shared.regions.get(region);
-        let Some(mode) = r.mode.filter(|_| r.direct_len > 0) else {
+        let Some(mode) = r.mode.filter(|_| r.segments.direct_len > 0) else {
             return Ok(None);
         };
         // memory that holds data takes puts through the server only
@@ -628,7 +625,7 @@ impl ConnState {
         // registering pins (or maps) every page of the direct part: long for a large region.
         // One MR per segment (the driver may cap one MR's size), each cached on its own.
         let leases = blocking(|| {
-            r.segments()
+            r.segments
                 .ranges()
                 .into_iter()
                 .enumerate()
@@ -672,7 +669,7 @@ impl ConnState {
             Access::REMOTE_READ
         };
         let mut windows = Vec::with_capacity(mrs.len());
-        for (mr, seg) in mrs.into_iter().zip(r.segments().ranges()) {
+        for (mr, seg) in mrs.into_iter().zip(r.segments.ranges()) {
             let w = qp
                 .bind_window(mr, 0..seg.end - seg.start, access)
                 .await

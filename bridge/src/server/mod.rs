@@ -386,7 +386,7 @@ impl ServerHandle {
             self.shared
                 .metrics()
                 .shared_registered_bytes
-                .dec_by(r.direct_len as i64);
+                .dec_by(r.segments.direct_len as i64);
         }
         self.shared
             .metrics()

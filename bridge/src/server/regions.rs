@@ -23,11 +23,9 @@ pub(super) struct Region {
     pub(super) provider: Mutex<Option<Arc<dyn Provider>>>,
     /// To know when the memory is really gone after removal.
     pub(super) weak: Weak<dyn Provider>,
-    /// Bytes `[0, direct_len)` are direct (with `mode`); the rest bounce.
-    pub(super) direct_len: u64,
-    /// Bytes of one MR of the direct part (the driver may cap one MR's size): the direct part
-    /// is registered as MRs of this size, one after the other.
-    pub(super) segment: u64,
+    /// Bytes `[0, segments.direct_len)` are direct (with `mode`), the rest bounce; the direct
+    /// part is registered as MRs of `segments.segment` bytes (the driver may cap one MR's size).
+    pub(super) segments: crate::path::Segments,
     pub(super) mode: Option<RegMode>,
     pub(super) attempts: Vec<Attempt>,
     pub(super) removed: AtomicBool,
@@ -55,14 +53,6 @@ impl Region {
             .unwrap_or_else(|p| p.into_inner())
             .clone();
         (!mrs.is_empty()).then_some(mrs)
-    }
-
-    /// How the direct part is registered: its MRs' ranges.
-    pub(super) fn segments(&self) -> crate::path::Segments {
-        crate::path::Segments {
-            direct_len: self.direct_len,
-            segment: self.segment,
-        }
     }
 
     pub(super) fn provider(&self) -> std::result::Result<Arc<dyn Provider>, Refusal> {
@@ -413,8 +403,7 @@ pub(super) async fn build_region(
         },
         provider: Mutex::new(Some(provider)),
         weak,
-        direct_len,
-        segment: segments.segment,
+        segments,
         mode: d.mode,
         attempts: d.attempts,
         removed: AtomicBool::new(false),
@@ -503,7 +492,7 @@ impl Catalog for RegionTable {
     }
 
     fn direct_len(&self, idx: usize) -> u64 {
-        self.0[idx].direct_len
+        self.0[idx].segments.direct_len
     }
 
     fn is_removed(&self, idx: usize) -> bool {

@@ -16,7 +16,8 @@ pub(crate) struct Fake {
     pub(crate) removed: Vec<bool>,
 }
 
-fn info(name: &str, size: u64, access: AccessMode) -> RegionInfo {
+/// A region's description (all bounce), for tests that need one.
+pub(crate) fn info(name: &str, size: u64, access: AccessMode) -> RegionInfo {
     RegionInfo {
         name: name.into(),
         size,
