@@ -345,9 +345,15 @@ impl TokenArgs {
 /// Options every data-moving client command shares.
 #[derive(clap::Args, Debug, Clone)]
 struct ClientArgs {
-    /// RDMA device (default: the first one with an active port).
+    /// RDMA device (default: the one that carries the route to the server's device, else the
+    /// first one with an active port).
     #[arg(long, short = 'd', env = "P2P_RDMA_DEVICE")]
     device: Option<String>,
+    /// On a server that serves from several RDMA devices, connect to this one (default: the
+    /// one that serves the region; `ls` names it). Another one reaches the region through the
+    /// server's bounce buffers.
+    #[arg(long, value_name = "DEVICE")]
+    server_nic: Option<String>,
     #[command(flatten)]
     token: TokenArgs,
     /// Bytes per RDMA work request (K/M/G suffixes).
@@ -486,6 +492,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     }
                     if let Some(res) = &r.residency {
                         o.push_str(&format!("    residency: {res}\n"));
+                    }
+                    if let Some(nic) = &r.nic {
+                        o.push_str(&format!("    served from: {nic}\n"));
                     }
                 }
                 emit(&o)

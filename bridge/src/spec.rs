@@ -70,7 +70,7 @@ pub enum RegionSource {
 }
 
 /// Per-region settings that override the server's.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RegionOptions {
     /// P2P policy for this region.
     pub p2p: Option<P2pPolicy>,
@@ -82,6 +82,9 @@ pub struct RegionOptions {
     pub window: Option<u64>,
     /// `devpriv` regions: migrate units to host RAM on access, or copy and leave them.
     pub policy: Option<peermem::hmm::Policy>,
+    /// On a server with several RDMA devices: register the direct part on this one (default:
+    /// the one the topology ranks best for the memory's PCI device, else the first).
+    pub nic: Option<String>,
 }
 
 /// `NAME=KIND:ARGS[,OPTION=VALUE]...`; `p2p-rdma serve --help` lists every form.
@@ -261,6 +264,19 @@ const OPTIONS: &[OptionKind] = &[
                 ));
             }
             o.window = Some(w);
+            Ok(())
+        },
+    },
+    OptionKind {
+        key: "nic",
+        values: "DEVICE",
+        help: "serve the direct part from this RDMA device of the server (several devices: \
+               default the one nearest the memory, else the first)",
+        apply: |o, name, v| {
+            if v.is_empty() {
+                return Err(format!("region '{name}': nic needs a device name"));
+            }
+            o.nic = Some(v.to_string());
             Ok(())
         },
     },
@@ -487,6 +503,7 @@ mod tests {
             ("r=host:1M,p2p=maybe", "unknown P2P policy 'maybe'"),
             ("r=host:1M,reg=fast", "unknown registration strategy"),
             ("r=host:1M,window=0", "window must be at least 1 byte"),
+            ("r=host:1M,nic=", "nic needs a device name"),
         ] {
             let e = bad.parse::<RegionSpec>().unwrap_err();
             assert!(e.contains(why), "{bad}: {e}");
@@ -540,6 +557,9 @@ mod tests {
         assert_eq!(s.source, RegionSource::DmaBuf { size: 2 << 20 });
         assert_eq!(s.options.window, Some(64 << 10));
         assert_eq!(s.options.reg, Some(RegChoice::Only(RegMode::OnDemand)));
+        let s: RegionSpec = "h=host:1M,nic=mlx5_2,p2p=required".parse().unwrap();
+        assert_eq!(s.options.nic.as_deref(), Some("mlx5_2"));
+        assert_eq!(s.options.p2p, Some(P2pPolicy::Required));
         // a comma that is not an option stays in the path
         let s: RegionSpec = "f=file:/data/a,b.bin:ro".parse().unwrap();
         assert_eq!(

@@ -70,6 +70,7 @@ pub(crate) struct RegionEntry {
     pub(crate) reg: Option<String>,
     pub(crate) window: Option<String>,
     pub(crate) policy: Option<String>,
+    pub(crate) nic: Option<String>,
 }
 
 /// The file, checked: every value parsed.
@@ -198,6 +199,7 @@ pub(crate) fn parse(file: &Path, text: &str) -> Result<ServeConfig, Usage> {
             ("reg", &r.reg),
             ("window", &r.window),
             ("policy", &r.policy),
+            ("nic", &r.nic),
         ] {
             if let Some(v) = v {
                 spec.push_str(&format!(",{k}={v}"));

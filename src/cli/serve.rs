@@ -23,9 +23,13 @@ pub(crate) struct ServeArgs {
     /// 0 when it is valid, 2 naming the bad key and line.
     #[arg(long, value_name = "FILE", conflicts_with = "config")]
     check_config: Option<PathBuf>,
-    /// RDMA device (default: the first one with an active port).
-    #[arg(long, short = 'd', env = "P2P_RDMA_DEVICE")]
-    device: Option<String>,
+    /// RDMA device to serve from (default: the first one with an active port). Several
+    /// (repeat the flag, or separate with commas), or `all` (every one with an active port):
+    /// each region is then served from the one the topology ranks best for its memory (a CMB
+    /// or GPU behind the same PCIe switch first; host memory: the first device), and `ls`
+    /// names it.
+    #[arg(long, short = 'd', env = "P2P_RDMA_DEVICE", value_delimiter = ',')]
+    device: Vec<String>,
     /// Control address to listen on [default: 0.0.0.0:7471].
     #[arg(long, value_name = "ADDR:PORT")]
     listen: Option<SocketAddr>,
@@ -98,18 +102,19 @@ not listed to its holder. Clients give only their own secret.\n\
 Config file (--config, TOML; keys as the flags):\n\
   listen = \"0.0.0.0:7471\"          token_file = \"/etc/p2p-rdma/token\"\n\
   metrics = \"127.0.0.1:9471\"       device = \"mlx5_0\"    p2p = \"preferred\"    reg = \"auto\"\n\
-  drain_timeout_secs = 30\n\
+  drain_timeout_secs = 30            (several devices: device = \"mlx5_0,mlx5_2\" or \"all\")\n\
   [limits]  max_connections = 64  max_outstanding = 16  max_open_per_connection = 64\n\
             max_unauthenticated = 256  hello_timeout_secs = 10  idle_timeout_secs = 600\n\
             send_timeout_secs = 30\n\
   [bounce]  chunk = \"1M\"  depth = 8  budget = \"1G\" (pinned staging, all connections)\n\
   [[region]]  name = \"cmb\"  memory = \"cmb:nvme0:16M\"  p2p = \"required\"   (also reg, window,\n\
-              policy)\n\
+              policy, nic)\n\
 \n\
 Examples:\n\
   head -c 32 /dev/urandom | base64 > token\n\
   p2p-rdma serve --listen 0.0.0.0:7471 --token-file token --region ram=host:1G --region img=file:/data/img.bin:ro\n\
   p2p-rdma serve --config /etc/p2p-rdma/serve.toml --metrics 127.0.0.1:9471\n\
+  p2p-rdma serve --device all --token-file token --region cmb0=cmb:nvme0:16M --region cmb1=cmb:nvme1:16M\n\
   p2p-rdma serve --check-config /etc/p2p-rdma/serve.toml",
         bridge::RegionSpec::help(100)
     )
@@ -155,7 +160,15 @@ pub(crate) async fn run(a: ServeArgs) -> anyhow::Result<()> {
     let grants = read_grants(token_file.as_deref())?;
     let mut cfg = bridge::ServerConfig::new(listen, bridge::Token::default(), regions);
     cfg.grants = grants;
-    cfg.device = a.device.or(file.device);
+    let devices = serve_devices(if a.device.is_empty() {
+        file.device
+            .map(|d| d.split(',').map(|s| s.trim().to_string()).collect())
+            .unwrap_or_default()
+    } else {
+        a.device
+    })?;
+    cfg.device = devices.first().cloned();
+    cfg.more_devices = devices.iter().skip(1).cloned().collect();
     cfg.qp_path = a.path.qp_path();
     cfg.p2p = a.p2p.or(file.p2p).unwrap_or(cfg.p2p);
     cfg.reg = a.reg.or(file.reg).unwrap_or(cfg.reg);
@@ -225,6 +238,11 @@ pub(crate) async fn run(a: ServeArgs) -> anyhow::Result<()> {
         let doc = serde_json::json!({
             "listen": addr.to_string(),
             "device": server.device(),
+            "devices": server
+                .devices()
+                .into_iter()
+                .map(|(name, addr)| serde_json::json!({"name": name, "addr": addr}))
+                .collect::<Vec<_>>(),
             "memory_windows": server.memory_windows(),
             "registration": server.registration(),
             "metrics": metrics_addr.map(|m| m.to_string()),
@@ -233,9 +251,18 @@ pub(crate) async fn run(a: ServeArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
         eprintln!("p2p-rdma: registration: {}", server.registration());
+        let devices: Vec<String> = server
+            .devices()
+            .into_iter()
+            .map(|(n, ip)| match ip {
+                Some(ip) => format!("{n} ({ip})"),
+                None => n,
+            })
+            .collect();
         eprintln!(
-            "p2p-rdma: serving on {addr} with RDMA device {}:",
-            server.device()
+            "p2p-rdma: serving on {addr} with RDMA device{} {}:",
+            if devices.len() > 1 { "s" } else { "" },
+            devices.join(", ")
         );
         for r in server.reports() {
             let i = &r.info;
@@ -250,6 +277,10 @@ pub(crate) async fn run(a: ServeArgs) -> anyhow::Result<()> {
                     .as_deref()
                     .map(|s| format!(" ({s})"))
                     .unwrap_or_default()
+                    + &i.nic
+                        .as_deref()
+                        .map(|n| format!(" on {n}"))
+                        .unwrap_or_default()
             );
             eprintln!("      why: {}", i.reason);
         }
@@ -269,6 +300,33 @@ pub(crate) async fn run(a: ServeArgs) -> anyhow::Result<()> {
     res?;
     eprintln!("p2p-rdma: stopped");
     Ok(())
+}
+
+/// The devices `--device` names (`all`: every one with an active port), without repeats.
+fn serve_devices(named: Vec<String>) -> anyhow::Result<Vec<String>> {
+    let named: Vec<String> = named.into_iter().filter(|d| !d.is_empty()).collect();
+    if named.iter().any(|d| d == "all") {
+        if named.len() > 1 {
+            return Err(Usage("--device all names every device: give it alone".into()).into());
+        }
+        let active: Vec<String> = verbs::devices()?
+            .into_iter()
+            .filter(|d| d.ports.iter().any(|p| p.active))
+            .map(|d| d.name)
+            .collect();
+        if active.is_empty() {
+            return Err(verbs::no_device_error().into());
+        }
+        return Ok(active);
+    }
+    let mut out: Vec<String> = Vec::new();
+    for d in named {
+        if out.contains(&d) {
+            return Err(Usage(format!("--device {d} is given twice")).into());
+        }
+        out.push(d);
+    }
+    Ok(out)
 }
 
 /// SIGHUP: read the token file again and hand the new token to the server.

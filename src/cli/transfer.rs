@@ -14,6 +14,7 @@ use super::emit;
 pub(crate) fn client_config(addr: String, a: &ClientArgs) -> anyhow::Result<bridge::ClientConfig> {
     let mut cfg = bridge::ClientConfig::new(addr, a.token.load()?);
     cfg.device = a.device.clone();
+    cfg.server_nic = a.server_nic.clone();
     cfg.chunk = usize::try_from(a.chunk).context("--chunk is too large")?;
     cfg.depth = a.depth;
     cfg.timeout = Duration::from_secs(a.timeout.max(1));
@@ -50,6 +51,13 @@ pub(crate) async fn finish_transfer(
     if let Some(why) = c.tcp_reason() {
         // said whatever the outcome: the user should know why RDMA was not used
         eprintln!("p2p-rdma: the bytes went over TCP: {why}");
+    }
+    if let Some(nic) = c.server_nic() {
+        let all: Vec<&str> = c.server_nics().iter().map(|n| n.name.as_str()).collect();
+        eprintln!(
+            "p2p-rdma: connected to the server's RDMA device {nic} (it serves from {})",
+            all.join(", ")
+        );
     }
     let rep = rep?;
     let _ = c.close(r).await;

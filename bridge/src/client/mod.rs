@@ -15,6 +15,7 @@ use crate::error::{Error, Result};
 use crate::protocol::{DataPath, Extent, Msg, RegionInfo, VERSION};
 use crate::staging::{Pools, Use};
 
+mod nic;
 mod tcp;
 mod window;
 mod zero_copy;
@@ -44,6 +45,9 @@ pub struct ClientConfig {
     pub qp_path: crate::QpPath,
     /// How the bytes travel: RDMA, TCP, or RDMA when this host has a device (default).
     pub transport: Transport,
+    /// The server device for our QP, on a server that serves from several (None: the one
+    /// that serves the first region opened).
+    pub server_nic: Option<String>,
 }
 
 /// How a client's bytes travel.
@@ -71,6 +75,7 @@ impl ClientConfig {
             timeout: Duration::from_secs(30),
             qp_path: crate::QpPath::default(),
             transport: Transport::Auto,
+            server_nic: None,
         }
     }
 }
@@ -201,6 +206,10 @@ pub struct Client {
     tcp: Option<String>,
     /// The device opened to decide the transport, kept for the QP (opened once).
     device: Option<Context>,
+    /// The server's devices, when it serves from several.
+    nics: Vec<crate::protocol::ServerNic>,
+    /// The server device our QP is on (several-device servers).
+    qp_nic: Option<String>,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -266,6 +275,7 @@ impl Client {
                 version,
                 server,
                 max_outstanding,
+                nics,
             } => {
                 if version != VERSION {
                     return Err(Error::Version {
@@ -283,6 +293,8 @@ impl Client {
                     rdma: None,
                     tcp: None,
                     device: None,
+                    nics,
+                    qp_nic: None,
                 })
             }
             other => Err(reply_err(&cfg.addr, other, "welcome")),
@@ -311,8 +323,10 @@ impl Client {
     /// isolates clients with memory windows binds this handle's window on it.
     pub async fn open(&mut self, region: &str, write: bool) -> Result<OpenRegion> {
         if self.rdma.is_none() && !self.over_tcp() {
-            match self.take_rdma().await {
+            match self.take_rdma(Some(region)).await {
                 Ok(rdma) => self.put_back(rdma),
+                // the server refused our QP (a device it does not serve from): say it now
+                Err(e @ Error::Server { .. }) => return Err(e),
                 // the transfer will say so again; a server may still list, open and checksum
                 Err(e) => tracing::debug!(error = %e, "no QP before the open"),
             }
@@ -463,15 +477,15 @@ impl Client {
     /// together ([`Client::put_back`] returns it). The first call creates our QP and has the
     /// server connect its own to it; every call makes sure there is one staging buffer per slot
     /// in flight (an earlier transfer that stalled or failed may have left some with the CQ).
-    async fn take_rdma(&mut self) -> Result<Rdma> {
+    /// `region`: what is about to be opened (on a server with several devices, the QP goes to
+    /// the one that serves it).
+    async fn take_rdma(&mut self, region: Option<&str>) -> Result<Rdma> {
         let depth = self.depth();
         let mut rdma = match self.rdma.take() {
             Some(r) => r,
             None => {
-                let ctx = match self.device.take() {
-                    Some(ctx) => ctx,
-                    None => Context::open(self.cfg.device.as_deref())?,
-                };
+                let nic = self.nic_for(region).await?;
+                let (ctx, local_ip) = self.local_side(nic.as_deref())?;
                 let pd = ProtectionDomain::new(&ctx)?;
                 let qp = QueuePair::new(
                     &pd,
@@ -482,15 +496,19 @@ impl Client {
                             max_rd_atomic: depth.min(255) as u8,
                             ..QpOptions::default()
                         },
-                        self.conn.local_ip,
+                        local_ip,
                     ),
                 )?;
                 let ep = qp.endpoint();
                 let m = Msg::Connect {
                     endpoint: ep.into(),
+                    nic,
                 };
                 let remote = match self.request(&m, "connected").await? {
-                    Msg::Connected { endpoint } => verbs::Endpoint::from(endpoint),
+                    Msg::Connected { endpoint, nic } => {
+                        self.qp_nic = nic;
+                        verbs::Endpoint::from(endpoint)
+                    }
                     other => return Err(reply_err(&self.conn.peer, other, "connected")),
                 };
                 qp.connect(&remote)?;
@@ -547,7 +565,7 @@ impl Client {
         let depth = self.depth();
         let stall = self.cfg.timeout;
         // QP and staging buffers are set up once per client: not part of the transfer's time
-        let mut rdma = self.take_rdma().await?;
+        let mut rdma = self.take_rdma(None).await?;
         let start = Instant::now();
         let mut window: VecDeque<Slot> = VecDeque::with_capacity(depth);
         let mut next = 0u64;
@@ -653,7 +671,7 @@ impl Client {
         let depth = self.depth();
         let stall = self.cfg.timeout;
         // QP and staging buffers are set up once per client: not part of the transfer's time
-        let mut rdma = self.take_rdma().await?;
+        let mut rdma = self.take_rdma(None).await?;
         let start = Instant::now();
         let mut window: VecDeque<Slot> = VecDeque::with_capacity(depth);
         let mut posted = 0u64;

@@ -148,7 +148,7 @@ impl Client {
         if len == 0 {
             return Err(Error::Config("a buffer needs at least 1 byte".into()));
         }
-        let rdma = self.take_rdma().await?;
+        let rdma = self.take_rdma(None).await?;
         let b = HostBuffer::new(len).and_then(|b| {
             rdma.qp
                 .pd()
@@ -167,7 +167,7 @@ impl Client {
         buf: LocalBuffer,
         put: bool,
     ) -> std::result::Result<(Rdma, LocalBuffer, Vec<Result<()>>), Stranded> {
-        let rdma = match self.take_rdma().await {
+        let rdma = match self.take_rdma(None).await {
             Ok(r) => r,
             Err(error) => {
                 return Err(Stranded {

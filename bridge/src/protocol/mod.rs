@@ -79,6 +79,17 @@ pub struct Segment {
     pub rkey: u32,
 }
 
+/// One of a server's RDMA devices, as [`Msg::Welcome`] announces it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServerNic {
+    /// Device name on the server (`rxe1`, `mlx5_2`).
+    pub name: String,
+    /// The IPv4 address of the RoCE v2 GID its QPs use (None: none has one): a client picks
+    /// its own device by the route to this address.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub addr: Option<std::net::Ipv4Addr>,
+}
+
 impl fmt::Display for DataPath {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
@@ -121,6 +132,11 @@ pub struct RegionInfo {
     /// the embedding application's memory), so no rkey of it allows remote writes.
     #[serde(default, skip_serializing_if = "is_false")]
     pub server_puts: bool,
+    /// The server's RDMA device that serves the direct part, when the server serves from
+    /// more than one (the one its topology ranks best for the memory): a QP on another of
+    /// them reaches the region through bounce buffers only. See [`Msg::Welcome`]'s `nics`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nic: Option<String>,
 }
 
 impl RegionInfo {
@@ -250,6 +266,10 @@ pub enum Msg {
         server: String,
         /// RDMA operations the client may keep in flight.
         max_outstanding: u32,
+        /// The RDMA devices the server serves from, when more than one: each region names
+        /// its own ([`RegionInfo::nic`]), and [`Msg::Connect`] picks the one for the QP.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        nics: Vec<ServerNic>,
     },
     /// Client → server: list regions.
     List,
@@ -262,11 +282,29 @@ pub enum Msg {
     Connect {
         /// Client's QP.
         endpoint: WireEndpoint,
+        /// The server device for the server's QP (one of [`Msg::Welcome`]'s `nics`; None:
+        /// the one that carries this control connection's address, else the first).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        nic: Option<String>,
     },
     /// Server → client.
     Connected {
         /// Server's QP, already connected to the client's.
         endpoint: WireEndpoint,
+        /// The server device it is on.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        nic: Option<String>,
+    },
+    /// Client → server: which server device serves a region's direct part (a client asks
+    /// before it connects its QP, on a server with several).
+    Locate {
+        /// Region name.
+        region: String,
+    },
+    /// Server → client.
+    Located {
+        /// The region's device ([`RegionInfo::nic`]; None: the server has one).
+        nic: Option<String>,
     },
     /// Client → server: open a region for one-sided access.
     Open {
@@ -431,6 +469,8 @@ impl Msg {
             Msg::Regions { .. } => "regions",
             Msg::Connect { .. } => "connect",
             Msg::Connected { .. } => "connected",
+            Msg::Locate { .. } => "locate",
+            Msg::Located { .. } => "located",
             Msg::Open { .. } => "open",
             Msg::Opened { .. } => "opened",
             Msg::Checksum { .. } => "checksum",

@@ -24,6 +24,7 @@ fn sample() -> Vec<Msg> {
         ],
         residency: Some("3 of 16 pages device-private, 13 in host RAM".into()),
         server_puts: true,
+        nic: Some("rxe1".into()),
     };
     vec![
         Msg::Hello {
@@ -35,6 +36,22 @@ fn sample() -> Vec<Msg> {
             version: VERSION,
             server: "s".into(),
             max_outstanding: 16,
+            nics: vec![
+                ServerNic {
+                    name: "rxe0".into(),
+                    addr: Some(std::net::Ipv4Addr::new(10, 77, 0, 1)),
+                },
+                ServerNic {
+                    name: "rxe1".into(),
+                    addr: None,
+                },
+            ],
+        },
+        Msg::Locate {
+            region: "ram".into(),
+        },
+        Msg::Located {
+            nic: Some("rxe1".into()),
         },
         Msg::List,
         Msg::Regions {
@@ -73,6 +90,7 @@ fn sample() -> Vec<Msg> {
                 extents: Vec::new(),
                 residency: None,
                 server_puts: false,
+                nic: None,
             },
             addr: 1 << 40,
             rkey: 9,
@@ -111,6 +129,7 @@ fn extents_default_to_the_region_path() {
         extents: Vec::new(),
         residency: None,
         server_puts: false,
+        nic: None,
     };
     assert_eq!(
         r.extents(),
@@ -212,13 +231,23 @@ fn arb_msg() -> impl Strategy<Value = Msg> {
             token: token.into(),
             client
         }),
-        (any::<u16>(), s, any::<u32>()).prop_map(|(version, server, max_outstanding)| {
+        (any::<u16>(), s, any::<u32>(), s).prop_map(|(version, server, max_outstanding, nic)| {
             Msg::Welcome {
                 version,
                 server,
                 max_outstanding,
+                nics: if nic.is_empty() {
+                    Vec::new()
+                } else {
+                    vec![ServerNic {
+                        name: nic,
+                        addr: Some(std::net::Ipv4Addr::from(max_outstanding)),
+                    }]
+                },
             }
         }),
+        s.prop_map(|region| Msg::Locate { region }),
+        proptest::option::of(s).prop_map(|nic| Msg::Located { nic }),
         Just(Msg::List),
         (s, any::<bool>()).prop_map(|(region, write)| Msg::Open { region, write }),
         (
@@ -246,6 +275,7 @@ fn arb_msg() -> impl Strategy<Value = Msg> {
                     extents: Vec::new(),
                     residency: None,
                     server_puts: false,
+                    nic: (!ro).then(|| "mlx5_1".into()),
                 },
                 addr,
                 rkey,
@@ -276,7 +306,8 @@ fn arb_msg() -> impl Strategy<Value = Msg> {
                     qpn,
                     psn,
                     mtu
-                }
+                },
+                nic: (qpn % 2 == 0).then(|| format!("rxe{}", qpn % 7)),
             }),
         (any::<u32>(), any::<u64>(), any::<u64>()).prop_map(|(handle, offset, len)| {
             Msg::Checksum {

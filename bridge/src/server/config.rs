@@ -54,6 +54,10 @@ impl MemoryRegionSpec {
 pub struct ServerConfig {
     /// RDMA device (None: first active).
     pub device: Option<String>,
+    /// More RDMA devices to serve from, after `device`: each region's direct part is then
+    /// registered on the one the topology ranks best for its memory (see
+    /// [`RegionInfo::nic`](crate::protocol::RegionInfo::nic)).
+    pub more_devices: Vec<String>,
     /// Where to listen.
     pub listen: SocketAddr,
     /// The shared secret that grants every region (may be empty when `grants` has some).
@@ -108,6 +112,15 @@ pub struct ServerConfig {
 }
 
 impl ServerConfig {
+    /// Every device named, `device` first (empty: the first active one).
+    pub(super) fn device_names(&self) -> Vec<String> {
+        self.device
+            .iter()
+            .chain(&self.more_devices)
+            .cloned()
+            .collect()
+    }
+
     /// Defaults for everything but device, address, token and regions.
     pub fn new(
         listen: SocketAddr,
@@ -116,6 +129,7 @@ impl ServerConfig {
     ) -> ServerConfig {
         ServerConfig {
             device: None,
+            more_devices: Vec::new(),
             listen,
             token: token.into(),
             grants: Vec::new(),

@@ -96,6 +96,9 @@ pub(super) struct ConnState {
     pub(super) client: String,
     /// Our address on the control connection (the QP prefers the GID that carries it).
     local_ip: Option<std::net::IpAddr>,
+    /// The server device of this connection's QP and staging (an index into its devices):
+    /// the one carrying the control connection's address until the client's connect names one.
+    nic: usize,
 }
 
 /// Run `f`, which may block for long (a registration pins every page of a region), without
@@ -107,6 +110,27 @@ pub(super) fn blocking<R>(f: impl FnOnce() -> R) -> R {
         Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),
         _ => f(),
     }
+}
+
+/// What an open on a QP of device `here` sees of a region whose direct part is registered on
+/// another device: every byte through bounce buffers, and why.
+fn elsewhere(info: &crate::protocol::RegionInfo, here: &str) -> crate::protocol::RegionInfo {
+    let home = info.nic.as_deref().unwrap_or("another device");
+    let mut out = info.clone();
+    out.path = crate::protocol::DataPath::Bounce;
+    out.strategy = None;
+    out.extents = vec![crate::protocol::Extent {
+        offset: 0,
+        len: info.size,
+        path: crate::protocol::DataPath::Bounce,
+    }];
+    out.reason = format!(
+        "{}; this connection's QP is on {here}, and the direct part is registered on {home}: \
+         this handle moves its bytes through bounce buffers (connect on {home} for one-sided \
+         access)",
+        info.reason
+    );
+    out
 }
 
 pub(super) fn internal(e: impl std::fmt::Display) -> Refusal {
@@ -252,9 +276,10 @@ async fn serve_connection(
         server: format!(
             "p2p-rdma {} on {}",
             env!("CARGO_PKG_VERSION"),
-            shared.ctx.name()
+            shared.nics.primary().name()
         ),
         max_outstanding: shared.cfg.max_outstanding,
+        nics: shared.nics.announce(),
     })
     .await?;
 
@@ -267,6 +292,10 @@ async fn serve_connection(
         client,
     );
     st.local_ip = conn.local_ip;
+    st.nic = shared
+        .nics
+        .for_connection(None, conn.local_ip)
+        .unwrap_or_default();
     let mut removals = shared.removals.subscribe();
     removals.borrow_and_update();
     let m = shared.metrics();
@@ -410,22 +439,24 @@ impl ConnState {
             window_mrs: HashMap::new(),
             qp: None,
             pd: None,
+            nic: 0,
             cache_seen: Default::default(),
             staging_bytes: 0,
         }
     }
 
-    /// This connection's PD, created on first use.
-    /// The connection's protection domain: with memory windows, the server's own (the regions
-    /// are registered there once); otherwise one of the connection's own.
+    /// The connection's protection domain, on its device, created on first use: with memory
+    /// windows, the device's own (the regions at home there are registered in it once);
+    /// otherwise one of the connection's own.
     pub(super) fn pd(&mut self, shared: &Shared) -> std::result::Result<ProtectionDomain, Refusal> {
         if let Some(pd) = &self.pd {
             return Ok(pd.clone());
         }
-        let pd = if shared.sharing.windows() {
-            shared.pd.clone()
+        let nic = shared.nics.get(self.nic);
+        let pd = if nic.sharing.windows() {
+            nic.pd.clone()
         } else {
-            ProtectionDomain::new(&shared.ctx).map_err(internal)?
+            ProtectionDomain::new(&nic.ctx).map_err(internal)?
         };
         self.pd = Some(pd.clone());
         Ok(pd)
@@ -469,10 +500,17 @@ impl ConnState {
                     .filter(|r| self.session.scope().sees(&r.name))
                     .collect(),
             }),
-            Step::Connect(endpoint) => self.connect(shared, endpoint),
+            Step::Connect(endpoint, nic) => self.connect(shared, endpoint, nic.as_deref()),
             Step::Open { region, writable } => {
                 let r = shared.regions.get(region);
-                let lease = self.register(shared, region, writable).await?;
+                // the region's MRs (and windows over them) live on its own device: a QP on
+                // another one reaches it through bounce buffers only
+                let home = r.nic == self.nic;
+                let lease = if home {
+                    self.register(shared, region, writable).await?
+                } else {
+                    None
+                };
                 let mut segments = lease
                     .as_ref()
                     .map_or_else(Vec::new, |k| k.remote(r.segments));
@@ -484,13 +522,25 @@ impl ConnState {
                 if segments.len() == 1 {
                     segments.clear();
                 }
-                let handle = self.session.opened(region, writable, lease);
+                // a handle without a key has no one-sided part: its bounce requests may cover
+                // every byte
+                let direct_len = if lease.is_some() {
+                    r.segments.direct_len
+                } else {
+                    0
+                };
+                let handle = self.session.opened(region, writable, direct_len, lease);
                 shared.metrics().open_handles.inc();
                 self.sync_metrics(shared.metrics(), false);
                 tracing::info!(region = r.info.name, handle, writable, path = %r.info.path, "region opened");
+                let info = if home {
+                    r.info.clone()
+                } else {
+                    elsewhere(&r.info, shared.nics.get(self.nic).name())
+                };
                 Ok(Msg::Opened {
                     handle,
-                    info: r.info.clone(),
+                    info,
                     addr,
                     rkey,
                     len,
@@ -561,7 +611,30 @@ impl ConnState {
         &mut self,
         shared: &Shared,
         endpoint: crate::protocol::WireEndpoint,
+        nic: Option<&str>,
     ) -> std::result::Result<Msg, Refusal> {
+        let want = shared.nics.for_connection(nic, self.local_ip)?;
+        if want != self.nic {
+            if self.pd.is_some() {
+                return Err((
+                    ErrorCode::BadRequest,
+                    format!(
+                        "this connection already holds memory on {}: connect the QP on {} \
+                         before opening regions",
+                        shared.nics.get(self.nic).name(),
+                        shared.nics.get(want).name()
+                    ),
+                ));
+            }
+            self.nic = want;
+        }
+        let here = shared.nics.get(self.nic);
+        // the GID that carries the control connection's address, when it is on this device;
+        // else the device's own choice
+        let local_ip = self
+            .local_ip
+            .filter(|ip| here.addr.map(std::net::IpAddr::V4) == Some(*ip))
+            .or(here.addr.map(std::net::IpAddr::V4));
         let pd = self.pd(shared)?;
         let qp = QueuePair::new(
             &pd,
@@ -579,21 +652,27 @@ impl ConnState {
                     .min(4096) as u32,
                     max_recv_wr: 1,
                     max_rd_atomic: shared.cfg.max_outstanding.clamp(1, 255) as u8,
-                    memory_windows: shared.sharing.windows(),
+                    memory_windows: here.sharing.windows(),
                     ..QpOptions::default()
                 },
-                self.local_ip,
+                local_ip,
             ),
         )
         .map_err(internal)?;
         let remote = verbs::Endpoint::from(endpoint);
         qp.connect(&remote).map_err(internal)?;
         let ep = qp.endpoint();
-        tracing::info!(qpn = qp.qpn(), remote_qpn = remote.qpn, "QP connected");
+        tracing::info!(
+            qpn = qp.qpn(),
+            remote_qpn = remote.qpn,
+            device = here.name(),
+            "QP connected"
+        );
         self.qp = Some(qp);
         self.session.connected();
         Ok(Msg::Connected {
             endpoint: ep.into(),
+            nic: (shared.nics.len() > 1).then(|| here.name().to_string()),
         })
     }
 
@@ -611,7 +690,7 @@ impl ConnState {
         // memory that holds data takes puts through the server only
         let writable = writable && !r.info.server_puts;
         let provider = r.provider()?;
-        if shared.sharing.windows() {
+        if shared.nics.get(r.nic).sharing.windows() {
             return self.bind(r, writable, shared.metrics()).await;
         }
         let pd = self.pd(shared)?;

@@ -34,7 +34,6 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tracing::Instrument as _;
-use verbs::{Context, ProtectionDomain};
 
 use crate::conn::Conn;
 use crate::error::{Error, Result};
@@ -44,6 +43,7 @@ use crate::protocol::RegionInfo;
 mod bounce;
 pub mod config;
 mod driver;
+mod nics;
 mod notices;
 mod preauth;
 mod regions;
@@ -85,12 +85,10 @@ fn grants_of(token: &crate::Token, scoped: &[crate::Grant]) -> Result<Vec<crate:
 #[derive(Debug)]
 struct Shared {
     cfg: ServerConfig,
-    ctx: Context,
-    /// The server's protection domain: the regions' registrations (and, with memory windows,
-    /// every connection's QP and staging).
-    pd: ProtectionDomain,
-    /// How clients reach the regions' direct parts.
-    sharing: windows::Sharing,
+    /// The RDMA devices served from, each with its protection domain (the registrations of
+    /// the regions at home on it and, with memory windows, its connections' QPs and staging)
+    /// and how clients reach those regions' direct parts.
+    nics: nics::Nics,
     regions: RegionTable,
     /// Held while a region is added (names stay unique).
     adding: tokio::sync::Mutex<()>,
@@ -138,8 +136,7 @@ impl Server {
             ));
         }
         cfg.metrics.set_ready(false);
-        let ctx = Context::open(cfg.device.as_deref())?;
-        let (regions, pd, sharing) = regions::build_regions(&cfg, &ctx).await?;
+        let (regions, nics) = regions::build_regions(&cfg).await?;
         let listener = TcpListener::bind(cfg.listen)
             .await
             .map_err(|e| Error::io(format!("cannot listen on {}", cfg.listen), e))?;
@@ -149,9 +146,7 @@ impl Server {
         Ok(Server {
             shared: Arc::new(Shared {
                 cfg,
-                ctx,
-                pd,
-                sharing,
+                nics,
                 regions,
                 adding: tokio::sync::Mutex::new(()),
                 notices: notices::Notices::default(),
@@ -189,21 +184,39 @@ impl Server {
             .collect()
     }
 
-    /// The RDMA device in use.
+    /// The RDMA device in use (the first, when several).
     pub fn device(&self) -> &str {
-        self.shared.ctx.name()
+        self.shared.nics.primary().name()
+    }
+
+    /// Every RDMA device served from, with the IPv4 address of the RoCE v2 GID its QPs use.
+    pub fn devices(&self) -> Vec<(String, Option<std::net::Ipv4Addr>)> {
+        self.shared
+            .nics
+            .iter()
+            .map(|n| (n.name().to_string(), n.addr))
+            .collect()
     }
 
     /// How clients reach the regions' direct parts, and why: one registration per region and a
     /// memory window per open, or a registration per connection (with the reason windows are
-    /// not used: the device has none, or the server serves read-only memory).
+    /// not used: the device has none, or the server serves read-only memory). Devices that
+    /// differ are named.
     pub fn registration(&self) -> String {
-        self.shared.sharing.describe()
+        let n = &self.shared.nics;
+        let first = n.primary().sharing.describe();
+        if n.iter().all(|x| x.sharing.describe() == first) {
+            return first;
+        }
+        n.iter()
+            .map(|x| format!("{}: {}", x.name(), x.sharing.describe()))
+            .collect::<Vec<_>>()
+            .join("; ")
     }
 
-    /// Whether opens bind memory windows over one registration per region.
+    /// Whether opens bind memory windows over one registration per region (on every device).
     pub fn memory_windows(&self) -> bool {
-        self.shared.sharing.windows()
+        self.shared.nics.iter().all(|n| n.sharing.windows())
     }
 
     /// A handle to control the server while it runs.
@@ -351,13 +364,7 @@ impl ServerHandle {
         let what = name.clone();
         let r = tokio::task::spawn_blocking(move || {
             tokio::runtime::Handle::current().block_on(regions::build_region(
-                &on.cfg,
-                &on.pd,
-                &on.sharing,
-                name,
-                provider,
-                read_only,
-                options,
+                &on.cfg, &on.nics, name, provider, read_only, options,
             ))
         })
         .await

@@ -8,11 +8,12 @@ use std::sync::{Arc, Mutex, Weak};
 use peermem::canary::{Attempt, DeviceMr};
 use peermem::plan::PathKind;
 use peermem::{DmaBufMemory, HostMemory, Provider};
-use verbs::{Context, ProtectionDomain, RegMode};
+use verbs::RegMode;
 
 use super::config::ServerConfig;
+use super::nics::Nics;
 use super::session::{Catalog, Refusal};
-use super::windows::{self, Sharing};
+use super::windows;
 use crate::error::{Error, Result};
 use crate::protocol::{AccessMode, DataPath, ErrorCode, Extent, RegionInfo};
 use crate::spec::{RegionOptions, RegionSource, RegionSpec};
@@ -35,6 +36,8 @@ pub(super) struct Region {
     /// The one registration of the direct part (an MR per segment) that every open binds its
     /// memory windows over (empty: registered per connection, no direct part, or removed).
     pub(super) shared: Mutex<Vec<Arc<DeviceMr>>>,
+    /// The device its direct part is registered on (an index into the server's devices).
+    pub(super) nic: usize,
 }
 
 impl fmt::Debug for Region {
@@ -114,12 +117,12 @@ fn open_providers(cfg: &ServerConfig) -> Result<Vec<Opened>> {
             m.name.clone(),
             Arc::clone(&m.provider),
             m.read_only || !m.provider.writable(),
-            m.options,
+            m.options.clone(),
         ));
     }
     for spec in &cfg.regions {
         let (p, ro) = spec.open(&cfg.sysfs)?;
-        out.push((spec.name.clone(), p, ro, spec.options));
+        out.push((spec.name.clone(), p, ro, spec.options.clone()));
     }
     Ok(out)
 }
@@ -214,39 +217,37 @@ impl RegionSpec {
     }
 }
 
-/// Decide each region's path (registration attempts proved by canaries, policy applied).
-/// Returns the table, the server's protection domain and how clients reach direct parts.
-pub(super) async fn build_regions(
-    cfg: &ServerConfig,
-    ctx: &Context,
-) -> Result<(RegionTable, ProtectionDomain, Sharing)> {
+/// Open the devices and decide each region's path (registration attempts proved by canaries,
+/// policy applied). Returns the table and the devices.
+pub(super) async fn build_regions(cfg: &ServerConfig) -> Result<(RegionTable, Nics)> {
     let providers = open_providers(cfg)?;
-    let pd = ProtectionDomain::new(ctx)?;
-    let mut sharing = windows::probe(&pd).await;
-    if let Some((name, ..)) = providers.iter().find(|p| !p.1.writable()) {
-        if sharing.windows() {
-            sharing = Sharing::PerConnection(windows::read_only_reason(name));
-        }
-    }
-    tracing::info!(sharing = sharing.describe(), "registration");
+    let read_only = providers
+        .iter()
+        .find(|p| !p.1.writable())
+        .map(|p| p.0.as_str());
+    let nics = Nics::open(&cfg.device_names(), read_only).await?;
     let table = RegionTable::default();
     for (name, provider, read_only, opts) in providers {
-        let r = build_region(cfg, &pd, &sharing, name, provider, read_only, opts).await?;
+        let r = build_region(cfg, &nics, name, provider, read_only, opts).await?;
         table.push(r);
     }
-    Ok((table, pd, sharing))
+    Ok((table, nics))
 }
 
-/// Decide one region's path and, with memory windows, register its direct part once.
+/// Decide one region's path on the device that serves it and, with memory windows, register
+/// its direct part there once.
 pub(super) async fn build_region(
     cfg: &ServerConfig,
-    pd: &ProtectionDomain,
-    sharing: &Sharing,
+    nics: &Nics,
     name: String,
     provider: Arc<dyn Provider>,
     read_only: bool,
     opts: RegionOptions,
 ) -> Result<Region> {
+    let (home, home_note) = nics
+        .home(&*provider, opts.nic.as_deref(), &cfg.sysfs)
+        .map_err(|e| Error::Config(format!("region '{name}': {e}")))?;
+    let (pd, sharing) = (&nics.get(home).pd, &nics.get(home).sharing);
     let len = provider.len();
     let choice = opts.choice(len, cfg.reg, cfg.p2p);
     let residency_before = provider.residency();
@@ -379,6 +380,10 @@ pub(super) async fn build_region(
     } else {
         AccessMode::ReadWrite
     };
+    if direct_len > 0 && !home_note.is_empty() {
+        reason.push_str("; ");
+        reason.push_str(&home_note);
+    }
     let server_puts = !read_only && provider.holds_data();
     if server_puts {
         reason.push_str(
@@ -400,7 +405,9 @@ pub(super) async fn build_region(
             extents,
             residency: None,
             server_puts,
+            nic: (nics.len() > 1 && direct_len > 0).then(|| nics.get(home).name().to_string()),
         },
+        nic: home,
         provider: Mutex::new(Some(provider)),
         weak,
         segments,
@@ -489,10 +496,6 @@ impl Catalog for RegionTable {
 
     fn info(&self, idx: usize) -> &RegionInfo {
         &self.0[idx].info
-    }
-
-    fn direct_len(&self, idx: usize) -> u64 {
-        self.0[idx].segments.direct_len
     }
 
     fn is_removed(&self, idx: usize) -> bool {

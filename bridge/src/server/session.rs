@@ -29,8 +29,6 @@ pub(crate) trait Catalog {
     fn find(&self, name: &str) -> Option<usize>;
     /// What clients see of region `idx`.
     fn info(&self, idx: usize) -> &RegionInfo;
-    /// Bytes `[0, direct_len)` of region `idx` are served direct.
-    fn direct_len(&self, idx: usize) -> u64;
     /// Whether region `idx` was removed.
     fn is_removed(&self, idx: usize) -> bool;
     /// The names of the regions served (for an unknown-region refusal).
@@ -122,8 +120,9 @@ pub(crate) enum Step<T> {
     Reply(Msg),
     /// Reply with the regions served.
     List,
-    /// Create the connection's QP and connect it to the client's endpoint.
-    Connect(WireEndpoint),
+    /// Create the connection's QP (on the server device named, if any) and connect it to the
+    /// client's endpoint.
+    Connect(WireEndpoint, Option<String>),
     /// Register the direct part of region `region` (with remote write if `writable`), then
     /// call [`Session::opened`].
     Open { region: usize, writable: bool },
@@ -185,6 +184,9 @@ pub(crate) enum Step<T> {
 struct Entry<T> {
     region: usize,
     writable: bool,
+    /// Bytes `[0, direct_len)` reach this handle by one-sided RDMA (the region's direct part,
+    /// or nothing when this connection's QP is on another device than the region's).
+    direct_len: u64,
     generation: u16,
     payload: T,
 }
@@ -278,8 +280,15 @@ impl<T> Session<T> {
             .map(|(slot, e)| (handle_number(slot, e.generation), e.region, &mut e.payload))
     }
 
-    /// The open the driver carried out: a new handle for it.
-    pub(crate) fn opened(&mut self, region: usize, writable: bool, payload: T) -> u32 {
+    /// The open the driver carried out: a new handle for it, whose first `direct_len` bytes
+    /// are one-sided (the rest, bounce requests).
+    pub(crate) fn opened(
+        &mut self,
+        region: usize,
+        writable: bool,
+        direct_len: u64,
+        payload: T,
+    ) -> u32 {
         let slot = self.handles.vacant_key();
         if self.generations.len() <= slot {
             self.generations.resize(slot + 1, 0);
@@ -288,6 +297,7 @@ impl<T> Session<T> {
         self.handles.insert(Entry {
             region,
             writable,
+            direct_len,
             generation,
             payload,
         });
@@ -314,13 +324,22 @@ impl<T> Session<T> {
             Msg::List => Step::List,
             Msg::Bye => Step::Leave,
             Msg::KeepAlive => Step::Ignore,
-            Msg::Connect { endpoint } => {
+            Msg::Connect { endpoint, nic } => {
                 if self.qp {
                     return refuse(ErrorCode::BadRequest, "this connection already has a QP");
                 }
-                Step::Connect(endpoint)
+                Step::Connect(endpoint, nic)
             }
             Msg::Open { region, write } => self.open(&region, write, regions),
+            Msg::Locate { region } => match self.visible(&region, regions) {
+                Ok(idx) => Step::Reply(Msg::Located {
+                    nic: regions.info(idx).nic.clone(),
+                }),
+                Err(r) => Step::Reply(Msg::Error {
+                    code: r.0,
+                    message: r.1,
+                }),
+            },
             Msg::Close { handle } => {
                 let (slot, generation) = split_handle(handle);
                 match self.handles.get(slot) {
@@ -447,7 +466,7 @@ impl<T> Session<T> {
                 };
                 let inside = offset
                     .checked_add(len)
-                    .is_some_and(|end| end <= regions.direct_len(e.region));
+                    .is_some_and(|end| end <= e.direct_len);
                 if !inside || regions.is_removed(e.region) || (to_region && !e.writable) {
                     return Step::Ignore;
                 }
@@ -473,20 +492,9 @@ impl<T> Session<T> {
                 "the server is shutting down: no new opens; finish with what is open",
             );
         }
-        // a region the token does not grant is not there, as far as this client can tell
-        let Some(region) = regions.find(name).filter(|_| self.scope.sees(name)) else {
-            let names: Vec<String> = regions
-                .names()
-                .into_iter()
-                .filter(|n| self.scope.sees(n))
-                .collect();
-            return refuse(
-                ErrorCode::UnknownRegion,
-                format!(
-                    "no region '{name}' on this server; it serves: {}",
-                    names.join(", ")
-                ),
-            );
+        let region = match self.visible(name, regions) {
+            Ok(idx) => idx,
+            Err(r) => return refuse(r.0, r.1),
         };
         if write && regions.info(region).access == AccessMode::ReadOnly {
             return refuse(
@@ -515,6 +523,28 @@ impl<T> Session<T> {
         }
     }
 
+    /// The region served under `name`, if this client's token grants it: a region the token
+    /// does not grant is not there, as far as this client can tell.
+    fn visible(&self, name: &str, regions: &dyn Catalog) -> Result<usize, Refusal> {
+        regions
+            .find(name)
+            .filter(|_| self.scope.sees(name))
+            .ok_or_else(|| {
+                let names: Vec<String> = regions
+                    .names()
+                    .into_iter()
+                    .filter(|n| self.scope.sees(n))
+                    .collect();
+                (
+                    ErrorCode::UnknownRegion,
+                    format!(
+                        "no region '{name}' on this server; it serves: {}",
+                        names.join(", ")
+                    ),
+                )
+            })
+    }
+
     fn bounce(
         &self,
         handle: u32,
@@ -525,7 +555,7 @@ impl<T> Session<T> {
     ) -> Result<usize, Refusal> {
         let e = self.live_range(handle, offset, len, regions)?;
         let info = regions.info(e.region);
-        let direct = regions.direct_len(e.region);
+        let direct = e.direct_len;
         // puts to a region that holds data go through the server, over its direct part too
         if offset < direct && !(to_region && info.server_puts) {
             return Err((

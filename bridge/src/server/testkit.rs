@@ -33,6 +33,7 @@ pub(crate) fn info(name: &str, size: u64, access: AccessMode) -> RegionInfo {
         }],
         residency: None,
         server_puts: false,
+        nic: None,
     }
 }
 
@@ -63,9 +64,6 @@ impl Catalog for Fake {
     }
     fn info(&self, idx: usize) -> &RegionInfo {
         &self.infos[idx]
-    }
-    fn direct_len(&self, idx: usize) -> u64 {
-        self.direct[idx]
     }
     fn is_removed(&self, idx: usize) -> bool {
         self.removed[idx]
@@ -153,7 +151,9 @@ impl Model {
                         "an open the token does not grant"
                     );
                 }
-                let h = self.session.opened(region, writable, region as u32);
+                let h = self
+                    .session
+                    .opened(region, writable, c.direct[region], region as u32);
                 assert!(
                     self.handles.insert(h, (region, writable)).is_none(),
                     "handle {h} given to two live opens"
@@ -262,7 +262,7 @@ impl Model {
                 assert!(offset + len <= c.direct[region]);
                 assert!(!to_region || self.handles[&handle].1);
             }
-            Step::Connect(_) => {
+            Step::Connect(..) => {
                 assert!(!self.qp, "a second QP");
                 self.session.connected();
                 self.qp = true;
@@ -273,6 +273,13 @@ impl Model {
                     assert!(!self.handles.contains_key(&handle));
                     assert_eq!(code, ErrorCode::NotOpen);
                 }
+            }
+            Step::Reply(Msg::Located { nic }) => {
+                let Msg::Locate { region } = &m else {
+                    panic!("located answers {m:?}")
+                };
+                assert!(self.session.scope().sees(region), "located a hidden region");
+                assert_eq!(nic, None, "the fake catalog has one NIC");
             }
             Step::Reply(other) => panic!("a reply that is not an error: {other:?}"),
             Step::List | Step::Ignore | Step::Leave => {}
@@ -376,8 +383,14 @@ impl<'a> Script<'a> {
                 offset: self.u64(),
                 len: self.u64(),
             },
-            7 => Msg::Connect { endpoint: ENDPOINT },
-            8 => Msg::List,
+            7 => Msg::Connect {
+                endpoint: ENDPOINT,
+                nic: None,
+            },
+            8 if self.raw(1) % 2 == 0 => Msg::List,
+            8 => Msg::Locate {
+                region: ["rw", "ro", "gone", "x"][self.raw(1) as usize % 4].into(),
+            },
             9 => Msg::Hello {
                 version: self.raw(2) as u16,
                 token: Token::new("t"),

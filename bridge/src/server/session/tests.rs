@@ -34,7 +34,7 @@ fn open(s: &mut Session<u32>, c: &Fake, name: &str, write: bool, p: u32) -> u32 
         },
         c,
     ) {
-        Step::Open { region, writable } => s.opened(region, writable, p),
+        Step::Open { region, writable } => s.opened(region, writable, c.direct[region], p),
         other => panic!("open {name}: {other:?}"),
     }
 }
@@ -53,12 +53,24 @@ fn bounce(handle: u32, offset: u64, len: u64, to_region: bool) -> Msg {
 fn connected(c: &Fake) -> Session<u32> {
     let mut s = Session::new(RULES, Scope::All);
     assert!(matches!(
-        s.step(Msg::Connect { endpoint: ENDPOINT }, c),
-        Step::Connect(_)
+        s.step(
+            Msg::Connect {
+                endpoint: ENDPOINT,
+                nic: None,
+            },
+            c
+        ),
+        Step::Connect(..)
     ));
     s.connected();
     assert_eq!(
-        code(s.step(Msg::Connect { endpoint: ENDPOINT }, c)),
+        code(s.step(
+            Msg::Connect {
+                endpoint: ENDPOINT,
+                nic: None,
+            },
+            c
+        )),
         ErrorCode::BadRequest,
         "a second QP"
     );
@@ -449,7 +461,10 @@ proptest! {
         drain_at in 0usize..80,
     ) {
         let mut m = Model::new();
-        m.apply(Msg::Connect { endpoint: ENDPOINT });
+        m.apply(Msg::Connect {
+            endpoint: ENDPOINT,
+            nic: None,
+        });
         for (i, msg) in msgs.into_iter().enumerate() {
             if i == drain_at {
                 m.drain();
@@ -655,4 +670,72 @@ fn tcp_data_needs_an_open_handle_and_a_range_of_one_chunk_but_no_qp() {
         code(s.step(write(ro, 0, RULES.bounce_chunk + 1), &c)),
         ErrorCode::BadRequest
     );
+}
+
+#[test]
+fn locate_names_the_regions_nic_and_hides_what_the_token_does_not_grant() {
+    let mut c = fake();
+    c.infos[0].nic = Some("rxe1".into());
+    let locate = |s: &mut Session<u32>, name: &str| {
+        s.step(
+            Msg::Locate {
+                region: name.into(),
+            },
+            &c,
+        )
+    };
+    let mut s: Session<u32> = Session::new(RULES, Scope::All);
+    match locate(&mut s, "rw") {
+        Step::Reply(Msg::Located { nic }) => assert_eq!(nic.as_deref(), Some("rxe1")),
+        other => panic!("{other:?}"),
+    }
+    match locate(&mut s, "ro") {
+        Step::Reply(Msg::Located { nic }) => assert_eq!(nic, None, "a one-NIC region"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(code(locate(&mut s, "gone")), ErrorCode::UnknownRegion);
+    let mut s: Session<u32> = Session::new(RULES, Scope::Regions(vec![("ro".into(), false)]));
+    let m = message(locate(&mut s, "rw"));
+    assert!(
+        m.contains("no region 'rw'") && !m.contains("held"),
+        "a region the token does not grant is not there: {m}"
+    );
+}
+
+#[test]
+fn a_handle_opened_without_a_direct_part_bounces_every_byte() {
+    // the driver opens a region whose MR is on another NIC than the QP with no direct part
+    let c = fake();
+    let mut s = connected(&c);
+    let region = match s.step(
+        Msg::Open {
+            region: "rw".into(),
+            write: true,
+        },
+        &c,
+    ) {
+        Step::Open { region, .. } => region,
+        other => panic!("{other:?}"),
+    };
+    let h = s.opened(region, true, 0, 0);
+    let direct = open(&mut s, &c, "rw", true, 1);
+    assert!(matches!(
+        s.step(bounce(h, 0, 4096, true), &c),
+        Step::Bounce(_)
+    ));
+    assert_eq!(
+        code(s.step(bounce(direct, 0, 4096, true), &c)),
+        ErrorCode::NotBounce,
+        "the other handle of the same region has its direct part"
+    );
+    // a report of one-sided bytes on a handle without a direct part counts nothing
+    let report = |handle| Msg::Transferred {
+        handle,
+        offset: 0,
+        len: 4096,
+        to_region: true,
+        micros: 1,
+    };
+    assert!(matches!(s.step(report(h), &c), Step::Ignore));
+    assert!(matches!(s.step(report(direct), &c), Step::Report { .. }));
 }
