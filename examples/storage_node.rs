@@ -2,7 +2,9 @@
 //! region of its own (`NAME=file:PATH`), and the catalog follows the directory while clients
 //! fetch: a new file is added ([`ServerHandle::add_region`]), a deleted one removed (clients
 //! that hold it open get `Removed`, everyone else is undisturbed), a file whose size changed is
-//! served again at its new size. Clients' puts into objects are reported as they complete
+//! served at its new size with no moment in which its name is missing
+//! ([`ServerHandle::replace_region`]: clients holding the old size get `Removed` and reopen).
+//! Clients' puts into objects are reported as they complete
 //! ([`ServerHandle::put_notices`]). Everything the node does is printed as one JSON object per
 //! line on stdout, so scripts and tests can follow it.
 //!
@@ -73,6 +75,24 @@ async fn add(h: &ServerHandle, name: &str, path: &Path) {
     }
 }
 
+async fn resize(h: &ServerHandle, name: &str, path: &Path, was: u64) {
+    let spec = format!("{name}=file:{}", path.display());
+    let res = match spec.parse::<RegionSpec>() {
+        Ok(spec) => h
+            .replace_region(spec, Duration::from_secs(10))
+            .await
+            .map_err(|e| e.to_string()),
+        Err(e) => Err(e.to_string()),
+    };
+    match res {
+        Ok((info, old)) => say(
+            json!({"event": "resized", "region": name, "size": info.size,
+            "was": was, "released": old.released, "path": info.path.to_string()}),
+        ),
+        Err(e) => say(json!({"event": "resize-failed", "region": name, "error": e})),
+    }
+}
+
 async fn remove(h: &ServerHandle, name: &str) {
     match h.remove_region(name, Duration::from_secs(10)).await {
         Ok(r) => say(
@@ -89,11 +109,17 @@ async fn follow(h: ServerHandle, dir: PathBuf) {
     loop {
         match scan(&dir) {
             Ok(now) => {
-                for name in served.keys().cloned().collect::<Vec<_>>() {
-                    let size = now.get(&name).map(|o| o.1);
-                    if size != served.get(&name).copied() {
-                        remove(&h, &name).await;
-                        served.remove(&name);
+                for (name, was) in served.clone() {
+                    match now.get(&name) {
+                        None => {
+                            remove(&h, &name).await;
+                            served.remove(&name);
+                        }
+                        Some((path, size)) if *size != was => {
+                            resize(&h, &name, path, was).await;
+                            served.insert(name, *size);
+                        }
+                        Some(_) => {}
                     }
                 }
                 for (name, (path, size)) in &now {

@@ -417,12 +417,15 @@ async fn lab_storage_node_follows_its_directory_while_clients_fetch() {
         .await
         .unwrap();
     assert_eq!(sink, data(200_000, 1));
-    // an object that grows is served again at its new size
+    // an object that grows is served at its new size, its name never missing in between
     c.close(&alpha).await.unwrap();
     std::fs::write(dir.join("alpha"), data(300_000, 4)).unwrap();
-    node.next("removed", Some("alpha"));
-    let again = node.next("added", Some("alpha"));
-    assert_eq!(again["size"], 300_000, "{again}");
+    let again = node.next("resized", Some("alpha"));
+    assert_eq!(
+        (&again["size"], &again["was"], &again["released"]),
+        (&300_000.into(), &200_000.into(), &true.into()),
+        "{again}"
+    );
     let alpha = c.open("alpha", false).await.unwrap();
     let mut sink = Vec::new();
     c.fetch(&alpha, 0, 300_000, &mut sink, true, &mut |_| {})
@@ -577,4 +580,81 @@ async fn lab_a_read_only_file_over_one_mrs_size_limit_is_registered_per_connecti
     c.bye().await.unwrap();
     drop(s);
     let _ = std::fs::remove_file(&path);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_storage_node_region_replaced_at_a_new_size_is_never_missing() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let s = start(&["a=host:1M", "k=host:1M,p2p=disabled"], |_| {}).await;
+    let mut c = Client::connect(ClientConfig::new(s.addr.to_string(), TOKEN))
+        .await
+        .unwrap();
+    let k = c.open("k", false).await.unwrap();
+    // another client opens and closes the region over and over while it is replaced
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let (addr, halt) = (s.addr.to_string(), stop.clone());
+    let opener = tokio::spawn(async move {
+        let mut o = Client::connect(ClientConfig::new(addr, TOKEN)).await?;
+        let mut sizes = Vec::new();
+        while !halt.load(Ordering::SeqCst) {
+            let r = o.open("a", false).await?;
+            sizes.push(r.info.size);
+            o.close(&r).await?;
+        }
+        o.bye().await?;
+        Ok::<_, p2p_rdma::bridge::Error>(sizes)
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (info, old) = s
+        .handle
+        .replace_region("a=host:4M".parse().unwrap(), Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert_eq!(
+        (info.size, info.path),
+        (4 << 20, DataPath::Direct),
+        "{info:?}"
+    );
+    assert!(old.released, "{old:?}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.store(true, Ordering::SeqCst);
+    let sizes = opener
+        .await
+        .unwrap()
+        .expect("every open during the replacement");
+    let first_new = sizes.iter().position(|&n| n == 4 << 20);
+    assert!(
+        first_new.is_some_and(|i| i > 0 && sizes[i..].iter().all(|&n| n == 4 << 20))
+            && sizes.iter().all(|&n| n == 1 << 20 || n == 4 << 20),
+        "the old size, then only the new one: {sizes:?}"
+    );
+    let mut listed: Vec<String> = s.handle.regions().into_iter().map(|r| r.name).collect();
+    listed.sort();
+    assert_eq!(listed, ["a", "k"], "each name once");
+    // a handle of the old memory is told it is gone; a reopen sees the new size
+    s.handle
+        .replace_region(
+            "k=host:2M,p2p=disabled".parse().unwrap(),
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap();
+    let mut sink = Vec::new();
+    let e = c
+        .fetch(&k, 0, 4096, &mut sink, false, &mut |_| {})
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::Removed), "{e}");
+    let _ = c.close(&k).await;
+    let k = c.open("k", false).await.unwrap();
+    assert_eq!(k.info.size, 2 << 20);
+    let e = s
+        .handle
+        .replace_region("zz=host:1M".parse().unwrap(), Duration::from_secs(1))
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("add it instead"), "{e}");
+    c.bye().await.unwrap();
+    s.stop().await;
 }

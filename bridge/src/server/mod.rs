@@ -320,11 +320,7 @@ impl ServerHandle {
     pub async fn add_region(&self, spec: RegionSpec) -> Result<RegionInfo> {
         let _one_at_a_time = self.shared.adding.lock().await;
         self.check_new_name(&spec.name)?;
-        let sysfs = self.shared.cfg.sysfs.clone();
-        let s = spec.clone();
-        let (provider, read_only) = tokio::task::spawn_blocking(move || s.open(&sysfs))
-            .await
-            .map_err(|e| Error::Config(format!("region '{}': opening task: {e}", spec.name)))??;
+        let (provider, read_only) = self.open_spec(&spec).await?;
         self.add(spec.name, provider, read_only, spec.options).await
     }
 
@@ -356,24 +352,75 @@ impl ServerHandle {
         read_only: bool,
         options: RegionOptions,
     ) -> Result<RegionInfo> {
+        let r = self.build(name, provider, read_only, options).await?;
+        let info = r.info.clone();
+        let s = &self.shared;
+        s.regions.push(r);
+        s.metrics().regions.set(s.regions.live_count() as i64);
+        tracing::info!(region = info.name, path = %info.path, size = info.size, "region added");
+        Ok(info)
+    }
+
+    /// Open a spec's memory off the async workers.
+    async fn open_spec(&self, spec: &RegionSpec) -> Result<(Arc<dyn peermem::Provider>, bool)> {
+        let sysfs = self.shared.cfg.sysfs.clone();
+        let s = spec.clone();
+        tokio::task::spawn_blocking(move || s.open(&sysfs))
+            .await
+            .map_err(|e| Error::Config(format!("region '{}': opening task: {e}", spec.name)))?
+    }
+
+    /// Serve a region under the same name with other memory (a file that grew or shrank, a
+    /// larger allocation), with no moment in which the name is not served: the new memory is
+    /// opened, its path decided and registered, and it is listed, while the old one still
+    /// serves; then the old one is revoked as [`ServerHandle::remove_region`] does (handles of
+    /// it get `Removed`, and a client reopens the name to see the new size). Registered
+    /// memory cannot change size in place (an MR covers fixed pages), so a resize is this.
+    pub async fn replace_region(
+        &self,
+        spec: RegionSpec,
+        timeout: Duration,
+    ) -> Result<(RegionInfo, Removal)> {
+        let _one_at_a_time = self.shared.adding.lock().await;
+        let old = self.shared.regions.live_named(&spec.name).ok_or_else(|| {
+            Error::Config(format!(
+                "no region '{}' is being served: add it instead",
+                spec.name
+            ))
+        })?;
+        let (provider, read_only) = self.open_spec(&spec).await?;
+        let r = self
+            .build(spec.name.clone(), provider, read_only, spec.options)
+            .await?;
+        let info = r.info.clone();
+        // listed after the old one: lookups by name find the old one until it is revoked
+        self.shared.regions.push(r);
+        let removal = self.retire(old, timeout).await;
+        tracing::info!(region = info.name, path = %info.path, size = info.size, "region replaced");
+        Ok((info, removal))
+    }
+
+    /// Decide a region's path and register it (not yet listed).
+    async fn build(
+        &self,
+        name: String,
+        provider: Arc<dyn peermem::Provider>,
+        read_only: bool,
+        options: RegionOptions,
+    ) -> Result<regions::Region> {
         let s = &self.shared;
         // the canaries and the registration pin every page of the region: long for a large
         // one, so on a blocking thread (driving its work requests from there), not on a
         // worker that serves the connections
         let on = Arc::clone(s);
         let what = name.clone();
-        let r = tokio::task::spawn_blocking(move || {
+        tokio::task::spawn_blocking(move || {
             tokio::runtime::Handle::current().block_on(regions::build_region(
                 &on.cfg, &on.nics, name, provider, read_only, options,
             ))
         })
         .await
-        .map_err(|e| Error::Config(format!("region '{what}': registration task: {e}")))??;
-        let info = r.info.clone();
-        s.regions.push(r);
-        s.metrics().regions.set(s.regions.live_count() as i64);
-        tracing::info!(region = info.name, path = %info.path, size = info.size, "region added");
-        Ok(info)
+        .map_err(|e| Error::Config(format!("region '{what}': registration task: {e}")))?
     }
 
     /// Stop serving a region: new opens are refused, every connection revokes its
@@ -381,12 +428,18 @@ impl ServerHandle {
     /// remote access error), in-flight bounce copies finish, and the memory is released once
     /// nothing refers to it. Waits at most `timeout` for that release.
     pub async fn remove_region(&self, name: &str, timeout: Duration) -> Result<Removal> {
-        let start = Instant::now();
         let r = self
             .shared
             .regions
             .live_named(name)
             .ok_or_else(|| Error::Config(format!("no region '{name}' is being served")))?;
+        Ok(self.retire(r, timeout).await)
+    }
+
+    /// Revoke a region and wait (at most `timeout`) for its memory to be released.
+    async fn retire(&self, r: &regions::Region, timeout: Duration) -> Removal {
+        let start = Instant::now();
+        let name = r.info.name.as_str();
         r.removed.store(true, Ordering::SeqCst);
         drop(r.provider.lock().unwrap_or_else(|p| p.into_inner()).take());
         if !std::mem::take(&mut *r.shared.lock().unwrap_or_else(|p| p.into_inner())).is_empty() {
@@ -410,11 +463,11 @@ impl ServerHandle {
             tokio::time::sleep(Duration::from_millis(10)).await;
         };
         tracing::info!(region = name, released, "region removed");
-        Ok(Removal {
+        Removal {
             region: name.to_string(),
             released,
             seconds: start.elapsed().as_secs_f64(),
-        })
+        }
     }
 }
 

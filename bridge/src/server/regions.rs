@@ -454,9 +454,14 @@ impl RegionTable {
         self.0.iter().map(|(_, r)| r)
     }
 
-    /// The regions still served.
+    /// The regions still served. While a region is replaced its successor is listed after
+    /// it under the same name; only the first of a name is served until the old one is
+    /// revoked, so only it is shown.
     pub(super) fn live(&self) -> impl Iterator<Item = &Region> {
-        self.all().filter(|r| !r.removed.load(Ordering::SeqCst))
+        let mut seen = std::collections::HashSet::new();
+        self.all()
+            .filter(|r| !r.removed.load(Ordering::SeqCst))
+            .filter(move |r| seen.insert(r.info.name.clone()))
     }
 
     /// A region still served, by name.
