@@ -169,6 +169,10 @@ async fn lab_dualnic_serve_places_each_region_on_its_nic_and_clients_follow() {
             .await
             .unwrap();
         let r = cl.open(&c.name, false).await.unwrap();
+        assert_eq!(
+            r.info.reason, c.reason,
+            "a bounce-only region is the same from any NIC"
+        );
         let mut got = Vec::new();
         let rep = cl
             .fetch(&r, 0, c.size, &mut got, true, &mut |_| {})

@@ -506,8 +506,10 @@ impl ConnState {
             let reply = self.complete(shared, f, done);
             conn.send(&reply).await?;
         };
+        // the window units' strategy was proved on the region's own device
         if let Some(mode) = r
             .window_mode
+            .filter(|_| r.nic == self.nic)
             .filter(|_| peermem::hmm::DevicePrivate::of(&*provider).is_some())
         {
             return Ok(self.start_window(shared, &req, &provider, mode, buf, meta));

@@ -98,7 +98,7 @@ pub(super) struct ConnState {
     local_ip: Option<std::net::IpAddr>,
     /// The server device of this connection's QP and staging (an index into its devices):
     /// the one carrying the control connection's address until the client's connect names one.
-    nic: usize,
+    pub(super) nic: usize,
 }
 
 /// Run `f`, which may block for long (a registration pins every page of a region), without
@@ -504,8 +504,9 @@ impl ConnState {
             Step::Open { region, writable } => {
                 let r = shared.regions.get(region);
                 // the region's MRs (and windows over them) live on its own device: a QP on
-                // another one reaches it through bounce buffers only
-                let home = r.nic == self.nic;
+                // another one reaches it through bounce buffers only (a region without a
+                // direct part is the same from every device)
+                let home = r.nic == self.nic || r.segments.direct_len == 0;
                 let lease = if home {
                     self.register(shared, region, writable).await?
                 } else {
