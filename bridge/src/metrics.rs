@@ -72,6 +72,28 @@ pub struct LatencyLabels {
     pub path: XferPath,
 }
 
+/// Where a bounce request's time goes, on the server.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum BounceStage {
+    /// From its arrival until a staging buffer was free for it (the ring was busy).
+    queued,
+    /// The copy engine: region → staging (fetch) or staging → region (put).
+    copy,
+    /// The server's RDMA WRITE (fetch) or READ (put) of the client's buffer: posted until its
+    /// completion was taken.
+    rdma,
+}
+
+/// Labels of the bounce stage histogram.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StageLabels {
+    /// fetch or put.
+    pub direction: Direction,
+    /// queued, copy or rdma.
+    pub stage: BounceStage,
+}
+
 /// Labels of error replies.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CodeLabels {
@@ -101,6 +123,8 @@ pub struct Metrics {
     pub operations: Family<XferLabels, Counter>,
     /// Transfer durations.
     pub latency: Family<LatencyLabels, Histogram>,
+    /// Time of each stage of bounce requests (staged bytes only).
+    pub bounce_stages: Family<StageLabels, Histogram>,
     /// Error replies sent, by code.
     pub errors: Family<CodeLabels, Counter>,
     /// Connections now open (authenticated or not).
@@ -156,6 +180,10 @@ impl Metrics {
                 // 10 µs .. ~168 s
                 Histogram::new(exponential_buckets(1e-5, 4.0, 13))
             }),
+            bounce_stages: Family::new_with_constructor(|| {
+                // 10 µs .. ~168 s
+                Histogram::new(exponential_buckets(1e-5, 4.0, 13))
+            }),
             errors: Family::default(),
             connections: Gauge::default(),
             connections_accepted: Counter::default(),
@@ -192,6 +220,12 @@ impl Metrics {
                 "Duration of transfers (direct: measured by the client; bounce: by the server, copy and RDMA)",
                 Unit::Seconds,
                 m.latency.clone(),
+            );
+            r.register_with_unit(
+                "bounce_stage_duration",
+                "Time of each stage of a bounce request on the server: queued (waiting for a staging buffer), copy (the region's copy engine), rdma (the server's RDMA of the client's buffer, posted to completion)",
+                Unit::Seconds,
+                m.bounce_stages.clone(),
             );
             r.register(
                 "errors",
@@ -312,6 +346,15 @@ impl Metrics {
         }
     }
 
+    /// Record the time of one stage of a bounce request.
+    pub fn observe_stage(&self, direction: Direction, stage: BounceStage, seconds: f64) {
+        if seconds.is_finite() && seconds >= 0.0 {
+            self.bounce_stages
+                .get_or_create(&StageLabels { direction, stage })
+                .observe(seconds);
+        }
+    }
+
     /// Count an error reply.
     pub fn error(&self, code: &str) {
         self.errors
@@ -370,6 +413,17 @@ mod tests {
             "{t}"
         );
         assert!(t.contains("p2p_rdma_ready 1"), "{t}");
+        m.observe_stage(Direction::fetch, BounceStage::copy, 0.25);
+        m.observe_stage(Direction::fetch, BounceStage::copy, 0.5);
+        let t = m.encode();
+        assert!(
+            t.contains(
+                "p2p_rdma_bounce_stage_duration_seconds_sum{direction=\"fetch\",stage=\"copy\"} 0.75"
+            ) && t.contains(
+                "p2p_rdma_bounce_stage_duration_seconds_count{direction=\"fetch\",stage=\"copy\"} 2"
+            ),
+            "{t}"
+        );
         assert!(t.trim_end().ends_with("# EOF"), "{t}");
         m.set_ready(false);
         assert!(!m.is_ready());

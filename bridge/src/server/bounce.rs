@@ -27,7 +27,7 @@ use super::session::{Bounce, Catalog, Refusal};
 use super::Shared;
 use crate::conn::Conn;
 use crate::error::{Error, Result};
-use crate::metrics::{Direction, XferPath};
+use crate::metrics::{BounceStage, Direction, XferPath};
 use crate::protocol::{ErrorCode, Msg};
 
 /// How long one bounce RDMA operation may take before the connection is declared stalled.
@@ -54,6 +54,8 @@ struct BounceMeta {
     region: usize,
     to_region: bool,
     started: Instant,
+    /// When its RDMA was posted (None: a device-private transfer, not broken down).
+    posted: Option<Instant>,
 }
 
 /// The segments of a device-private bounce request, some moved by RDMA straight from or to
@@ -133,7 +135,20 @@ impl ConnState {
         done: Option<Completion>,
     ) -> Msg {
         let (meta, offset) = (f.meta, f.offset);
+        let dir = Direction::of(meta.to_region);
+        if let Some(posted) = meta.posted {
+            shared
+                .metrics()
+                .observe_stage(dir, BounceStage::rdma, posted.elapsed().as_secs_f64());
+        }
+        let copy = Instant::now();
         let reply = self.finish(f, done);
+        if meta.posted.is_some() && meta.to_region {
+            // a put's copy into the region happens in finish
+            shared
+                .metrics()
+                .observe_stage(dir, BounceStage::copy, copy.elapsed().as_secs_f64());
+        }
         if let Msg::BounceDone { len, zero_copy } = &reply {
             record_bounce(shared, meta, *len, *zero_copy);
             if meta.to_region {
@@ -448,10 +463,11 @@ impl ConnState {
         conn: &mut Conn,
         req: Bounce,
     ) -> Result<std::result::Result<(), Refusal>> {
-        let meta = BounceMeta {
+        let mut meta = BounceMeta {
             region: req.region,
             to_region: req.to_region,
             started: Instant::now(),
+            posted: None,
         };
         let r = shared.regions.get(req.region);
         if r.removed.load(Ordering::SeqCst) {
@@ -520,10 +536,20 @@ impl ConnState {
             rkey: req.rkey,
             len: req.len,
         };
+        let dir = Direction::of(req.to_region);
+        let m = shared.metrics();
+        m.observe_stage(
+            dir,
+            BounceStage::queued,
+            meta.started.elapsed().as_secs_f64(),
+        );
         let op = if req.to_region {
             SendOp::Read(remote)
         } else {
-            if let Err(e) = provider.copy_out(req.offset, &mut buf.as_mut_slice()[..n]) {
+            let copy = Instant::now();
+            let copied = provider.copy_out(req.offset, &mut buf.as_mut_slice()[..n]);
+            m.observe_stage(dir, BounceStage::copy, copy.elapsed().as_secs_f64());
+            if let Err(e) = copied {
                 self.ring.push(buf);
                 let code = copy_error_code(&e);
                 return Ok(Err((
@@ -538,6 +564,7 @@ impl ConnState {
         };
         let qp = self.qp.as_ref().expect("checked above");
         let local = Local::owned_range(buf, 0..n).map_err(Error::Verbs)?;
+        meta.posted = Some(Instant::now());
         let pending = match qp.post_send(vec![SendWr { op, local }]) {
             Ok(p) => p,
             Err(e) => return Ok(Err(internal(format!("posting the bounce transfer: {e}")))),
