@@ -550,11 +550,19 @@ impl RegisteredBuffer {
         self.mem.as_slice()
     }
     /// Contents, writable (no work request can be using the buffer: posting takes ownership).
+    /// Unlike [`RegisteredBuffer::as_slice`], this works on a buffer registered for memory
+    /// windows (`MW_BIND`) without remote write of its own: a window holds the buffer through
+    /// an `Arc` ([`crate::QueuePair::bind_window`]), so while `&mut self` exists no window is
+    /// bound over it, and the MR's own rkey lets no peer write.
     ///
     /// # Panics
-    /// As [`RegisteredBuffer::as_slice`].
+    /// When the registration itself grants `REMOTE_WRITE`.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        self.assert_local_only("as_mut_slice");
+        assert!(
+            !self.mr.access().contains(Access::REMOTE_WRITE),
+            "RegisteredBuffer::as_mut_slice on a buffer registered with REMOTE_WRITE: a remote \
+             peer may change it at any time; use read_at/write_at/to_vec"
+        );
         self.mem.as_mut_slice()
     }
     /// Copy `out.len()` bytes from `offset` out of the buffer; works for every buffer (a remote

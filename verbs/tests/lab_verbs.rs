@@ -583,6 +583,63 @@ async fn lab_remotely_writable_buffers_are_copied_never_borrowed() {
     assert!(Local::owned(target).bytes().is_none());
 }
 
+/// A staging buffer registered for windows: the CPU fills it while it is exclusively owned
+/// (no window can be bound then), a read-only window lends it to one peer, and it is
+/// exclusively owned again once the window is gone.
+#[tokio::test]
+#[ignore = "lab"]
+async fn lab_a_window_buffer_is_filled_only_while_no_window_is_bound() {
+    let ctx = device();
+    let pd = ProtectionDomain::new(&ctx).unwrap();
+    let mut staging = pd
+        .register(
+            HostBuffer::new(16384).unwrap(),
+            Access::LOCAL_WRITE | Access::MW_BIND,
+            RegMode::Pinned,
+        )
+        .unwrap();
+    assert!(staging.remotely_writable(), "a window could grant writes");
+    fill(staging.as_mut_slice(), 3);
+    let want = staging.to_vec();
+    let shared = Arc::new(staging);
+    // shared: no borrow of its bytes
+    let t = std::panic::AssertUnwindSafe(&shared);
+    assert!(std::panic::catch_unwind(|| t.as_slice().len()).is_err());
+    let (a, b) = window_pair(&pd);
+    let w = b
+        .bind_window(shared.clone(), 0..8192, Access::REMOTE_READ)
+        .await
+        .unwrap();
+    let got = a
+        .read(Local::owned(local(&pd, 8192)), w.remote())
+        .await
+        .unwrap();
+    assert_eq!(got.bytes().unwrap(), &want[..8192]);
+    // read-only: a WRITE through it is refused
+    refused_remotely(
+        a.write(
+            Local::owned(local(&pd, 64)),
+            w.remote().slice(0, 64).unwrap(),
+        )
+        .await,
+        "a WRITE through a read-only staging window",
+    );
+    // the window holds the buffer: it cannot be taken back for filling
+    let shared = Arc::try_unwrap(shared).expect_err("a bound window holds the buffer");
+    drop(w);
+    let mut again = Arc::try_unwrap(shared).expect("no window once it is dropped");
+    fill(again.as_mut_slice(), 4);
+    assert_ne!(again.to_vec(), want);
+    // a buffer whose own registration grants remote writes is never lent
+    let mut open = buf(&pd, 4096);
+    let t = std::panic::AssertUnwindSafe(&mut open);
+    assert!(std::panic::catch_unwind(move || {
+        let t = t;
+        t.0.as_mut_slice().len()
+    })
+    .is_err());
+}
+
 fn window_pair(pd: &ProtectionDomain) -> (QueuePair, QueuePair) {
     let opts = QpOptions {
         memory_windows: true,

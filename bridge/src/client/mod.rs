@@ -21,8 +21,8 @@ mod window;
 mod zero_copy;
 mod zero_copy_put;
 use window::{
-    await_or_stall, bounce_reply, issue, more_input, overflow_error, piece, read_full, report,
-    settle, Slot,
+    await_or_stall, bounce_reply, issue, land, more_input, overflow_error, piece, pulls, read_full,
+    report, settle, staged, start_pulls, Arrived, Slot,
 };
 pub use zero_copy::{BatchRange, Landed, LocalBuffer, Stranded};
 
@@ -99,6 +99,9 @@ pub struct OpenRegion {
     pub segments: Vec<crate::protocol::Segment>,
     /// Largest bounce request the server accepts.
     pub bounce_chunk: u64,
+    /// How many staged chunks this client may hold at once: its bounce fetches are staged by
+    /// the server and read by us (0: the server writes them into our buffers).
+    pub pull_depth: u32,
     /// Whether it was opened for writing.
     pub write: bool,
 }
@@ -344,6 +347,7 @@ impl Client {
                 len,
                 bounce_chunk,
                 segments,
+                pull_depth,
             } => Ok(OpenRegion {
                 handle,
                 info,
@@ -354,6 +358,7 @@ impl Client {
                 } else {
                     bounce_chunk
                 },
+                pull_depth,
                 write,
             }),
             other => Err(reply_err(&self.conn.peer, other, "opened")),
@@ -579,31 +584,31 @@ impl Client {
             loop {
                 while window.len() < depth && next < len {
                     let p = piece(&extents, offset + next, len - next, chunk, r.bounce_chunk)?;
-                    let buf = rdma.take(p.path, false, chunk as usize)?;
+                    let pull = staged(r, &p, false);
+                    if pull && pulls(&window) >= r.pull_depth as usize {
+                        // the server holds no more staged chunks for us: read one first
+                        break;
+                    }
+                    // a staged chunk lands by our own READ: a buffer without remote access
+                    let path = if pull { DataPath::Direct } else { p.path };
+                    let buf = rdma.take(path, false, chunk as usize)?;
                     window.push_back(issue(&rdma.qp, &mut self.conn, r, p, buf, false).await?);
                     next += p.len;
+                }
+                if window.iter().any(|s| matches!(s, Slot::Stage(..))) {
+                    start_pulls(&mut rdma, &mut self.conn, &mut window, stall).await?;
                 }
                 let Some(slot) = window.pop_front() else {
                     break;
                 };
                 let at = offset + done;
-                let (buf, n, direct) = match slot {
-                    Slot::Rdma(p, n) => {
-                        let mut back = await_or_stall(&rdma.qp, p, stall, "RDMA READ", at).await?;
-                        let l = back.pop().expect("one work request");
-                        (l.into_owned().expect("owned buffer"), n, true)
-                    }
-                    Slot::Bounce(buf, n) => match bounce_reply(&mut self.conn, stall, n).await {
-                        Ok(zero_copy) => {
-                            by_path[2] += zero_copy;
-                            (buf, n, false)
-                        }
-                        Err(e) => {
-                            rdma.pools.give(buf);
-                            return Err(e);
-                        }
-                    },
-                };
+                let Arrived {
+                    buf,
+                    n,
+                    direct,
+                    zero_copy,
+                } = land(&mut rdma, &mut self.conn, slot, stall, at).await?;
+                by_path[2] += zero_copy;
                 let bytes = if buf.remotely_writable() {
                     // the server may write this buffer at any time: copy, never borrow
                     scratch.resize(n as usize, 0);
@@ -736,6 +741,12 @@ impl Client {
                         by_path[2] += res?;
                         by_path[1] += n;
                         done += n;
+                    }
+                    // a put stages nothing (staged() is for fetches); settled all the same
+                    s @ (Slot::Stage(..) | Slot::Pull(..)) => {
+                        let l = land(&mut rdma, &mut self.conn, s, stall, at).await?;
+                        rdma.pools.give(l.buf);
+                        return Err(Error::Config("a staged fetch in a put's window".into()));
                     }
                 }
                 progress(done);

@@ -7,7 +7,7 @@ use std::collections::VecDeque;
 use std::io::Read;
 use std::time::Duration;
 
-use verbs::{Local, Pending, QueuePair, RegisteredBuffer, SendOp, SendWr};
+use verbs::{Local, Pending, QueuePair, RegisteredBuffer, RemoteSlice, SendOp, SendWr};
 
 use super::{reply_err, OpenRegion, Rdma, TransferReport};
 use crate::conn::Conn;
@@ -21,6 +21,34 @@ pub(super) enum Slot {
     Rdma(Pending, u64),
     /// A bounce request: the server moves the bytes to or from this buffer and replies.
     Bounce(RegisteredBuffer, u64),
+    /// A staged fetch asked for: once the server's `Staged` reply is read, we RDMA-READ the
+    /// chunk into this buffer.
+    Stage(RegisteredBuffer, u64),
+    /// A staged chunk being read: the READ, the server's slot (released once the READ
+    /// completes) and the length.
+    Pull(Pending, u32, u64),
+}
+
+/// A fetch piece that arrived: the buffer holding its bytes, how many, whether they came one-
+/// sided from a direct extent, and how many of them the server's NIC moved zero-copy.
+pub(super) struct Arrived {
+    pub(super) buf: RegisteredBuffer,
+    pub(super) n: u64,
+    pub(super) direct: bool,
+    pub(super) zero_copy: u64,
+}
+
+/// Whether a piece is a staged fetch: a bounce extent of a handle whose server stages.
+pub(super) fn staged(r: &OpenRegion, p: &Piece, to_region: bool) -> bool {
+    !to_region && p.path != DataPath::Direct && r.pull_depth > 0
+}
+
+/// Staged fetches in the window (requested or being read): at most the handle's `pull_depth`.
+pub(super) fn pulls(window: &VecDeque<Slot>) -> usize {
+    window
+        .iter()
+        .filter(|s| matches!(s, Slot::Stage(..) | Slot::Pull(..)))
+        .count()
 }
 
 /// A piece of a transfer: at most one chunk, within one extent.
@@ -81,6 +109,15 @@ pub(super) async fn issue(
         };
         return Ok(Slot::Rdma(qp.post_send(vec![wr])?, p.len));
     }
+    if staged(r, &p, to_region) {
+        conn.send(&Msg::Stage {
+            handle: r.handle,
+            offset: p.pos,
+            len: p.len,
+        })
+        .await?;
+        return Ok(Slot::Stage(buf, p.len));
+    }
     let m = Msg::Bounce {
         handle: r.handle,
         offset: p.pos,
@@ -113,6 +150,130 @@ pub(super) async fn bounce_reply(conn: &mut Conn, limit: Duration, n: u64) -> Re
     }
 }
 
+/// The server's answer to a staged fetch of `n` bytes: where to read them.
+async fn staged_reply(conn: &mut Conn, limit: Duration, n: u64) -> Result<(u32, RemoteSlice)> {
+    match conn.recv(Some(limit), "staged").await? {
+        Msg::Staged {
+            slot,
+            addr,
+            rkey,
+            len,
+        } if len == n => Ok((slot, RemoteSlice { addr, rkey, len })),
+        Msg::Staged { slot, .. } => {
+            conn.send(&Msg::Unstage { slot }).await?;
+            Err(Error::Unexpected {
+                peer: conn.peer.clone(),
+                got: "a staged chunk of another length",
+                want: "staged",
+            })
+        }
+        other => Err(reply_err(&conn.peer, other, "staged")),
+    }
+}
+
+/// Read a staged chunk into `buf`: the `Staged` reply, then our RDMA READ of it.
+async fn pull(
+    rdma: &mut Rdma,
+    conn: &mut Conn,
+    buf: RegisteredBuffer,
+    n: u64,
+    stall: Duration,
+) -> Result<(Pending, u32)> {
+    let (slot, remote) = match staged_reply(conn, stall, n).await {
+        Ok(s) => s,
+        Err(e) => {
+            rdma.pools.give(buf);
+            return Err(e);
+        }
+    };
+    let wr = SendWr {
+        op: SendOp::Read(remote),
+        local: Local::owned_range(buf, 0..n as usize)?,
+    };
+    match rdma.qp.post_send(vec![wr]) {
+        Ok(p) => Ok((p, slot)),
+        Err(e) => {
+            conn.send(&Msg::Unstage { slot }).await?;
+            Err(e.into())
+        }
+    }
+}
+
+/// Turn every requested staged fetch in the window into a READ in flight, in order (their
+/// replies come in request order: up to the first classic bounce request, whose reply is read
+/// when it is the oldest), so that the READs of all staged chunks overlap.
+pub(super) async fn start_pulls(
+    rdma: &mut Rdma,
+    conn: &mut Conn,
+    window: &mut VecDeque<Slot>,
+    stall: Duration,
+) -> Result<()> {
+    for i in 0..window.len() {
+        match &window[i] {
+            Slot::Rdma(..) | Slot::Pull(..) => continue,
+            Slot::Bounce(..) => break,
+            Slot::Stage(..) => {}
+        }
+        let Some(Slot::Stage(buf, n)) = window.remove(i) else {
+            continue;
+        };
+        let (p, slot) = pull(rdma, conn, buf, n, stall).await?;
+        window.insert(i, Slot::Pull(p, slot, n));
+    }
+    Ok(())
+}
+
+/// Wait for the oldest piece of a fetch and hand over its bytes. Staged fetches release their
+/// server slot once read.
+pub(super) async fn land(
+    rdma: &mut Rdma,
+    conn: &mut Conn,
+    slot: Slot,
+    stall: Duration,
+    at: u64,
+) -> Result<Arrived> {
+    let (p, server_slot, n) = match slot {
+        Slot::Rdma(p, n) => {
+            let mut back = await_or_stall(&rdma.qp, p, stall, "RDMA READ", at).await?;
+            let l = back.pop().expect("one work request");
+            return Ok(Arrived {
+                buf: l.into_owned().expect("owned buffer"),
+                n,
+                direct: true,
+                zero_copy: 0,
+            });
+        }
+        Slot::Bounce(buf, n) => {
+            return match bounce_reply(conn, stall, n).await {
+                Ok(zero_copy) => Ok(Arrived {
+                    buf,
+                    n,
+                    direct: false,
+                    zero_copy,
+                }),
+                Err(e) => {
+                    rdma.pools.give(buf);
+                    Err(e)
+                }
+            };
+        }
+        Slot::Stage(buf, n) => {
+            let (p, s) = pull(rdma, conn, buf, n, stall).await?;
+            (p, s, n)
+        }
+        Slot::Pull(p, s, n) => (p, s, n),
+    };
+    let mut back = await_or_stall(&rdma.qp, p, stall, "RDMA READ of a staged chunk", at).await?;
+    conn.send(&Msg::Unstage { slot: server_slot }).await?;
+    let l = back.pop().expect("one work request");
+    Ok(Arrived {
+        buf: l.into_owned().expect("owned buffer"),
+        n,
+        direct: false,
+        zero_copy: 0,
+    })
+}
+
 /// After an error: wait (bounded) for everything still in flight so that no buffer is lost and
 /// the control connection stays in step (every bounce request gets its reply read).
 pub(super) async fn settle(
@@ -136,6 +297,25 @@ pub(super) async fn settle(
                     conn_ok = false;
                 }
                 rdma.pools.give(buf);
+            }
+            Slot::Stage(buf, n) => {
+                if conn_ok {
+                    match staged_reply(conn, stall, n).await {
+                        Ok((slot, _)) => conn_ok = conn.send(&Msg::Unstage { slot }).await.is_ok(),
+                        Err(_) => conn_ok = false,
+                    }
+                }
+                rdma.pools.give(buf);
+            }
+            Slot::Pull(p, slot, _) => {
+                if let Ok(Ok(v)) = tokio::time::timeout(stall, p.wait()).await {
+                    for b in v.into_iter().filter_map(Local::into_owned) {
+                        rdma.pools.give(b);
+                    }
+                }
+                if conn_ok {
+                    conn_ok = conn.send(&Msg::Unstage { slot }).await.is_ok();
+                }
             }
         }
     }
@@ -271,6 +451,7 @@ mod tests {
             },
             segments: Vec::new(),
             bounce_chunk: 1 << 20,
+            pull_depth: 0,
             write: true,
         };
         // one MR: the remote slice itself

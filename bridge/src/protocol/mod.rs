@@ -333,6 +333,10 @@ pub enum Msg {
         /// are split at the same boundaries, so no transfer piece crosses one.
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         segments: Vec<Segment>,
+        /// How many [`Msg::Stage`]d chunks the client may hold unreleased at once (0: this
+        /// handle's bounce fetches go by [`Msg::Bounce`], the server writing the client's buffer).
+        #[serde(default, skip_serializing_if = "is_zero_u32")]
+        pull_depth: u32,
     },
     /// Client → server: checksum (CRC-32C) of a range, for end-to-end verification.
     Checksum {
@@ -372,6 +376,36 @@ pub enum Msg {
         /// device's P2P window (zero-copy: no staging copy on the server).
         #[serde(default, skip_serializing_if = "is_zero")]
         zero_copy: u64,
+    },
+    /// Client → server: copy a range of the region (at most `bounce_chunk` bytes, on a handle
+    /// whose [`Msg::Opened`] gave a `pull_depth`) into a staging buffer the client may read,
+    /// then reply [`Msg::Staged`]. The client RDMA-READs it, as it reads direct extents, and
+    /// sends [`Msg::Unstage`].
+    Stage {
+        /// Open handle.
+        handle: u32,
+        /// Offset in the region.
+        offset: u64,
+        /// Length.
+        len: u64,
+    },
+    /// Server → client: the staged bytes, readable through `rkey` on this connection's QP
+    /// only, until the client sends [`Msg::Unstage`] with `slot`.
+    Staged {
+        /// Which of the connection's staging slots holds them.
+        slot: u32,
+        /// Remote address of the first staged byte.
+        addr: u64,
+        /// Remote key (a read-only memory window over exactly the staged bytes).
+        rkey: u32,
+        /// Bytes staged.
+        len: u64,
+    },
+    /// Client → server, no reply: the client has read a staged slot; its window is revoked
+    /// and the buffer reused.
+    Unstage {
+        /// The slot of a [`Msg::Staged`].
+        slot: u32,
     },
     /// Client → server, no reply: a one-sided (direct) transfer on an open handle finished.
     /// The server never sees those bytes; this report is what its metrics count.
@@ -477,6 +511,9 @@ impl Msg {
             Msg::ChecksumIs { .. } => "checksum-is",
             Msg::Bounce { .. } => "bounce",
             Msg::BounceDone { .. } => "bounce-done",
+            Msg::Stage { .. } => "stage",
+            Msg::Staged { .. } => "staged",
+            Msg::Unstage { .. } => "unstage",
             Msg::Transferred { .. } => "transferred",
             Msg::Flush { .. } => "flush",
             Msg::Flushed { .. } => "flushed",
@@ -623,6 +660,10 @@ pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 }
 
 fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+fn is_zero_u32(n: &u32) -> bool {
     *n == 0
 }
 

@@ -63,6 +63,18 @@ fn sample() -> Vec<Msg> {
             len: 1 << 20,
         },
         Msg::Flushed { len: 1 << 20 },
+        Msg::Stage {
+            handle: 3,
+            offset: 1 << 20,
+            len: 1 << 20,
+        },
+        Msg::Staged {
+            slot: 7,
+            addr: 1 << 44,
+            rkey: 0x1234,
+            len: 1 << 20,
+        },
+        Msg::Unstage { slot: 7 },
         Msg::KeepAlive,
         Msg::Open {
             region: "ram".into(),
@@ -76,6 +88,7 @@ fn sample() -> Vec<Msg> {
             len: 64 << 20,
             bounce_chunk: 1 << 20,
             segments: Vec::new(),
+            pull_depth: 8,
         },
         Msg::Opened {
             handle: 2,
@@ -110,6 +123,7 @@ fn sample() -> Vec<Msg> {
                     rkey: 10,
                 },
             ],
+            pull_depth: 0,
         },
         Msg::error(ErrorCode::OutOfRange, "offset 5 + length 9 > 10"),
         Msg::Bye,
@@ -291,6 +305,7 @@ fn arb_msg() -> impl Strategy<Value = Msg> {
                         rkey: rkey ^ 1,
                     }]
                 },
+                pull_depth: (rkey % 17),
             }),
         (
             any::<u16>(),
@@ -333,6 +348,20 @@ fn arb_msg() -> impl Strategy<Value = Msg> {
                 addr,
                 rkey
             }),
+        (any::<u32>(), any::<u64>(), any::<u64>()).prop_map(|(handle, offset, len)| Msg::Stage {
+            handle,
+            offset,
+            len
+        }),
+        (any::<u32>(), any::<u64>(), any::<u32>(), any::<u64>()).prop_map(
+            |(slot, addr, rkey, len)| Msg::Staged {
+                slot,
+                addr,
+                rkey,
+                len
+            }
+        ),
+        any::<u32>().prop_map(|slot| Msg::Unstage { slot }),
         any::<u32>().prop_map(|handle| Msg::Close { handle }),
         s.prop_map(|m| Msg::error(ErrorCode::Internal, m)),
         Just(Msg::Bye),

@@ -31,7 +31,7 @@ use crate::metrics::{BounceStage, Direction, XferPath};
 use crate::protocol::{ErrorCode, Msg};
 
 /// How long one bounce RDMA operation may take before the connection is declared stalled.
-const BOUNCE_STALL: Duration = Duration::from_secs(30);
+pub(super) const BOUNCE_STALL: Duration = Duration::from_secs(30);
 
 type Completion = verbs::Result<Vec<Local>>;
 
@@ -82,7 +82,7 @@ enum Staging {
 }
 
 /// Take `bytes` of the server-wide staging budget, if that many are left.
-fn reserve(shared: &Shared, bytes: u64) -> bool {
+pub(super) fn reserve(shared: &Shared, bytes: u64) -> bool {
     shared
         .staging
         .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |used| {
@@ -113,6 +113,21 @@ fn record_bounce(shared: &Shared, meta: BounceMeta, len: u64, zero_copy: u64) {
         m.transfer(name, dir, XferPath::zero_copy, zero_copy);
     }
     m.observe(dir, XferPath::bounce, meta.started.elapsed().as_secs_f64());
+}
+
+/// A staged fetch's bytes (the client reads them itself: the server's part ends here).
+pub(super) fn record_staged(shared: &Shared, region: usize, len: u64, started: Instant) {
+    record_bounce(
+        shared,
+        BounceMeta {
+            region,
+            to_region: false,
+            started,
+            posted: None,
+        },
+        len,
+        0,
+    );
 }
 
 impl ConnState {

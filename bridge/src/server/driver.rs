@@ -17,7 +17,7 @@ use verbs::{Access, ProtectionDomain, QpOptions, QueuePair, RegisteredBuffer};
 use super::bounce::{on_memory, InFlight};
 use super::preauth;
 use super::regions::crc_of;
-use super::session::{self, Catalog, HelloFault, Refusal, Rules, Session, Step};
+use super::session::{self, Catalog, HelloFault, Refusal, Rules, Session, Step, MAX_STAGED};
 use super::Shared;
 use crate::conn::Conn;
 use crate::error::{Error, Result};
@@ -82,6 +82,8 @@ pub(super) struct ConnState {
     /// Keyed by (region index, writable): an open for reading gets an MR without remote write.
     cache: Option<RegCache<(usize, bool, usize), DeviceMr>>,
     pub(super) ring: Vec<RegisteredBuffer>,
+    /// Staging slots of staged fetches, by slot number.
+    pub(super) pulls: Vec<super::stage::PullSlot>,
     /// MRs of device-private window mappings, by the mapping's address (the MR holds the
     /// mapping, so the address is not reused while the entry exists). Entries whose mapping the
     /// region gave up (evicted or invalidated: the MR holds the last reference) are dropped.
@@ -287,6 +289,7 @@ async fn serve_connection(
         Rules {
             max_open: shared.cfg.max_open_per_connection,
             bounce_chunk: shared.cfg.bounce_chunk as u64,
+            pull_depth: shared.cfg.bounce_depth.min(MAX_STAGED as usize) as u32,
         },
         scope,
         client,
@@ -382,6 +385,28 @@ async fn serve_connection(
                     Msg::Error { code, message }
                 }
             },
+            Step::Unstage(slot) => {
+                st.unstage(slot);
+                continue;
+            }
+            Step::Stage {
+                region,
+                offset,
+                len,
+                slot,
+            } => {
+                // replies go out in request order: the bounces in flight answer first
+                if let Err(e) = st.drain(shared, conn).await {
+                    break Err(e);
+                }
+                st.stage(shared, region, offset, len, slot)
+                    .await
+                    .unwrap_or_else(|(code, message)| {
+                        st.session.unstaged(slot);
+                        tracing::debug!(%code, message, "staging refused");
+                        Msg::Error { code, message }
+                    })
+            }
             step @ (Step::TcpRead { .. } | Step::TcpWrite { .. } | Step::Skip { .. }) => {
                 if let Err(e) = st.drain(shared, conn).await {
                     break Err(e);
@@ -436,6 +461,7 @@ impl ConnState {
             inflight: VecDeque::new(),
             cache: None,
             ring: Vec::new(),
+            pulls: Vec::new(),
             window_mrs: HashMap::new(),
             qp: None,
             pd: None,
@@ -530,7 +556,14 @@ impl ConnState {
                 } else {
                     0
                 };
-                let handle = self.session.opened(region, writable, direct_len, lease);
+                // bounce fetches are staged for the client to read when this connection's
+                // device binds windows (they keep the staging private to its QP); a
+                // device-private region whose window units move zero-copy keeps the server's
+                // WRITEs
+                let pull = shared.nics.get(self.nic).sharing.windows() && r.window_mode.is_none();
+                let handle = self
+                    .session
+                    .opened(region, writable, direct_len, pull, lease);
                 shared.metrics().open_handles.inc();
                 self.sync_metrics(shared.metrics(), false);
                 tracing::info!(region = r.info.name, handle, writable, path = %r.info.path, "region opened");
@@ -547,6 +580,7 @@ impl ConnState {
                     len,
                     bounce_chunk: shared.cfg.bounce_chunk as u64,
                     segments,
+                    pull_depth: if pull { self.session.pull_depth() } else { 0 },
                 })
             }
             Step::Checksum {
@@ -599,6 +633,8 @@ impl ConnState {
                 Ok(Msg::Closed { handle })
             }
             Step::Bounce(_)
+            | Step::Stage { .. }
+            | Step::Unstage(_)
             | Step::Report { .. }
             | Step::TcpRead { .. }
             | Step::TcpWrite { .. }

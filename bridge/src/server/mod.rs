@@ -48,6 +48,7 @@ mod notices;
 mod preauth;
 mod regions;
 pub(crate) mod session;
+mod stage;
 mod tcp;
 #[cfg(any(test, feature = "fuzzing"))]
 pub(crate) mod testkit;

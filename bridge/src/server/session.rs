@@ -42,7 +42,13 @@ pub(crate) struct Rules {
     pub(crate) max_open: usize,
     /// The largest bounce request.
     pub(crate) bounce_chunk: u64,
+    /// Staged chunks a client may hold unreleased at once (0: no staged fetches; at most
+    /// [`MAX_STAGED`]).
+    pub(crate) pull_depth: u32,
 }
+
+/// The most staging slots one connection may hold.
+pub(crate) const MAX_STAGED: u32 = 64;
 
 /// Why a hello was refused (the reply is `code` and `message`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -148,6 +154,17 @@ pub(crate) enum Step<T> {
     },
     /// Start a bounce transfer (no reply until it completes).
     Bounce(Bounce),
+    /// Copy a range (checked) of a region into staging slot `slot`, make it readable by the
+    /// client's QP and reply `Staged` (after the replies of the bounces in flight). If that
+    /// fails, call [`Session::unstaged`] and reply the refusal.
+    Stage {
+        region: usize,
+        offset: u64,
+        len: u64,
+        slot: u32,
+    },
+    /// The client released staging slot `slot` (it held it): revoke its window. No reply.
+    Unstage(u32),
     /// Send `len` bytes (checked) of a region over the control connection: `TcpData`, then
     /// the bytes (the TCP data path).
     TcpRead {
@@ -187,6 +204,8 @@ struct Entry<T> {
     /// Bytes `[0, direct_len)` reach this handle by one-sided RDMA (the region's direct part,
     /// or nothing when this connection's QP is on another device than the region's).
     direct_len: u64,
+    /// Its bounce fetches may be staged for the client to read.
+    pull: bool,
     generation: u16,
     payload: T,
 }
@@ -203,6 +222,8 @@ pub(crate) struct Session<T> {
     generations: Vec<u16>,
     qp: bool,
     draining: bool,
+    /// Staging slots the client holds (bit n: slot n).
+    staged: u64,
 }
 
 fn refuse<T>(code: ErrorCode, message: impl Into<String>) -> Step<T> {
@@ -231,6 +252,7 @@ impl<T> Session<T> {
     pub(crate) fn new(rules: Rules, scope: Scope) -> Session<T> {
         let rules = Rules {
             max_open: rules.max_open.min(MAX_HANDLES),
+            pull_depth: rules.pull_depth.min(MAX_STAGED),
             ..rules
         };
         Session {
@@ -240,6 +262,7 @@ impl<T> Session<T> {
             generations: Vec::new(),
             qp: false,
             draining: false,
+            staged: 0,
         }
     }
 
@@ -280,13 +303,26 @@ impl<T> Session<T> {
             .map(|(slot, e)| (handle_number(slot, e.generation), e.region, &mut e.payload))
     }
 
+    /// Staged chunks a client may hold, as `Opened` tells it for a handle that may stage.
+    pub(crate) fn pull_depth(&self) -> u32 {
+        self.rules.pull_depth
+    }
+
+    /// The driver could not stage into `slot`: it is free again.
+    pub(crate) fn unstaged(&mut self, slot: u32) {
+        if slot < MAX_STAGED {
+            self.staged &= !(1u64 << slot);
+        }
+    }
+
     /// The open the driver carried out: a new handle for it, whose first `direct_len` bytes
-    /// are one-sided (the rest, bounce requests).
+    /// are one-sided (the rest, bounce requests; staged for the client to read when `pull`).
     pub(crate) fn opened(
         &mut self,
         region: usize,
         writable: bool,
         direct_len: u64,
+        pull: bool,
         payload: T,
     ) -> u32 {
         let slot = self.handles.vacant_key();
@@ -298,6 +334,7 @@ impl<T> Session<T> {
             region,
             writable,
             direct_len,
+            pull: pull && self.rules.pull_depth > 0,
             generation,
             payload,
         });
@@ -420,6 +457,28 @@ impl<T> Session<T> {
                 }),
                 Err(r) => refused(r),
             },
+            Msg::Stage {
+                handle,
+                offset,
+                len,
+            } => match self.stage(handle, offset, len, regions) {
+                Ok((region, slot)) => Step::Stage {
+                    region,
+                    offset,
+                    len,
+                    slot,
+                },
+                Err(r) => refused(r),
+            },
+            Msg::Unstage { slot } => {
+                if slot < MAX_STAGED && self.staged & (1u64 << slot) != 0 {
+                    self.staged &= !(1u64 << slot);
+                    Step::Unstage(slot)
+                } else {
+                    // releasing what it does not hold changes nothing
+                    Step::Ignore
+                }
+            }
             Msg::TcpRead {
                 handle,
                 offset,
@@ -577,6 +636,39 @@ impl<T> Session<T> {
             ));
         }
         Ok(e.region)
+    }
+
+    /// The checks of a staged fetch: those of a bounce fetch, on a handle that may stage, with
+    /// a free slot (the lowest) among the `pull_depth` a client may hold.
+    fn stage(
+        &mut self,
+        handle: u32,
+        offset: u64,
+        len: u64,
+        regions: &dyn Catalog,
+    ) -> Result<(usize, u32), Refusal> {
+        let region = self.bounce(handle, offset, len, false, regions)?;
+        if !self.entry(handle).is_some_and(|e| e.pull) {
+            return Err((
+                ErrorCode::BadRequest,
+                format!(
+                    "handle {handle} does not stage fetches (its Opened gave no pull_depth): \
+                     use bounce requests"
+                ),
+            ));
+        }
+        let depth = self.rules.pull_depth;
+        let Some(slot) = (0..depth).find(|n| self.staged & (1u64 << n) == 0) else {
+            return Err((
+                ErrorCode::Busy,
+                format!(
+                    "all {depth} staging slots of this connection hold chunks not yet released: \
+                     unstage one after reading it"
+                ),
+            ));
+        };
+        self.staged |= 1u64 << slot;
+        Ok((region, slot))
     }
 
     /// The checks of a TCP data request: those of a bounce request, except that any byte of

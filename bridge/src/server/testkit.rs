@@ -1,7 +1,7 @@
 //! A fake region table, a model of the session's rules, and a reader that turns arbitrary
 //! bytes into requests: shared by the host tests and the fuzzers (feature `fuzzing`).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use super::session::{Catalog, Rules, Session, Step};
 use crate::protocol::{AccessMode, DataPath, ErrorCode, Extent, Msg, RegionInfo, WireEndpoint};
@@ -80,6 +80,7 @@ impl Catalog for Fake {
 pub(crate) const RULES: Rules = Rules {
     max_open: 4,
     bounce_chunk: 1 << 16,
+    pull_depth: 3,
 };
 
 /// A client endpoint (the fake driver "connects" anything).
@@ -98,6 +99,10 @@ pub(crate) struct Model {
     pub(crate) catalog: Fake,
     /// handle -> (region, writable)
     handles: HashMap<u32, (usize, bool)>,
+    /// Handles that may stage fetches (the driver grants it to even regions here).
+    pulls: HashSet<u32>,
+    /// Staging slots the client holds.
+    staged: HashSet<u32>,
     qp: bool,
     draining: bool,
 }
@@ -113,6 +118,8 @@ impl Model {
             session: Session::new(RULES, scope),
             catalog: Fake::new(),
             handles: HashMap::new(),
+            pulls: HashSet::new(),
+            staged: HashSet::new(),
             qp: false,
             draining: false,
         }
@@ -151,13 +158,19 @@ impl Model {
                         "an open the token does not grant"
                     );
                 }
-                let h = self
-                    .session
-                    .opened(region, writable, c.direct[region], region as u32);
+                let pull = region % 2 == 0;
+                let h =
+                    self.session
+                        .opened(region, writable, c.direct[region], pull, region as u32);
                 assert!(
                     self.handles.insert(h, (region, writable)).is_none(),
                     "handle {h} given to two live opens"
                 );
+                if pull {
+                    self.pulls.insert(h);
+                } else {
+                    self.pulls.remove(&h);
+                }
             }
             Step::Close {
                 handle,
@@ -166,6 +179,7 @@ impl Model {
                 last,
             } => {
                 assert_eq!(self.handles.remove(&handle).map(|e| e.0), Some(region));
+                self.pulls.remove(&handle);
                 assert_eq!(payload, region as u32, "another handle's payload");
                 assert_eq!(last, !self.handles.values().any(|e| e.0 == region));
             }
@@ -185,6 +199,36 @@ impl Model {
                 assert!(
                     !b.to_region || writable,
                     "a put through a handle opened for reading"
+                );
+            }
+            Step::Stage {
+                region,
+                offset,
+                len,
+                slot,
+            } => {
+                let Msg::Stage { handle, .. } = m else {
+                    panic!("a stage step for {m:?}")
+                };
+                assert!(self.qp, "staging without a QP");
+                assert_eq!(self.handles[&handle].0, region);
+                assert!(
+                    self.pulls.contains(&handle),
+                    "staging on a handle without pulls"
+                );
+                assert!(!c.removed[region], "staging a removed region");
+                assert!((1..=RULES.bounce_chunk).contains(&len));
+                assert!(offset >= c.direct[region], "staging a direct byte");
+                assert!(offset
+                    .checked_add(len)
+                    .is_some_and(|e| e <= c.infos[region].size));
+                assert!(slot < RULES.pull_depth, "slot {slot} past the depth");
+                assert!(self.staged.insert(slot), "slot {slot} given twice");
+            }
+            Step::Unstage(slot) => {
+                assert!(
+                    self.staged.remove(&slot),
+                    "released slot {slot} it did not hold"
                 );
             }
             Step::TcpRead {
@@ -269,6 +313,19 @@ impl Model {
             }
             Step::Reply(Msg::Error { code, message }) => {
                 assert!(!message.is_empty());
+                if let Msg::Stage { handle, .. } = m {
+                    let may = self.qp
+                        && self.pulls.contains(&handle)
+                        && self.handles.contains_key(&handle)
+                        && self.staged.len() < RULES.pull_depth as usize;
+                    // a refusal of a stage that could go is one of its range or region
+                    assert!(
+                        !may || code != ErrorCode::Busy,
+                        "busy with {} of {} slots held",
+                        self.staged.len(),
+                        RULES.pull_depth
+                    );
+                }
                 if let Msg::Close { handle } = m {
                     assert!(!self.handles.contains_key(&handle));
                     assert_eq!(code, ErrorCode::NotOpen);
@@ -350,7 +407,7 @@ impl<'a> Script<'a> {
     /// The next request, or None at the end of the bytes.
     pub(crate) fn next_msg(&mut self) -> Option<Msg> {
         let op = self.byte()?;
-        Some(match op % 14 {
+        Some(match op % 16 {
             0 => Msg::Open {
                 region: ["rw", "ro", "gone", "held", "x", ""][self.raw(1) as usize % 6].into(),
                 write: self.raw(1) % 2 == 0,
@@ -408,6 +465,14 @@ impl<'a> Script<'a> {
                 handle: self.handle(),
                 offset: self.u64(),
                 len: self.u64(),
+            },
+            14 => Msg::Stage {
+                handle: self.handle(),
+                offset: self.u64(),
+                len: self.u64(),
+            },
+            15 => Msg::Unstage {
+                slot: self.raw(1) as u32 % 8,
             },
             _ if self.raw(1) % 2 == 0 => Msg::KeepAlive,
             _ => Msg::Bye,

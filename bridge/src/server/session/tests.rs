@@ -34,7 +34,7 @@ fn open(s: &mut Session<u32>, c: &Fake, name: &str, write: bool, p: u32) -> u32 
         },
         c,
     ) {
-        Step::Open { region, writable } => s.opened(region, writable, c.direct[region], p),
+        Step::Open { region, writable } => s.opened(region, writable, c.direct[region], true, p),
         other => panic!("open {name}: {other:?}"),
     }
 }
@@ -717,7 +717,7 @@ fn a_handle_opened_without_a_direct_part_bounces_every_byte() {
         Step::Open { region, .. } => region,
         other => panic!("{other:?}"),
     };
-    let h = s.opened(region, true, 0, 0);
+    let h = s.opened(region, true, 0, false, 0);
     let direct = open(&mut s, &c, "rw", true, 1);
     assert!(matches!(
         s.step(bounce(h, 0, 4096, true), &c),
@@ -738,4 +738,82 @@ fn a_handle_opened_without_a_direct_part_bounces_every_byte() {
     };
     assert!(matches!(s.step(report(h), &c), Step::Ignore));
     assert!(matches!(s.step(report(direct), &c), Step::Report { .. }));
+}
+
+#[test]
+fn staged_fetches_take_free_slots_up_to_the_depth_and_only_on_handles_that_may_stage() {
+    let c = fake();
+    let mut s = connected(&c);
+    let h = open(&mut s, &c, "rw", false, 1);
+    let stage = |offset| Msg::Stage {
+        handle: h,
+        offset,
+        len: 4096,
+    };
+    let slot = |st: Step<u32>| match st {
+        Step::Stage { slot, region, .. } => {
+            assert_eq!(region, 0);
+            slot
+        }
+        other => panic!("expected a stage step, got {other:?}"),
+    };
+    // one-sided bytes are not staged, and a chunk is the most one request moves
+    assert_eq!(code(s.step(stage(0), &c)), ErrorCode::NotBounce);
+    assert!(message(s.step(
+        Msg::Stage {
+            handle: h,
+            offset: 64 << 10,
+            len: RULES.bounce_chunk + 1,
+        },
+        &c
+    ))
+    .contains("1 to"));
+    let b = 64 << 10;
+    let got: Vec<u32> = (0..RULES.pull_depth)
+        .map(|i| slot(s.step(stage(b + u64::from(i) * 4096), &c)))
+        .collect();
+    assert_eq!(got, (0..RULES.pull_depth).collect::<Vec<_>>());
+    // every slot held: busy until one is released
+    let full = s.step(stage(b), &c);
+    assert!(message(full).contains("not yet released"));
+    assert!(matches!(
+        s.step(Msg::Unstage { slot: 1 }, &c),
+        Step::Unstage(1)
+    ));
+    // released twice, or never held: nothing happens
+    assert!(matches!(s.step(Msg::Unstage { slot: 1 }, &c), Step::Ignore));
+    assert!(matches!(
+        s.step(Msg::Unstage { slot: 63 }, &c),
+        Step::Ignore
+    ));
+    assert!(matches!(
+        s.step(Msg::Unstage { slot: u32::MAX }, &c),
+        Step::Ignore
+    ));
+    assert_eq!(slot(s.step(stage(b), &c)), 1);
+    // a slot the driver could not fill is free again
+    s.unstaged(1);
+    assert_eq!(slot(s.step(stage(b), &c)), 1);
+
+    // a handle the driver did not let stage is told to use bounce requests
+    let mut s = connected(&c);
+    let h = match s.step(
+        Msg::Open {
+            region: "ro".into(),
+            write: false,
+        },
+        &c,
+    ) {
+        Step::Open { region, writable } => s.opened(region, writable, 0, false, 2),
+        other => panic!("open: {other:?}"),
+    };
+    let m = message(s.step(
+        Msg::Stage {
+            handle: h,
+            offset: 0,
+            len: 4096,
+        },
+        &c,
+    ));
+    assert!(m.contains("use bounce requests"), "{m}");
 }
