@@ -233,6 +233,17 @@ fn lab_ops_metrics_show_a_fetch_under_its_region_and_path() {
         None,
         "no bounce bytes on a direct region"
     );
+    // the bounce fetch (one chunk) was staged for the client to READ: the server copied it
+    // and bound a window over it, but posted no RDMA of its own
+    let stage = |stage| {
+        sample(
+            &after,
+            "p2p_rdma_bounce_stage_duration_seconds_count",
+            &[("direction", "fetch"), ("stage", stage)],
+        )
+    };
+    assert_eq!(stage("copy"), Some(1.0), "{after:?}");
+    assert_eq!(stage("rdma").unwrap_or(0.0), 0.0, "{after:?}");
     assert_eq!(
         sample(
             &after,

@@ -550,7 +550,8 @@ impl Client {
     }
 
     /// Fetch `len` bytes at `offset` of the region into `sink`: direct extents with RDMA READ,
-    /// bounce extents by asking the server to RDMA-WRITE them into our buffers; several of
+    /// bounce extents by asking the server to stage them and RDMA-READing them (or, from a
+    /// server that does not stage, to RDMA-WRITE them into our buffers); several of
     /// either in flight. With `verify`, the server's checksum of the range is compared with
     /// the bytes received.
     pub async fn fetch(

@@ -151,7 +151,11 @@ pub(super) async fn bounce_reply(conn: &mut Conn, limit: Duration, n: u64) -> Re
 }
 
 /// The server's answer to a staged fetch of `n` bytes: where to read them.
-async fn staged_reply(conn: &mut Conn, limit: Duration, n: u64) -> Result<(u32, RemoteSlice)> {
+pub(super) async fn staged_reply(
+    conn: &mut Conn,
+    limit: Duration,
+    n: u64,
+) -> Result<(u32, RemoteSlice)> {
     match conn.recv(Some(limit), "staged").await? {
         Msg::Staged {
             slot,

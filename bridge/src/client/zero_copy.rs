@@ -3,8 +3,9 @@
 //! The application asks the client for a [`LocalBuffer`] (page-aligned host memory registered
 //! on the connection's protection domain, for the local side of RDMA only: the server never
 //! learns a key to it). A fetch moves the buffer into the call: the direct extents of every
-//! range are RDMA-READ straight into it, several work requests in flight; bounce extents land
-//! in a staging buffer first and are copied into it once. The call gives the buffer back when
+//! range are RDMA-READ straight into it, several work requests in flight. Bounce extents are
+//! staged by the server (`Stage`) and READ straight into it as well; from a server that does
+//! not stage, they land in a staging buffer first and are copied into it once. The call gives the buffer back when
 //! every work request is done; if its future is dropped instead, the buffer stays with the
 //! completion queue until the device has finished with it, and is freed then.
 
@@ -16,7 +17,7 @@ use verbs::{
     Access, HostBuffer, Local, Pending, RegMode, RegisteredBuffer, SendOp, SendWr, SinkBuffer,
 };
 
-use super::window::{await_or_stall, bounce_reply, piece, Piece};
+use super::window::{await_or_stall, bounce_reply, piece, staged, staged_reply, Piece};
 use super::{Client, OpenRegion, Rdma, KEEPALIVE};
 use crate::conn::Conn;
 use crate::error::{Error, Result};
@@ -132,6 +133,12 @@ enum Flight {
     Direct(Pending, u64),
     /// The server RDMA-WRITEs into a staging buffer; then `len` bytes are copied to `at`.
     Bounce(RegisteredBuffer, u64, usize),
+    /// A staged fetch asked for (`len` bytes of the region at `pos`): once the server says
+    /// where, they are READ straight into the buffer at `at`.
+    Stage { len: u64, pos: u64, at: usize },
+    /// A staged chunk being READ into the buffer: the READ, the server's slot (released once
+    /// it completes), the region offset and the length.
+    Pull(Pending, u32, u64, u64),
 }
 
 /// Where the batch is: range `i`, `done` bytes of it issued.
@@ -414,6 +421,22 @@ impl Batch<'_, '_> {
                     let pending = rdma.qp.post_send(vec![wr])?;
                     self.window.push_back(Flight::Direct(pending, p.pos));
                     self.direct_by_range[i] += p.len;
+                } else if staged(region, &p, false) {
+                    // the server stages the chunk and we READ it straight into the buffer
+                    if self.pulls() >= region.pull_depth as usize || !self.share_with_reads() {
+                        break;
+                    }
+                    conn.send(&Msg::Stage {
+                        handle: region.handle,
+                        offset: p.pos,
+                        len: p.len,
+                    })
+                    .await?;
+                    self.window.push_back(Flight::Stage {
+                        len: p.len,
+                        pos: p.pos,
+                        at: dst,
+                    });
                 } else {
                     // copies need the buffer to themselves: no READ may be in flight
                     if !self.take_back() {
@@ -433,6 +456,13 @@ impl Batch<'_, '_> {
                 }
                 c.done += p.len;
             }
+            if self
+                .window
+                .iter()
+                .any(|f| matches!(f, Flight::Stage { .. }))
+            {
+                self.start_pulls(rdma, conn).await?;
+            }
             let Some(front) = self.window.pop_front() else {
                 if self.peek(&mut c)?.is_none() {
                     return Ok(());
@@ -446,6 +476,17 @@ impl Batch<'_, '_> {
                 Flight::Direct(p, pos) => {
                     // the returned locals are this sink's clones: dropped here
                     await_or_stall(&rdma.qp, p, self.stall, "RDMA READ", pos).await?;
+                }
+                Flight::Pull(p, slot, pos, n) => {
+                    await_or_stall(&rdma.qp, p, self.stall, "RDMA READ of a staged chunk", pos)
+                        .await?;
+                    conn.send(&Msg::Unstage { slot }).await?;
+                    self.bounce_bytes += n;
+                }
+                Flight::Stage { .. } => {
+                    return Err(Error::Config(
+                        "internal: a staged fetch was not started before its turn".into(),
+                    ));
                 }
                 Flight::Bounce(staging, n, dst) => {
                     let res = bounce_reply(conn, self.stall, n).await;
@@ -466,6 +507,45 @@ impl Batch<'_, '_> {
                 alive = Instant::now();
             }
         }
+    }
+
+    /// Staged fetches in the window (requested or being read).
+    fn pulls(&self) -> usize {
+        self.window
+            .iter()
+            .filter(|f| matches!(f, Flight::Stage { .. } | Flight::Pull(..)))
+            .count()
+    }
+
+    /// Turn every requested staged fetch into a READ into the buffer, in order (replies come
+    /// in request order: up to the first classic bounce request), so that they overlap.
+    async fn start_pulls(&mut self, rdma: &mut Rdma, conn: &mut Conn) -> Result<()> {
+        for i in 0..self.window.len() {
+            let (len, pos, at) = match self.window[i] {
+                Flight::Direct(..) | Flight::Pull(..) => continue,
+                Flight::Bounce(..) => break,
+                Flight::Stage { len, pos, at } => (len, pos, at),
+            };
+            let Some(Held::Sink(sink)) = &self.held else {
+                return Err(Error::Config(
+                    "internal: a staged fetch without the buffer shared with READs".into(),
+                ));
+            };
+            let (slot, remote) = staged_reply(conn, self.stall, len).await?;
+            let wr = SendWr {
+                op: SendOp::Read(remote),
+                local: Local::sink(Arc::clone(sink), at..at + len as usize)?,
+            };
+            let pending = match rdma.qp.post_send(vec![wr]) {
+                Ok(p) => p,
+                Err(e) => {
+                    conn.send(&Msg::Unstage { slot }).await?;
+                    return Err(e.into());
+                }
+            };
+            self.window[i] = Flight::Pull(pending, slot, pos, len);
+        }
+        Ok(())
     }
 
     /// Share the buffer with READs; false while bounce copies into it are pending.
@@ -525,6 +605,20 @@ impl Batch<'_, '_> {
                         conn_ok = false;
                     }
                     rdma.pools.give(staging);
+                }
+                Flight::Stage { len, .. } => {
+                    if conn_ok {
+                        conn_ok = match staged_reply(conn, self.stall, len).await {
+                            Ok((slot, _)) => conn.send(&Msg::Unstage { slot }).await.is_ok(),
+                            Err(_) => false,
+                        };
+                    }
+                }
+                Flight::Pull(p, slot, _, _) => {
+                    let _ = tokio::time::timeout(self.stall, p.wait()).await;
+                    if conn_ok {
+                        conn_ok = conn.send(&Msg::Unstage { slot }).await.is_ok();
+                    }
                 }
             }
         }

@@ -1,6 +1,7 @@
 //! The bounce pipeline: a ring of registered host staging buffers per connection. For a fetch
-//! the provider's copy engine fills a buffer and the server RDMA-WRITEs it to the client; for
-//! a put the server RDMA-READs the client's buffer and copies it into the region. Up to
+//! the provider's copy engine fills a buffer and the server RDMA-WRITEs it to the client (when
+//! the client does not stage its fetches: see `stage`); for a put the server RDMA-READs the
+//! client's buffer and copies it into the region. Up to
 //! `bounce_depth` requests are in flight; their replies go out in request order.
 //!
 //! Device-private regions whose window mappings a canary proved go further: windowed units

@@ -5,8 +5,9 @@
 //! [`ServerHandle::add_region`]) the server decides the path its bytes take
 //! ([`peermem::plan::decide`]): **direct** — one-sided RDMA on an MR of the memory, with the
 //! first registration strategy that a canary proves — or **bounce** — the provider's copy
-//! engine plus a ring of registered host staging buffers per connection, the server
-//! RDMA-WRITEs (fetch) or RDMA-READs (put) the client's buffer. A region may be direct for its
+//! engine plus registered host staging buffers per connection: for a fetch the client
+//! RDMA-READs a chunk the server staged (`stage`), or, on a device without memory windows, the
+//! server RDMA-WRITEs it; for a put the server RDMA-READs the client's buffer. A region may be direct for its
 //! first `window` bytes and bounce for the rest (mixed); clients see the split in `ls`.
 //! Clients without an RDMA device move bytes over the control connection instead (`tcp`).
 //!
