@@ -8,6 +8,10 @@
 //! ([`ServerHandle::put_notices`]). Everything the node does is printed as one JSON object per
 //! line on stdout, so scripts and tests can follow it.
 //!
+//! A file is served as soon as the node sees it, so writers put an object under a hidden name
+//! (`.NAME.tmp`, ignored) and rename it into place; a file written in place can be served half
+//! written and is then replaced at its final size on a later scan.
+//!
 //! ```text
 //! cargo run --example storage_node -- LISTEN TOKEN_FILE DIR
 //! cargo run --example storage_node -- 10.77.0.1:7600 token /srv/objects

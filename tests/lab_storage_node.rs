@@ -344,6 +344,14 @@ impl Drop for Node {
     }
 }
 
+/// Puts an object in the node's directory the way a writer must: under a hidden temporary name,
+/// then renamed, so that the node never sees it half written.
+fn publish(dir: &std::path::Path, name: &str, bytes: &[u8]) {
+    let tmp = dir.join(format!(".{name}.tmp"));
+    std::fs::write(&tmp, bytes).unwrap();
+    std::fs::rename(&tmp, dir.join(name)).unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "lab"]
 async fn lab_storage_node_follows_its_directory_while_clients_fetch() {
@@ -385,7 +393,7 @@ async fn lab_storage_node_follows_its_directory_while_clients_fetch() {
         .unwrap();
     assert_eq!(sink, data(200_000, 1));
     // a new object appears while the client holds the first
-    std::fs::write(dir.join("beta"), data(1 << 20, 2)).unwrap();
+    publish(&dir, "beta", &data(1 << 20, 2));
     node.next("added", Some("beta"));
     let beta = c.open("beta", true).await.unwrap();
     let mut sink = Vec::new();
@@ -419,7 +427,7 @@ async fn lab_storage_node_follows_its_directory_while_clients_fetch() {
     assert_eq!(sink, data(200_000, 1));
     // an object that grows is served at its new size, its name never missing in between
     c.close(&alpha).await.unwrap();
-    std::fs::write(dir.join("alpha"), data(300_000, 4)).unwrap();
+    publish(&dir, "alpha", &data(300_000, 4));
     let again = node.next("resized", Some("alpha"));
     assert_eq!(
         (&again["size"], &again["was"], &again["released"]),
