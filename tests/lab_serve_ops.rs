@@ -271,6 +271,13 @@ fn lab_ops_metrics_show_a_fetch_under_its_region_and_path() {
         sample(&after, "p2p_rdma_bounce_staging_bytes", &[]),
         Some(0.0)
     );
+    // the staged fetch's slot buffer went back to the device's pool (filled at start: a slot
+    // per --bounce-depth)
+    assert_eq!(
+        sample(&after, "p2p_rdma_bounce_staging_pool_bytes", &[]),
+        Some(8.0 * 1048576.0),
+        "{after:?}"
+    );
     assert_eq!(http_get(&s.metrics, "/healthz").unwrap().0, 200);
     // the start-up report on stdout is one JSON document
     let mut s = s;

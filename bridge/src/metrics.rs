@@ -156,6 +156,8 @@ pub struct Metrics {
     pub canary: Family<CanaryLabels, Counter>,
     /// Bytes of registered bounce staging buffers now allocated.
     pub staging_bytes: Gauge,
+    /// Bytes of staging slot buffers pooled for the next connections (registered, idle).
+    pub staging_pool_bytes: Gauge,
     /// Regions served.
     pub regions: Gauge,
     /// 1 once every region is proved and the listener is up.
@@ -201,6 +203,7 @@ impl Metrics {
             shared_registered_bytes: Gauge::default(),
             canary: Family::default(),
             staging_bytes: Gauge::default(),
+            staging_pool_bytes: Gauge::default(),
             regions: Gauge::default(),
             ready_gauge: Gauge::default(),
             cpu_seconds: Gauge::default(),
@@ -307,6 +310,12 @@ impl Metrics {
                 "Registered bounce staging buffers allocated now",
                 Unit::Bytes,
                 m.staging_bytes.clone(),
+            );
+            r.register_with_unit(
+                "bounce_staging_pool",
+                "Registered staging slot buffers idle in the per-device pool (staged fetches)",
+                Unit::Bytes,
+                m.staging_pool_bytes.clone(),
             );
             r.register("regions", "Regions served", m.regions.clone());
             r.register(

@@ -438,6 +438,7 @@ async fn serve_connection(
         }
     };
     m.open_handles.dec_by(st.session.open_count() as i64);
+    st.release_slots(shared);
     shared
         .staging
         .fetch_sub(st.staging_bytes, std::sync::atomic::Ordering::SeqCst);

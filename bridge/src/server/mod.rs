@@ -145,7 +145,7 @@ impl Server {
         cfg.metrics.regions.set(regions.live_count() as i64);
         let grants = RwLock::new(grants);
         let preauth = preauth::PreAuth::new(cfg.max_unauthenticated);
-        Ok(Server {
+        let server = Server {
             shared: Arc::new(Shared {
                 cfg,
                 nics,
@@ -159,7 +159,9 @@ impl Server {
                 staging: std::sync::atomic::AtomicU64::new(0),
             }),
             listener,
-        })
+        };
+        stage::prefill_slots(&server.shared);
+        Ok(server)
     }
 
     /// The bound address (useful with port 0).

@@ -32,6 +32,9 @@ pub(super) struct Nic {
     pub(super) sharing: Sharing,
     /// The IPv4 address of the RoCE v2 GID its QPs use by default.
     pub(super) addr: Option<Ipv4Addr>,
+    /// Staging slot buffers (registered in `pd` for memory windows) no connection holds:
+    /// registered once, at start, and reused by every connection's staged fetches.
+    pub(super) slots: std::sync::Mutex<Vec<verbs::RegisteredBuffer>>,
 }
 
 impl Nic {
@@ -80,6 +83,7 @@ impl Nics {
                 pd,
                 sharing,
                 addr,
+                slots: std::sync::Mutex::new(Vec::new()),
             });
         }
         Ok(Nics(out))

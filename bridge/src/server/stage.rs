@@ -8,19 +8,23 @@
 //!
 //! Only connections whose device binds memory windows stage: the window is what keeps one
 //! client from reading another's staging buffer (an MR's rkey works on every QP of the PD).
-//! A slot's buffer holds only bytes this connection fetched, and its window only the bytes of
-//! the current chunk, from the moment they are copied until the client releases them.
+//! A window covers the bytes of the current chunk, from the moment they are copied until the
+//! client releases them. Slot buffers are registered once per device, at start (`bounce_depth`
+//! of them, within the staging budget), and pooled across connections; a chunk shorter than
+//! its buffer has the rest zeroed first, since rxe confines a window only to the MR under it.
 
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use verbs::{Access, HostBuffer, MemoryWindow, RegMode, RegionRef, RegisteredBuffer};
+use verbs::{
+    Access, HostBuffer, MemoryWindow, ProtectionDomain, RegMode, RegionRef, RegisteredBuffer,
+};
 
 use super::bounce::{copy_error_code, record_staged, reserve, BOUNCE_STALL};
 use super::driver::{internal, ConnState};
 use super::regions::removed;
-use super::session::Refusal;
+use super::session::{Refusal, MAX_STAGED};
 use super::Shared;
 use crate::metrics::{BounceStage, Direction};
 use crate::protocol::{ErrorCode, Msg};
@@ -67,7 +71,13 @@ impl ConnState {
         m.observe_stage(dir, BounceStage::queued, started.elapsed().as_secs_f64());
         let n = len as usize;
         let copy = Instant::now();
-        let copied = provider.copy_out(offset, &mut buf.as_mut_slice()[..n]);
+        let bytes = buf.as_mut_slice();
+        if n < bytes.len() {
+            // the buffer is pooled across connections, and rxe confines a window only to the MR
+            // under it: nothing of an earlier chunk may stay past this one
+            bytes[n..].fill(0);
+        }
+        let copied = provider.copy_out(offset, &mut bytes[..n]);
         m.observe_stage(dir, BounceStage::copy, copy.elapsed().as_secs_f64());
         let buf = Arc::new(buf);
         if let Err(e) = copied {
@@ -127,13 +137,22 @@ impl ConnState {
         }
     }
 
-    /// A staging buffer for a new slot, within the server-wide staging budget; remote access
-    /// only through the windows bound over it.
+    /// A staging buffer for a slot: one from the device's pool, or a new one within the
+    /// server-wide staging budget; remote access only through the windows bound over it. The
+    /// connection holds it (counted in its staging bytes) until it ends.
     fn new_slot_buffer(
         &mut self,
         shared: &Shared,
     ) -> std::result::Result<RegisteredBuffer, Refusal> {
         let chunk = shared.cfg.bounce_chunk as u64;
+        let m = shared.metrics();
+        let pooled = lock(&shared.nics.get(self.nic).slots).pop();
+        if let Some(b) = pooled {
+            m.staging_pool_bytes.dec_by(chunk as i64);
+            self.staging_bytes += chunk;
+            m.staging_bytes.inc_by(chunk as i64);
+            return Ok(b);
+        }
         if !reserve(shared, chunk) {
             return Err((
                 ErrorCode::Busy,
@@ -151,17 +170,72 @@ impl ConnState {
                 return Err(e);
             }
         };
-        let b = HostBuffer::new(shared.cfg.bounce_chunk)
-            .and_then(|m| pd.register(m, Access::LOCAL_WRITE | Access::MW_BIND, RegMode::Pinned));
-        match b {
+        match slot_buffer(&pd, shared.cfg.bounce_chunk) {
             Ok(b) => {
                 self.staging_bytes += chunk;
-                shared.metrics().staging_bytes.inc_by(chunk as i64);
+                m.staging_bytes.inc_by(chunk as i64);
                 Ok(b)
             }
             Err(e) => {
                 shared.staging.fetch_sub(chunk, Ordering::SeqCst);
                 Err(internal(format!("staging buffer: {e}")))
+            }
+        }
+    }
+
+    /// The connection ends: its slots' windows are revoked and their buffers go back to the
+    /// device's pool (still within the staging budget). A buffer a bind still holds (one that
+    /// timed out) goes with it, and the connection's staging bytes release its budget.
+    pub(super) fn release_slots(&mut self, shared: &Shared) {
+        let chunk = shared.cfg.bounce_chunk as u64;
+        let m = shared.metrics();
+        let pool = &shared.nics.get(self.nic).slots;
+        for PullSlot { window, buf } in self.pulls.drain(..) {
+            drop(window);
+            let Some(b) = buf.and_then(|b| Arc::try_unwrap(b).ok()) else {
+                continue;
+            };
+            lock(pool).push(b);
+            self.staging_bytes = self.staging_bytes.saturating_sub(chunk);
+            m.staging_bytes.dec_by(chunk as i64);
+            m.staging_pool_bytes.inc_by(chunk as i64);
+        }
+    }
+}
+
+/// A staging slot buffer: host memory registered for memory windows, with no remote access of
+/// its own.
+fn slot_buffer(pd: &ProtectionDomain, len: usize) -> verbs::Result<RegisteredBuffer> {
+    HostBuffer::new(len)
+        .and_then(|m| pd.register(m, Access::LOCAL_WRITE | Access::MW_BIND, RegMode::Pinned))
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// At start: one slot buffer per slot a connection may hold (`bounce_depth`), on every device
+/// whose connections stage, within the staging budget, so that a connection's first staged
+/// fetches register nothing. A device where registering fails just allocates on demand.
+pub(super) fn prefill_slots(shared: &Shared) {
+    let chunk = shared.cfg.bounce_chunk as u64;
+    let want = shared.cfg.bounce_depth.min(MAX_STAGED as usize);
+    let m = shared.metrics();
+    for nic in shared.nics.iter().filter(|n| n.sharing.windows()) {
+        for _ in 0..want {
+            if !reserve(shared, chunk) {
+                return;
+            }
+            match slot_buffer(&nic.pd, shared.cfg.bounce_chunk) {
+                Ok(b) => {
+                    lock(&nic.slots).push(b);
+                    m.staging_pool_bytes.inc_by(chunk as i64);
+                }
+                Err(e) => {
+                    shared.staging.fetch_sub(chunk, Ordering::SeqCst);
+                    tracing::warn!(device = nic.name(), error = %e, "staging slots are registered on demand");
+                    break;
+                }
             }
         }
     }
