@@ -209,6 +209,10 @@ enum Cmd {
         /// Seconds per size instead of --iters.
         #[arg(long, short = 'D')]
         duration: Option<f64>,
+        /// With --duration: seconds not measured at each end (warm-up, drain), as perftest's
+        /// --margin (default: a quarter of --duration, perftest's default too).
+        #[arg(long, requires = "duration")]
+        margin: Option<f64>,
         /// Work requests in flight per QP.
         #[arg(long, short = 't', default_value_t = 128)]
         tx_depth: u32,
@@ -597,6 +601,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             all,
             iters,
             duration,
+            margin,
             tx_depth,
             cq_mod,
             poll,
@@ -667,6 +672,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     Some(iters.unwrap_or(if lat { 1000 } else { 5000 }))
                 },
                 duration,
+                margin,
                 tx_depth,
                 qps,
                 bidir,

@@ -37,6 +37,7 @@ pub(super) async fn run_lanes(
     for qp in qps {
         let (qp, local) = (qp.clone(), local.clone());
         let (depth, iters, duration) = (p.tx_depth as usize, p.iters, p.duration);
+        let measure = Window::of(p.duration, p.margin);
         let every = p.signal_every(size as u64);
         set.spawn(async move {
             bw_loop(
@@ -48,6 +49,7 @@ pub(super) async fn run_lanes(
                 (depth, every),
                 iters,
                 duration,
+                measure,
             )
             .await
         });
@@ -76,6 +78,7 @@ pub(super) async fn bw_loop(
     (depth, every): (usize, usize),
     iters: Option<u64>,
     duration: Option<f64>,
+    measure: Option<Window>,
 ) -> Result<LaneResult> {
     let mk = || -> Result<SendWr> {
         let local = match local {
@@ -113,12 +116,15 @@ pub(super) async fn bw_loop(
             break;
         };
         pend.wait().await?;
-        if deadline.is_some_and(|d| Instant::now() >= d) {
-            // Past the deadline: drain what is in flight, uncounted (as perftest's -D).
+        // A duration run counts only the completions inside its window (perftest's -D: the
+        // ramp-up and the drain are not measured).
+        if measure.is_some_and(|w| !w.counts(start.elapsed().as_secs_f64())) {
             continue;
         }
         done += 1;
-        if done - mark.1 >= depth as u64 {
+        if done == 1 {
+            mark = (Instant::now(), 1);
+        } else if done - mark.1 >= depth as u64 {
             let dt = mark.0.elapsed().as_secs_f64();
             if dt > 0.0 {
                 peak = peak.max(((done - mark.1) * size as u64) as f64 / dt / (1 << 20) as f64);
@@ -126,8 +132,8 @@ pub(super) async fn bw_loop(
             mark = (Instant::now(), done);
         }
     }
-    let seconds = match duration {
-        Some(d) => d,
+    let seconds = match measure {
+        Some(w) => w.seconds(),
         None => start.elapsed().as_secs_f64(),
     };
     Ok(LaneResult {
@@ -280,6 +286,8 @@ pub async fn run_client(
             let deadline = p.duration.map(|d| start + Duration::from_secs_f64(d));
             let limit = p.iters.unwrap_or(u64::MAX);
             let (mut n, mut peak) = (0u64, 0.0f64);
+            let window = Window::of(p.duration, p.margin);
+            let mut clock = CallClock::default();
             let mut fetched_ok = true;
             let mut v = Vec::with_capacity(span as usize);
             while n < limit && deadline.is_none_or(|d| Instant::now() < d) {
@@ -310,8 +318,16 @@ pub async fn run_client(
                     peak = peak.max(rep.bytes as f64 / dt / (1 << 20) as f64);
                 }
                 n += msgs;
+                if let Some(w) = &window {
+                    clock.ended(w, start.elapsed().as_secs_f64(), msgs);
+                }
             }
-            let seconds = start.elapsed().as_secs_f64();
+            let (n, seconds) = match window {
+                // calls of many messages: measured whole, between call boundaries inside
+                // the window (too few calls in it: the whole run, ramp-up included)
+                Some(_) if clock.result().0 > 0 => clock.result(),
+                _ => (n, start.elapsed().as_secs_f64()),
+            };
             c.send(&Msg::Done { size }).await?;
             let Msg::Stats { validated, .. } = c.recv().await? else {
                 return Err(BenchError::Control("expected stats".into()));

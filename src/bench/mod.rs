@@ -20,6 +20,7 @@ mod client;
 mod control;
 mod report;
 mod server;
+mod window;
 
 use client::*;
 pub use client::{run_client, ClientOpts};
@@ -28,6 +29,7 @@ use report::*;
 pub use report::{header, row};
 use server::*;
 pub use server::{serve_one, ServerMem};
+use window::{CallClock, Window};
 
 /// What to measure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -66,6 +68,10 @@ pub struct BenchParams {
     pub iters: Option<u64>,
     /// Or seconds per size.
     pub duration: Option<f64>,
+    /// Seconds of a `duration` run not counted at each end (warm-up and drain, perftest's
+    /// `--margin`); `None`: a quarter of the duration, as perftest.
+    #[serde(default)]
+    pub margin: Option<f64>,
     /// Work requests in flight per QP.
     pub tx_depth: u32,
     /// Queue pairs.
@@ -116,6 +122,15 @@ impl BenchParams {
                 return Err(format!("--duration must be in (0, 3600] seconds, not {d}"))
             }
             (None, None) => return Err("give --iters or --duration".into()),
+            _ => {}
+        }
+        match (self.margin, self.duration) {
+            (Some(_), None) => return Err("--margin is for --duration runs".into()),
+            (Some(m), Some(d)) if !(m >= 0.0 && 2.0 * m < d) => {
+                return Err(format!(
+                    "--margin {m} must be at least 0 and leave time to measure: under half of --duration {d}"
+                ))
+            }
             _ => {}
         }
         if self.bidir && (self.lat || self.op == BenchOp::Send) {
@@ -285,6 +300,7 @@ mod tests {
             sizes: vec![65536],
             iters: Some(100),
             duration: None,
+            margin: None,
             tx_depth: 128,
             qps: 1,
             bidir: false,
@@ -329,6 +345,15 @@ mod tests {
                 p.duration = Some(-1.0)
             },
             "--duration",
+        );
+        bad(&|p| p.margin = Some(1.0), "for --duration runs");
+        bad(
+            &|p| {
+                p.iters = None;
+                p.duration = Some(4.0);
+                p.margin = Some(2.0)
+            },
+            "under half of --duration",
         );
         bad(
             &|p| {
