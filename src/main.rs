@@ -229,6 +229,10 @@ enum Cmd {
         /// Queue pairs.
         #[arg(long, short = 'q', default_value_t = 1)]
         qps: u32,
+        /// Messages of at most this many bytes travel inside their work request (perftest's
+        /// --inline_size). Default as perftest: 220 for write --lat, 236 for send --lat, else 0.
+        #[arg(long = "inline-size", short = 'I', value_name = "BYTES")]
+        inline: Option<u32>,
         /// Both directions at once (write and read).
         #[arg(long, short = 'b')]
         bidir: bool,
@@ -606,6 +610,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             cq_mod,
             poll,
             qps,
+            inline,
             bidir,
             lat,
             mem,
@@ -684,6 +689,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     None => 0,
                 },
                 poll,
+                inline,
             };
             params.check().map_err(|e| anyhow::anyhow!("{e}"))?;
             let token = bridge::Token::new(cli::read_token(token_file.as_deref())?);

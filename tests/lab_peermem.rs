@@ -590,11 +590,15 @@ async fn lab_window_units_move_zero_copy_on_window_mrs_and_the_rest_through_boun
 
     let bytes = data(LEN - 3000, 31);
     let (put, fetch) = round_trip(s.addr, "aperture", 3000, &bytes).await;
+    // A window of 256 KiB over 2 MiB: units go zero-copy while a window slot is free. How
+    // many do depends on how many are in flight at once (a slot freed before the next unit
+    // needs one is reused, so a slow run can move every unit zero-copy); the accounting below
+    // checks that what the clients were told matches what the region counted.
     for r in [&put, &fetch] {
         assert_eq!(r.bounce_bytes, bytes.len() as u64, "{r:?}");
         assert!(
-            r.zero_copy_bytes > 0 && r.zero_copy_bytes < r.bounce_bytes,
-            "a window of 256 KiB over 2 MiB: some units zero-copy, some not: {r:?}"
+            r.zero_copy_bytes > 0 && r.zero_copy_bytes <= r.bounce_bytes,
+            "a window of 256 KiB over 2 MiB: units zero-copy: {r:?}"
         );
     }
     // the put's zero-copy units landed in device memory itself, as did the staged ones

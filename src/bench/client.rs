@@ -39,6 +39,7 @@ pub(super) async fn run_lanes(
         let (depth, iters, duration) = (p.tx_depth as usize, p.iters, p.duration);
         let measure = Window::of(p.duration, p.margin);
         let every = p.signal_every(size as u64);
+        let inline = p.goes_inline(size);
         set.spawn(async move {
             bw_loop(
                 &qp,
@@ -46,7 +47,7 @@ pub(super) async fn run_lanes(
                 &local,
                 remote.slice(size as u64),
                 size,
-                (depth, every),
+                (depth, every, inline),
                 iters,
                 duration,
                 measure,
@@ -75,13 +76,14 @@ pub(super) async fn bw_loop(
     local: &Lane,
     remote: RemoteSlice,
     size: usize,
-    (depth, every): (usize, usize),
+    (depth, every, inline): (usize, usize, bool),
     iters: Option<u64>,
     duration: Option<f64>,
     measure: Option<Window>,
 ) -> Result<LaneResult> {
     let mk = || -> Result<SendWr> {
         let local = match local {
+            Lane::Shared(b) if inline => Local::inline(&b.as_slice()[..size]),
             Lane::Shared(b) => Local::shared(Arc::clone(b), 0..size)?,
             Lane::Sink(b) => Local::sink(Arc::clone(b), 0..size)?,
         };
@@ -465,10 +467,13 @@ pub(super) async fn lat_loop(
                 } else {
                     SendOp::Send
                 };
-                let ping = qp.post_send(vec![SendWr {
-                    op: sop,
-                    local: Local::shared(Arc::clone(src), 0..n)?,
-                }])?;
+                // small pings go inline, as perftest's (no DMA read of a buffer)
+                let local = if p.goes_inline(n) {
+                    Local::inline(&src.as_slice()[..n])
+                } else {
+                    Local::shared(Arc::clone(src), 0..n)?
+                };
+                let ping = qp.post_send(vec![SendWr { op: sop, local }])?;
                 ping.wait().await?;
                 let mut back = pong.wait().await?;
                 let (l, _) = back

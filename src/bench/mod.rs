@@ -90,6 +90,10 @@ pub struct BenchParams {
     /// on completion events.
     #[serde(default)]
     pub poll: bool,
+    /// Messages of at most this many bytes go inline in their work request (perftest's
+    /// `--inline_size`); `None`: perftest's defaults (see [`BenchParams::inline_size`]).
+    #[serde(default)]
+    pub inline: Option<u32>,
 }
 
 impl BenchParams {
@@ -133,6 +137,9 @@ impl BenchParams {
             }
             _ => {}
         }
+        if self.inline.is_some_and(|n| n > 1024) {
+            return Err("--inline-size is at most 1024 bytes (devices carry a few hundred)".into());
+        }
         if self.bidir && (self.lat || self.op == BenchOp::Send) {
             return Err("--bidir is for write and read bandwidth runs".into());
         }
@@ -140,6 +147,24 @@ impl BenchParams {
             return Err("latency runs use one QP".into());
         }
         Ok(())
+    }
+
+    /// The inline size in effect: `inline`, or perftest's defaults: latency runs carry WRITEs
+    /// of up to 220 bytes and SENDs of up to 236 inline, bandwidth runs nothing. READs never
+    /// (their local buffer is a destination).
+    pub fn inline_size(&self) -> u32 {
+        match (self.op, self.inline, self.lat) {
+            (BenchOp::Read, ..) => 0,
+            (_, Some(n), _) => n,
+            (BenchOp::Write, None, true) => 220,
+            (BenchOp::Send, None, true) => 236,
+            _ => 0,
+        }
+    }
+
+    /// Whether messages of `size` bytes go inline.
+    pub(crate) fn goes_inline(&self, size: usize) -> bool {
+        size <= self.inline_size() as usize
     }
 
     fn max_size(&self) -> usize {
@@ -281,6 +306,7 @@ fn qp_options(side: &Side, p: &BenchParams, recv: u32) -> QpOptions {
         gid_index: side.path.gid_index,
         traffic_class: side.path.traffic_class,
         service_level: side.path.service_level,
+        max_inline_data: p.inline_size(),
         cq_mode: if p.poll {
             CqMode::Polling
         } else {
@@ -308,6 +334,7 @@ mod tests {
             validate: false,
             cq_mod: 0,
             poll: false,
+            inline: None,
         }
     }
 
@@ -347,6 +374,25 @@ mod tests {
             "--duration",
         );
         bad(&|p| p.margin = Some(1.0), "for --duration runs");
+        bad(&|p| p.inline = Some(4096), "--inline-size");
+        let lat = |op| BenchParams {
+            op,
+            lat: true,
+            ..params()
+        };
+        assert_eq!(lat(BenchOp::Write).inline_size(), 220, "perftest's default");
+        assert_eq!(lat(BenchOp::Send).inline_size(), 236);
+        assert_eq!(
+            lat(BenchOp::Read).inline_size(),
+            0,
+            "a READ's buffer is written"
+        );
+        assert_eq!(params().inline_size(), 0, "bandwidth: none unless asked");
+        let p = BenchParams {
+            inline: Some(64),
+            ..params()
+        };
+        assert!(p.goes_inline(64) && !p.goes_inline(65));
         bad(
             &|p| {
                 p.iters = None;

@@ -301,6 +301,7 @@ pub(super) async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem)
                 Arc::clone(&source),
             );
             let (lat, validate, op) = (p.lat, p.validate, p.op);
+            let inline = p.inline_size() as usize;
             receivers.spawn(async move {
                 while let Some(front) = slots.pop_front() {
                     let got = tokio::select! {
@@ -316,7 +317,10 @@ pub(super) async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem)
                             BenchOp::Write => SendOp::WriteImm(client_keys.slice(n as u64), 0),
                             _ => SendOp::Send,
                         };
-                        let wr = SendWr { op, local: Local::shared(Arc::clone(&source), 0..n.min(source.len()))? };
+                        let n = n.min(source.len());
+                        // small pongs go inline, as the client's pings
+                        let local = if n <= inline { Local::inline(&source.as_slice()[..n]) } else { Local::shared(Arc::clone(&source), 0..n)? };
+                        let wr = SendWr { op, local };
                         qp.post_send(vec![wr])?.wait().await?;
                     } else if validate
                         && op == BenchOp::Send

@@ -26,6 +26,10 @@ pub enum Local {
     /// device reads or writes it, the CPU never sees it through this handle. The region is kept
     /// alive until the work request completes.
     Region(Arc<dyn RegionRef>, Range<usize>),
+    /// Bytes the device takes inside the work request itself (inline data: a SEND or WRITE
+    /// source of at most the QP's `max_inline_data` bytes). They are copied when the work
+    /// request is posted, so nothing is registered and nothing is held until the completion.
+    Inline(Box<[u8]>),
 }
 
 /// Registered memory a work request may use that is not a [`RegisteredBuffer`]: a device's MR
@@ -97,6 +101,12 @@ impl Local {
         Ok(Local::Region(mr, range))
     }
 
+    /// Bytes sent inline (see [`Local::Inline`]): the QP must have been created with
+    /// `max_inline_data` of at least their length.
+    pub fn inline(bytes: &[u8]) -> Local {
+        Local::Inline(bytes.into())
+    }
+
     /// `range` of a sink (see [`SinkBuffer`]).
     pub fn sink(buf: Arc<SinkBuffer>, range: Range<usize>) -> Result<Local> {
         check_range(&range, buf.len())?;
@@ -108,7 +118,7 @@ impl Local {
             Local::Owned(b, _) => Some(b),
             Local::Shared(b, _) => Some(b),
             Local::Sink(b, _) => Some(&b.0),
-            Local::Region(..) => None,
+            Local::Region(..) | Local::Inline(_) => None,
         }
     }
 
@@ -118,6 +128,7 @@ impl Local {
             Local::Owned(_, r) | Local::Shared(_, r) | Local::Sink(_, r) | Local::Region(_, r) => {
                 r.clone()
             }
+            Local::Inline(b) => 0..b.len(),
         }
     }
 
@@ -138,6 +149,7 @@ impl Local {
     pub fn bytes(&self) -> Option<&[u8]> {
         match self {
             Local::Sink(..) | Local::Region(..) => None,
+            Local::Inline(b) => Some(b),
             _ => {
                 let b = self.registered()?;
                 (!b.remotely_writable()).then(|| &b.as_slice()[self.range()])
@@ -149,7 +161,7 @@ impl Local {
     pub fn into_owned(self) -> Option<RegisteredBuffer> {
         match self {
             Local::Owned(b, _) => Some(b),
-            Local::Shared(..) | Local::Sink(..) | Local::Region(..) => None,
+            Local::Shared(..) | Local::Sink(..) | Local::Region(..) | Local::Inline(_) => None,
         }
     }
 
@@ -162,6 +174,11 @@ impl Local {
             Local::Region(m, _) => {
                 let mr = m.memory_region();
                 (mr.lkey(), mr.addr())
+            }
+            Local::Inline(_) => {
+                return Err(Error::InvalidArgument(
+                    "inline bytes have no memory region: they go only into a SEND or WRITE".into(),
+                ))
             }
             _ => {
                 let b = self

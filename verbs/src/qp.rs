@@ -11,8 +11,8 @@ use std::sync::{Arc, Mutex};
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
 use sideway::ibverbs::queue_pair::{
     ExtendedQueuePair, PostSendGuard as _, QueuePair as _, QueuePairAttribute,
-    QueuePairAttributeMask, QueuePairState, SendOperationFlags, SetScatterGatherEntry as _,
-    WorkRequestFlags,
+    QueuePairAttributeMask, QueuePairState, SendOperationFlags, SetInlineData as _,
+    SetScatterGatherEntry as _, WorkRequestFlags,
 };
 use sideway::ibverbs::AccessFlags;
 use tokio::sync::oneshot;
@@ -24,7 +24,7 @@ use crate::error::{Call, Error, Result};
 use crate::local::Local;
 use crate::mr::{ProtectionDomain, RemoteSlice};
 pub use crate::pending::{Pending, PendingRecv};
-use crate::wr::{signal_plan, validate, RawSendWr, RecvInfo, SendOp, SendWr};
+use crate::wr::{signal_plan, validate, RawData, RawSendWr, RecvInfo, SendOp, SendWr};
 
 /// QP state, as reported by `ibv_query_qp`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -89,6 +89,11 @@ pub struct QpOptions {
     /// bound here give remote access only to requests that arrive on this QP. Off by default:
     /// a provider without memory windows would refuse the QP.
     pub memory_windows: bool,
+    /// Bytes a SEND or WRITE may carry inside the work request ([`Local::Inline`]): the
+    /// device copies them at the post, so small messages need no registered buffer and no
+    /// DMA read of one. 0 (the default): no inline data. A device refuses the QP if it
+    /// cannot carry this many (rxe: up to 400 bytes on the kernels of the lab).
+    pub max_inline_data: u32,
 }
 
 impl Default for QpOptions {
@@ -108,6 +113,7 @@ impl Default for QpOptions {
             rnr_retry: 7,
             psn: None,
             memory_windows: false,
+            max_inline_data: 0,
         }
     }
 }
@@ -196,6 +202,7 @@ impl QueuePair {
             .setup_max_recv_wr(opts.max_recv_wr.max(1))
             .setup_max_send_sge(1)
             .setup_max_recv_sge(1)
+            .setup_max_inline_data(opts.max_inline_data)
             .setup_send_cq(Arc::clone(&cq.cq))
             .setup_recv_cq(Arc::clone(&cq.cq));
         if opts.memory_windows {
@@ -479,32 +486,30 @@ impl QueuePair {
 
     fn post_send_every(&self, wrs: Vec<SendWr>, every: usize) -> Result<Pending> {
         for wr in &wrs {
-            validate(wr)?;
+            validate(wr, self.inner.opts.max_inline_data)?;
         }
-        let mut sges = Vec::with_capacity(wrs.len());
+        let mut raw = Vec::with_capacity(wrs.len());
         for wr in &wrs {
-            sges.push(wr.local.sge()?);
+            let data = match &wr.local {
+                Local::Inline(b) => RawData::Inline(b.clone()),
+                l => {
+                    let (lkey, addr, len) = l.sge()?;
+                    RawData::Sge(lkey, addr, len)
+                }
+            };
+            raw.push(RawSendWr { op: wr.op, data });
         }
-        let ops: Vec<SendOp> = wrs.iter().map(|w| w.op).collect();
         let mut state = self.inner.cq.lock();
         self.check_send_room(&state, wrs.len())?;
         let mut ids = Vec::with_capacity(wrs.len());
         let mut rxs = Vec::with_capacity(wrs.len());
         for wr in wrs {
+            // (inline bytes are copied at the post; they are kept only so that every work
+            // request's local comes back, in order, as for the others)
             let (id, rx) = state.register(Some(wr.local), Queue::Send);
             ids.push(id);
             rxs.push((id, rx, wr.op.name()));
         }
-        let raw: Vec<RawSendWr> = ops
-            .iter()
-            .zip(&sges)
-            .map(|(op, &(lkey, addr, len))| RawSendWr {
-                op: *op,
-                lkey,
-                addr,
-                len,
-            })
-            .collect();
         let signaled = signal_plan(ids.len(), every);
         if let Err(e) = self.post_locked(&ids, &raw, &signaled) {
             state.unregister(&ids);
@@ -542,10 +547,15 @@ impl QueuePair {
                 SendOp::Send => h.setup_send(),
                 SendOp::SendImm(imm) => h.setup_send_imm(imm.to_be()),
             };
-            // SAFETY: for the safe API the range was checked against the registered buffer (or
-            // the device's memory region, for `Local::Region`) that the pending table now owns
-            // until the completion; for the raw API the caller guarantees it.
-            unsafe { h.setup_sge(wr.lkey, wr.addr, wr.len) };
+            match &wr.data {
+                // the provider copies the bytes into the work request during this call
+                // (checked against the QP's max_inline_data by `validate`)
+                RawData::Inline(b) => h.setup_inline_data(b),
+                // SAFETY: for the safe API the range was checked against the registered buffer
+                // (or the device's memory region, for `Local::Region`) that the pending table
+                // now owns until the completion.
+                RawData::Sge(lkey, addr, len) => unsafe { h.setup_sge(*lkey, *addr, *len) },
+            }
         }
         guard.post().map_err(|e| {
             Error::verbs(

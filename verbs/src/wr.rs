@@ -55,15 +55,20 @@ pub struct SendWr {
 }
 
 /// One send work request as posted: the safe API built it from a [`Local`] it owns.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct RawSendWr {
     pub(crate) op: SendOp,
-    /// lkey of the MR covering the local range.
-    pub(crate) lkey: u32,
-    /// Local address.
-    pub(crate) addr: u64,
-    /// Length.
-    pub(crate) len: u32,
+    /// Where the local bytes are.
+    pub(crate) data: RawData,
+}
+
+/// The local bytes of a posted work request.
+#[derive(Debug, Clone)]
+pub(crate) enum RawData {
+    /// A registered range: lkey of the MR covering it, address, length.
+    Sge(u32, u64, u32),
+    /// Copied into the work request when it is posted.
+    Inline(Box<[u8]>),
 }
 
 /// What a completed RECV reports.
@@ -75,7 +80,22 @@ pub struct RecvInfo {
     pub imm: Option<u32>,
 }
 
-pub(crate) fn validate(wr: &SendWr) -> Result<()> {
+pub(crate) fn validate(wr: &SendWr, max_inline: u32) -> Result<()> {
+    if let Local::Inline(b) = &wr.local {
+        if wr.op.device_writes_local() {
+            return Err(Error::InvalidArgument(format!(
+                "{} writes into the local buffer: inline bytes are only a SEND or WRITE source",
+                wr.op.name()
+            )));
+        }
+        if b.len() > max_inline as usize {
+            return Err(Error::InvalidArgument(format!(
+                "{} inline bytes, but the QP was created for at most {max_inline} \
+                 (QpOptions::max_inline_data)",
+                b.len()
+            )));
+        }
+    }
     if wr.op.device_writes_local() && matches!(wr.local, Local::Shared(..)) {
         return Err(Error::InvalidArgument(format!(
             "{} writes into the local buffer: pass an owned buffer, not a shared one",
