@@ -534,11 +534,16 @@ impl QueuePair {
         let mut qp = self.lock_qp();
         let mut guard = qp.start_post_send();
         for ((id, wr), &sig) in ids.iter().zip(wrs).zip(signaled) {
-            let flags = if sig {
+            let mut flags = if sig {
                 WorkRequestFlags::Signaled
             } else {
                 WorkRequestFlags::none()
             };
+            if matches!(wr.data, RawData::Inline(_)) {
+                // rxe's provider copies the bytes in ibv_wr_set_inline_data but takes them
+                // from there only when the work request's flags say inline
+                flags |= WorkRequestFlags::Inline;
+            }
             let h = guard.construct_wr(*id, flags);
             let h = match wr.op {
                 SendOp::Write(r) => h.setup_write(r.rkey, r.addr),
