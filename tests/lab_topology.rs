@@ -98,12 +98,45 @@ fn lab_topo_reports_the_tree_the_guest_has() {
     let nic_switch = nic_path.parent().unwrap().parent().unwrap().to_path_buf();
     // Each NVMe: the one below the NIC's switch is PIX, the one on its own root port PHB.
     let mut seen = 0;
+    let mut ssd_seen = false;
     for ctrl in std::fs::read_dir("/sys/class/nvme").unwrap() {
-        let dev = real(&format!(
-            "/sys/class/nvme/{}/device",
-            ctrl.unwrap().file_name().to_string_lossy()
-        ));
+        let ctrl = ctrl.unwrap().file_name().to_string_lossy().into_owned();
+        let dev = real(&format!("/sys/class/nvme/{ctrl}/device"));
         let bdf = name(&dev);
+        let serial = std::fs::read_to_string(format!("/sys/class/nvme/{ctrl}/serial")).unwrap();
+        if serial.trim() == "p2plabssd" {
+            // the SSD (no CMB) beside the NIC and the CMB on the switch: its storage leg to
+            // that CMB stays below the switch (7.3); 6.12 publishes no p2pmem, so no leg
+            ssd_seen = true;
+            let storage = v["storage_pairs"].as_array();
+            if kernel() == "6.12" {
+                assert!(storage.is_none(), "{v}");
+                continue;
+            }
+            let cmb = storage
+                .unwrap()
+                .iter()
+                .find(|p| {
+                    p["nic_pci"] == bdf.as_str() && {
+                        let d = real(&format!(
+                            "/sys/bus/pci/devices/{}",
+                            p["device_pci"].as_str().unwrap()
+                        ));
+                        // on the same switch: the same upstream port above their ports
+                        d.parent().and_then(Path::parent) == dev.parent().and_then(Path::parent)
+                    }
+                })
+                .unwrap_or_else(|| {
+                    panic!("no storage leg from the SSD {bdf} to the CMB beside it: {v}")
+                });
+            assert_eq!(
+                (cmb["path"].as_str(), cmb["verdict"].as_str()),
+                (Some("PIX"), Some("direct")),
+                "{cmb}"
+            );
+            assert_eq!(cmb["rdma_device"], ctrl.as_str(), "{cmb}");
+            continue;
+        }
         let pair = pairs
             .iter()
             .find(|p| p["rdma_device"] == "rxe0" && p["device_pci"] == bdf.as_str())
@@ -147,7 +180,11 @@ fn lab_topo_reports_the_tree_the_guest_has() {
         }
         seen += 1;
     }
-    assert_eq!(seen, 2, "the {t} topology has two NVMe controllers");
+    assert_eq!(
+        seen, 2,
+        "the {t} topology has two NVMe controllers with a CMB"
+    );
+    assert!(ssd_seen, "the {t} topology has an SSD (serial p2plabssd)");
     assert_eq!(
         v["system"]["iommus"].as_array().unwrap().len(),
         usize::from(t == "iommu"),

@@ -119,6 +119,10 @@ pub struct Metrics {
     ready: AtomicBool,
     /// Bytes moved, by region, direction and path.
     pub bytes: Family<XferLabels, Counter>,
+    /// Bytes that crossed the server's host memory between the region's memory and the
+    /// network (bounce staging, TCP), by region, direction and path: zero on a path that is
+    /// peer to peer all the way.
+    pub host_memory_bytes: Family<XferLabels, Counter>,
     /// Transfers (client-reported direct transfers, bounce requests), by region, direction, path.
     pub operations: Family<XferLabels, Counter>,
     /// Transfer durations.
@@ -179,6 +183,7 @@ impl Metrics {
             registry: Mutex::new(Registry::with_prefix("p2p_rdma")),
             ready: AtomicBool::new(false),
             bytes: Family::default(),
+            host_memory_bytes: Family::default(),
             operations: Family::default(),
             latency: Family::new_with_constructor(|| {
                 // 10 µs .. ~168 s
@@ -215,6 +220,12 @@ impl Metrics {
                 "Bytes moved, by region, direction and path (direct: reported by the client when its one-sided transfer completed)",
                 Unit::Bytes,
                 m.bytes.clone(),
+            );
+            r.register_with_unit(
+                "host_memory",
+                "Bytes that crossed the server's host memory on their way between a region and the network (bounce staging buffers, the TCP connection), by region, direction and path; direct and zero-copy bytes never do",
+                Unit::Bytes,
+                m.host_memory_bytes.clone(),
             );
             r.register(
                 "transfers",
@@ -351,6 +362,9 @@ impl Metrics {
             direction,
             path,
         };
+        if matches!(path, XferPath::bounce | XferPath::tcp) {
+            self.host_memory_bytes.get_or_create(&l).inc_by(bytes);
+        }
         self.bytes.get_or_create(&l).inc_by(bytes);
         self.operations.get_or_create(&l).inc();
     }
@@ -447,6 +461,17 @@ mod tests {
         );
         assert!(
             t.contains(r#"p2p_rdma_transfers_total{region="cmb",direction="put",path="bounce"} 1"#),
+            "{t}"
+        );
+        // host memory: the bounce bytes, never the direct ones
+        assert!(
+            t.contains(
+                r#"p2p_rdma_host_memory_bytes_total{region="cmb",direction="put",path="bounce"} 10"#
+            ),
+            "{t}"
+        );
+        assert!(
+            !t.contains(r#"p2p_rdma_host_memory_bytes_total{region="ram""#),
             "{t}"
         );
         assert!(

@@ -35,6 +35,16 @@ pub enum RegionSource {
         /// Bytes.
         size: u64,
     },
+    /// Block storage (an NVMe namespace, or a file) read and written by direct I/O, staged
+    /// in host memory or, with `,via=cmb:DEV:SIZE`, in a CMB.
+    Nvme {
+        /// Block device (or file).
+        path: PathBuf,
+        /// `(offset, len)` on the device (default: all of it).
+        range: Option<(u64, u64)>,
+        /// Puts are refused.
+        read_only: bool,
+    },
     /// A dma-buf from the built-in exporter (memfd + /dev/udmabuf).
     DmaBuf {
         /// Bytes.
@@ -85,6 +95,8 @@ pub struct RegionOptions {
     /// On a server with several RDMA devices: register the direct part on this one (default:
     /// the one the topology ranks best for the memory's PCI device, else the first).
     pub nic: Option<String>,
+    /// `nvme` regions: stage through a ring in this CMB (`via=cmb:DEV:SIZE`).
+    pub via: Option<peermem::block::ViaCmb>,
 }
 
 /// `NAME=KIND:ARGS[,OPTION=VALUE]...`; `p2p-rdma serve --help` lists every form.
@@ -174,6 +186,45 @@ const KINDS: &[Kind] = &[
                 return Err(bad());
             }
             Ok(RegionSource::Cmb { device: dev.to_string(), size: size_of(name, size)? })
+        },
+    },
+    Kind {
+        keyword: "nvme",
+        forms: &[
+            FormDoc {
+                syntax: "NAME=nvme:BLOCKDEV[:OFFSET:LEN]",
+                help: "an NVMe namespace (or any block device, or a file on a file system with \
+                       O_DIRECT), whole or OFFSET:LEN of it (multiples of its logical block size): \
+                       fetches read it by direct I/O into staging buffers, puts write it and are \
+                       flushed before they are acknowledged; ,via=cmb:DEV:SIZE stages in a CMB",
+            },
+            FormDoc {
+                syntax: "NAME=nvme:BLOCKDEV[:OFFSET:LEN]:ro",
+                help: "read-only: puts are refused, the device is opened read-only",
+            },
+        ],
+        parse: |name, arg| {
+            let (arg, read_only) = match arg.strip_suffix(":ro") {
+                Some(a) => (a, true),
+                None => (arg, false),
+            };
+            let mut parts = arg.rsplitn(3, ':');
+            let (last, mid, first) = (parts.next(), parts.next(), parts.next());
+            let (path, range) = match (first, mid, last) {
+                (Some(p), Some(off), Some(len))
+                    if parse_size(off).is_ok() && parse_size(len).is_ok() =>
+                {
+                    let off = parse_size(off).map_err(|e| format!("region '{name}': offset: {e}"))?;
+                    (p, Some((off, size_of(name, len)?)))
+                }
+                _ => (arg, None),
+            };
+            if path.is_empty() {
+                return Err(format!(
+                    "region '{name}': expected nvme:BLOCKDEV[:OFFSET:LEN] (e.g. nvme:/dev/nvme1n1:0:16G)"
+                ));
+            }
+            Ok(RegionSource::Nvme { path: PathBuf::from(path), range, read_only })
         },
     },
     Kind {
@@ -277,6 +328,27 @@ const OPTIONS: &[OptionKind] = &[
                 return Err(format!("region '{name}': nic needs a device name"));
             }
             o.nic = Some(v.to_string());
+            Ok(())
+        },
+    },
+    OptionKind {
+        key: "via",
+        values: "cmb:DEV:SIZE",
+        help: "nvme regions: stage through a SIZE-byte ring in the CMB of DEV (PCI address or \
+               nvmeN): the SSD reads into it peer to peer (proved at start; each leg falls back \
+               to host memory on its own, with the kernel's reason)",
+        apply: |o, name, v| {
+            let bad =
+                || format!("region '{name}': expected via=cmb:DEV:SIZE (e.g. via=cmb:nvme0:64M)");
+            let rest = v.strip_prefix("cmb:").ok_or_else(bad)?;
+            let (dev, size) = rest.rsplit_once(':').ok_or_else(bad)?;
+            if dev.is_empty() {
+                return Err(bad());
+            }
+            o.via = Some(peermem::block::ViaCmb {
+                device: dev.to_string(),
+                size: size_of(name, size)?,
+            });
             Ok(())
         },
     },
@@ -430,9 +502,15 @@ impl FromStr for RegionSpec {
                 Self::forms()
             )
         })?;
+        let source = (k.parse)(name, arg)?;
+        if options.via.is_some() && !matches!(source, RegionSource::Nvme { .. }) {
+            return Err(format!(
+                "region '{name}': via= stages block storage: only nvme regions take it"
+            ));
+        }
         Ok(RegionSpec {
             name: name.to_string(),
-            source: (k.parse)(name, arg)?,
+            source,
             options,
         })
     }
@@ -442,6 +520,60 @@ impl FromStr for RegionSpec {
 mod tests {
     use super::*;
     use verbs::RegMode;
+
+    #[test]
+    fn nvme_specs() {
+        let s: RegionSpec = "data=nvme:/dev/nvme1n1:0:16G,via=cmb:nvme0:64M"
+            .parse()
+            .unwrap();
+        assert_eq!(
+            s.source,
+            RegionSource::Nvme {
+                path: "/dev/nvme1n1".into(),
+                range: Some((0, 16 << 30)),
+                read_only: false
+            }
+        );
+        assert_eq!(
+            s.options.via,
+            Some(peermem::block::ViaCmb {
+                device: "nvme0".into(),
+                size: 64 << 20
+            })
+        );
+        let s: RegionSpec = "d=nvme:/dev/nvme1n1:ro".parse().unwrap();
+        assert_eq!(
+            s.source,
+            RegionSource::Nvme {
+                path: "/dev/nvme1n1".into(),
+                range: None,
+                read_only: true
+            }
+        );
+        let s: RegionSpec = "d=nvme:/srv/a:b/ns.img:1M:2M:ro,via=cmb:0000:03:00.0:8M"
+            .parse()
+            .unwrap();
+        assert_eq!(
+            s.source,
+            RegionSource::Nvme {
+                path: "/srv/a:b/ns.img".into(),
+                range: Some((1 << 20, 2 << 20)),
+                read_only: true
+            }
+        );
+        assert_eq!(s.options.via.unwrap().device, "0000:03:00.0");
+        for (bad, why) in [
+            ("d=nvme:", "expected nvme:BLOCKDEV"),
+            ("d=nvme:/dev/x:0:0", "at least 1 byte"),
+            ("d=host:1M,via=cmb:nvme0:1M", "only nvme regions"),
+            ("d=nvme:/dev/x,via=nvme0:1M", "via=cmb:DEV:SIZE"),
+            ("d=nvme:/dev/x,via=cmb::1M", "via=cmb:DEV:SIZE"),
+            ("d=nvme:/dev/x,via=cmb:nvme0:0", "at least 1 byte"),
+        ] {
+            let e = bad.parse::<RegionSpec>().unwrap_err();
+            assert!(e.contains(why), "{bad}: {e}");
+        }
+    }
 
     #[test]
     fn region_specs() {
@@ -593,6 +725,8 @@ mod tests {
             let example = f
                 .syntax
                 .replace("NAME", "r")
+                .replace("[:OFFSET:LEN]", ":0:4M")
+                .replace("BLOCKDEV", "/dev/nvme1n1")
                 .replace("SIZE", "4M")
                 .replace("PATH", "/tmp/x")
                 .replace("DEV", "nvme0")

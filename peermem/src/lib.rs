@@ -16,6 +16,7 @@
 //!   in-flight users.
 #![deny(unsafe_code)]
 
+pub mod block;
 pub mod canary;
 pub mod cmb;
 pub mod cuda;

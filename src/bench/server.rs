@@ -187,24 +187,24 @@ pub(super) async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem)
                     choice.window
                 )));
             }
+            let access = target_access(&p);
+            if provider.holds_data() && access.contains(Access::REMOTE_WRITE) {
+                return Err(BenchError::Config(format!(
+                    "--mem {spec} holds data ({}): a {} benchmark would overwrite it; \
+                     benchmark reads of it, or writes to host:, cmb: or dmabuf: memory",
+                    provider.describe(),
+                    if p.op == BenchOp::Send {
+                        "send"
+                    } else {
+                        "write"
+                    }
+                )));
+            }
             let planned = bridge::path::decide_path(&pd, &provider, choice)
                 .await
                 .map_err(|r| BenchError::Config(r.to_string()))?;
             match (planned.decision.path, planned.mr) {
                 (PathKind::Direct, Some(mr)) => {
-                    let access = target_access(&p);
-                    if provider.holds_data() && access.contains(Access::REMOTE_WRITE) {
-                        return Err(BenchError::Config(format!(
-                            "--mem {spec} holds data ({}): a {} benchmark would overwrite it; \
-                             benchmark reads of it, or writes to host:, cmb: or dmabuf: memory",
-                            provider.describe(),
-                            if p.op == BenchOp::Send {
-                                "send"
-                            } else {
-                                "write"
-                            }
-                        )));
-                    }
                     // least privilege: the rkey allows what the benchmark does, no more
                     let mode = mr.mode();
                     drop(mr);

@@ -71,6 +71,7 @@ pub(crate) struct RegionEntry {
     pub(crate) window: Option<String>,
     pub(crate) policy: Option<String>,
     pub(crate) nic: Option<String>,
+    pub(crate) via: Option<String>,
 }
 
 /// The file, checked: every value parsed.
@@ -200,6 +201,7 @@ pub(crate) fn parse(file: &Path, text: &str) -> Result<ServeConfig, Usage> {
             ("window", &r.window),
             ("policy", &r.policy),
             ("nic", &r.nic),
+            ("via", &r.via),
         ] {
             if let Some(v) = v {
                 spec.push_str(&format!(",{k}={v}"));

@@ -108,13 +108,14 @@ Config file (--config, TOML; keys as the flags):\n\
             send_timeout_secs = 30\n\
   [bounce]  chunk = \"1M\"  depth = 8  budget = \"1G\" (pinned staging, all connections)\n\
   [[region]]  name = \"cmb\"  memory = \"cmb:nvme0:16M\"  p2p = \"required\"   (also reg, window,\n\
-              policy, nic)\n\
+              policy, nic, via)\n\
 \n\
 Examples:\n\
   head -c 32 /dev/urandom | base64 > token\n\
   p2p-rdma serve --listen 0.0.0.0:7471 --token-file token --region ram=host:1G --region img=file:/data/img.bin:ro\n\
   p2p-rdma serve --config /etc/p2p-rdma/serve.toml --metrics 127.0.0.1:9471\n\
   p2p-rdma serve --device all --token-file token --region cmb0=cmb:nvme0:16M --region cmb1=cmb:nvme1:16M\n\
+  p2p-rdma serve --token-file token --region data=nvme:/dev/nvme1n1:0:16G,via=cmb:nvme0:64M\n\
   p2p-rdma serve --check-config /etc/p2p-rdma/serve.toml",
         bridge::RegionSpec::help(100)
     )

@@ -136,6 +136,18 @@ pub fn meaning(call: Call, errno: i32) -> &'static str {
             "the device (or its user-space provider) does not support dma-buf MRs; use a pinned or \
              ODP MR, or bounce buffers"
         }
+        (Pread | Pwrite, libc::EREMOTEIO) => {
+            "the block device and the memory cannot reach each other peer to peer (P2PDMA: \
+             different host bridges not whitelisted, ACS redirect, or an IOMMU in the way)"
+        }
+        (Pread | Pwrite, libc::EINVAL) => {
+            "misaligned direct I/O (offset, length and buffer must be multiples of the logical \
+             block size), or a kernel that does not accept P2PDMA pages for direct I/O (Linux < 6.2)"
+        }
+        (Pread | Pwrite, libc::EFAULT) => {
+            "the kernel cannot pin the buffer for direct I/O (device memory it does not accept here)"
+        }
+        (Pread | Pwrite, libc::EIO) => "the device reported an I/O error",
         (RegDmabufMr, libc::EBADF) => "the file descriptor is not a dma-buf",
         (AdviseMr, libc::EOPNOTSUPP) => {
             "the device does not support ibv_advise_mr (prefetch); pages fault in on first access"

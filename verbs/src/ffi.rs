@@ -277,6 +277,66 @@ impl Mapping {
         self.len
     }
 
+    /// `pread(fd, mapping + offset, len, file_offset)`: the kernel moves bytes from the file
+    /// into the mapping (with `O_DIRECT` on a block device, by the device's own DMA: for a
+    /// P2PDMA mapping, peer to peer). Returns the bytes read.
+    pub(crate) fn pread_into(
+        &self,
+        offset: usize,
+        len: usize,
+        fd: std::os::fd::BorrowedFd<'_>,
+        file_offset: u64,
+    ) -> io::Result<usize> {
+        use std::os::fd::AsRawFd as _;
+        assert!(
+            offset.checked_add(len).is_some_and(|e| e <= self.len),
+            "pread_into out of bounds"
+        );
+        let file_offset = libc::off_t::try_from(file_offset)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "file offset too large"))?;
+        // SAFETY: the destination is `len` bytes inside this mapping (asserted), which lives as
+        // long as `self`; no Rust reference to the mapping exists (the kernel writes it, as a
+        // remote peer could), and `fd` is borrowed, so it stays open for the call.
+        let n = unsafe {
+            libc::pread(
+                fd.as_raw_fd(),
+                self.ptr.as_ptr().add(offset).cast(),
+                len,
+                file_offset,
+            )
+        };
+        usize::try_from(n).map_err(|_| io::Error::last_os_error())
+    }
+
+    /// `pwrite(fd, mapping + offset, len, file_offset)`: the kernel moves bytes from the
+    /// mapping into the file. Returns the bytes written.
+    pub(crate) fn pwrite_from(
+        &self,
+        offset: usize,
+        len: usize,
+        fd: std::os::fd::BorrowedFd<'_>,
+        file_offset: u64,
+    ) -> io::Result<usize> {
+        use std::os::fd::AsRawFd as _;
+        assert!(
+            offset.checked_add(len).is_some_and(|e| e <= self.len),
+            "pwrite_from out of bounds"
+        );
+        let file_offset = libc::off_t::try_from(file_offset)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "file offset too large"))?;
+        // SAFETY: the source is `len` bytes inside this mapping (asserted), alive as long as
+        // `self`; the kernel only reads it, and `fd` is borrowed for the call.
+        let n = unsafe {
+            libc::pwrite(
+                fd.as_raw_fd(),
+                self.ptr.as_ptr().add(offset).cast(),
+                len,
+                file_offset,
+            )
+        };
+        usize::try_from(n).map_err(|_| io::Error::last_os_error())
+    }
+
     /// Ask the kernel not to back this mapping with transparent huge pages.
     pub(crate) fn no_huge_pages(&self) -> io::Result<()> {
         // SAFETY: the range is exactly this mapping, which `self` owns; MADV_NOHUGEPAGE only

@@ -245,6 +245,93 @@ impl SharedMemory {
         }
     }
 
+    /// Fill `offset..offset + len` of this memory from `fd` at `file_offset` by `pread` into
+    /// the mapping itself: with an `O_DIRECT` descriptor of a block device the device DMAs
+    /// straight into this memory (an NVMe reading into a CMB mapping: peer to peer, Linux
+    /// ≥ 6.2), where [`SharedMemory::write_at`] would copy through the CPU. Loops over short
+    /// reads; the end of the file is [`Error::InvalidArgument`]. The kernel's own refusals keep
+    /// their errno (EREMOTEIO: the devices cannot reach each other; EINVAL: alignment or a
+    /// kernel that does not take P2PDMA pages for direct I/O).
+    pub fn fill_from_fd(
+        &self,
+        offset: u64,
+        len: usize,
+        fd: std::os::fd::BorrowedFd<'_>,
+        file_offset: u64,
+    ) -> Result<()> {
+        if !self.writable {
+            return Err(Error::InvalidArgument(
+                "this memory is mapped read-only".into(),
+            ));
+        }
+        let o = self.check(offset, len)?;
+        let mut done = 0;
+        while done < len {
+            let n = self
+                .map
+                .pread_into(o + done, len - done, fd, file_offset + done as u64)
+                .map_err(|e| {
+                    Error::verbs(
+                        Call::Pread,
+                        format!(
+                            "{} bytes at {} into {} memory",
+                            len - done,
+                            file_offset + done as u64,
+                            self.kind
+                        ),
+                        e,
+                    )
+                })?;
+            if n == 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "the file ends before byte {}",
+                    file_offset + len as u64
+                )));
+            }
+            done += n;
+        }
+        Ok(())
+    }
+
+    /// Write `offset..offset + len` of this memory to `fd` at `file_offset` by `pwrite` from
+    /// the mapping itself (the way back of [`SharedMemory::fill_from_fd`]: with `O_DIRECT`, the
+    /// device DMAs out of this memory). Loops over short writes.
+    pub fn drain_to_fd(
+        &self,
+        offset: u64,
+        len: usize,
+        fd: std::os::fd::BorrowedFd<'_>,
+        file_offset: u64,
+    ) -> Result<()> {
+        let o = self.check(offset, len)?;
+        let mut done = 0;
+        while done < len {
+            let n = self
+                .map
+                .pwrite_from(o + done, len - done, fd, file_offset + done as u64)
+                .map_err(|e| {
+                    Error::verbs(
+                        Call::Pwrite,
+                        format!(
+                            "{} bytes from {} memory at {}",
+                            len - done,
+                            self.kind,
+                            file_offset + done as u64
+                        ),
+                        e,
+                    )
+                })?;
+            if n == 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "no byte written at {}",
+                    file_offset + done as u64
+                )));
+            }
+            done += n;
+        }
+        Ok(())
+    }
+
     /// Make what was written to `offset..offset + len` durable: `fdatasync` of a file (the
     /// server's own writes, by [`SharedMemory::write_at`], are in its page cache). Memory that
     /// is not a file has nothing to make durable. Fails with [`Error::FileShrank`] when the

@@ -176,6 +176,21 @@ impl RegionSpec {
                 Arc::new(peermem::cmb::CmbMemory::allocate(sysfs, device, *size).map_err(cfg_err)?),
                 false,
             ),
+            RegionSource::Nvme {
+                path,
+                range,
+                read_only,
+            } => {
+                let mem = peermem::block::BlockStorage::open(
+                    path,
+                    *range,
+                    !read_only,
+                    self.options.via.as_ref(),
+                    sysfs,
+                )
+                .map_err(|e| Error::Config(format!("region '{name}' ({}): {e}", path.display())))?;
+                (Arc::new(mem), *read_only)
+            }
             RegionSource::DmaBuf { size } => (
                 Arc::new(DmaBufMemory::udmabuf(*size).map_err(cfg_err)?),
                 false,
@@ -358,7 +373,10 @@ pub(super) async fn build_region(
     };
     let mut reason = d.reason.clone();
     reason.push_str(&shared_note);
-    if let (Some(before), Some(after)) = (residency_before, provider.residency()) {
+    // (through the trait object: the Arc itself is `Any` too)
+    let pages_move = !(*provider).as_any().is::<peermem::block::BlockStorage>();
+    if let (Some(before), Some(after), true) = (residency_before, provider.residency(), pages_move)
+    {
         reason.push_str(&format!(
             "; pages before registration: {before}; after: {after}"
         ));

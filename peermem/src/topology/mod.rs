@@ -360,6 +360,12 @@ pub struct Report {
     /// (verdict first, then path class, then the kernel's distance).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub best_nics: Vec<BestNic>,
+    /// The storage leg of `nvme` regions staged through a CMB: one entry per NVMe controller
+    /// (the SSD, as the DMA client; in `rdma_device` and `nic_pci`) × other device with
+    /// p2pmem (the CMB): whether the SSD can DMA into it peer to peer. The CMB ↔ NIC and
+    /// SSD ↔ NIC legs are in `pairs`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub storage_pairs: Vec<Pair>,
 }
 
 /// The PCI tree and everything else read from one sysfs root.
@@ -458,6 +464,29 @@ impl Topology {
         }
     }
 
+    /// Every NVMe controller (an SSD: the DMA client) × every other device that publishes
+    /// p2pmem (a CMB: the provider), by the same rule as a NIC × memory pair.
+    pub fn storage_pairs(&self) -> Vec<Pair> {
+        let mems = self.memory_devices();
+        let mut out = Vec::new();
+        for ssd in mems.iter().filter(|d| d.kind() == "nvme") {
+            let client = RdmaDev {
+                name: ssd.nvme.clone().unwrap_or_else(|| ssd.bdf.clone()),
+                software: None,
+                netdev: None,
+                pci: Some(ssd.bdf.clone()),
+                probe: None,
+            };
+            for cmb in mems
+                .iter()
+                .filter(|d| d.p2pmem.is_some() && d.bdf != ssd.bdf)
+            {
+                out.push(self.pair(&client, cmb));
+            }
+        }
+        out
+    }
+
     /// Analyse every RDMA device × memory device.
     pub fn report(&self) -> Report {
         let mems = self.memory_devices();
@@ -488,6 +517,7 @@ impl Topology {
                 .collect(),
             pairs,
             best_nics: Vec::new(),
+            storage_pairs: self.storage_pairs(),
         };
         if report.rdma_devices.len() > 1 {
             report.best_nics = report.best_nics(&[]);

@@ -105,7 +105,24 @@ impl Report {
             },
             self.system.kernel_p2pdma_source
         );
-        for p in &self.pairs {
+        if !self.storage_pairs.is_empty() {
+            o.push_str(
+                "\nStorage through a CMB (nvme regions with via=cmb: the SSD DMAs into the CMB, \
+                 the NIC reads the CMB; the NIC legs are in the matrix above):\n",
+            );
+            for p in &self.storage_pairs {
+                let _ = writeln!(
+                    o,
+                    "  SSD {} ({}) -> CMB {}: {} {}",
+                    p.rdma_device,
+                    p.nic_pci.as_deref().unwrap_or("-"),
+                    p.device_pci,
+                    p.path.map(|c| c.as_str()).unwrap_or("-"),
+                    p.verdict.as_str()
+                );
+            }
+        }
+        for p in self.pairs.iter().chain(&self.storage_pairs) {
             let _ = writeln!(
                 o,
                 "\n{} ({}) -> {} ({}): {} {}",

@@ -1,0 +1,190 @@
+use super::*;
+
+/// A file of `len` patterned bytes in a directory whose file system takes O_DIRECT.
+fn image(len: usize) -> (tempdir::Dir, PathBuf, Vec<u8>) {
+    let dir = tempdir::Dir::new();
+    let path = dir.0.join("ns.img");
+    let bytes: Vec<u8> = (0..len).map(|i| (i * 7 + i / 4096) as u8).collect();
+    std::fs::write(&path, &bytes).unwrap();
+    (dir, path, bytes)
+}
+
+mod tempdir {
+    /// A scratch directory under the target directory (on the build's file system, which
+    /// takes O_DIRECT; tmpfs does not), removed on drop.
+    pub(super) struct Dir(pub(super) std::path::PathBuf);
+    impl Dir {
+        pub(super) fn new() -> Dir {
+            use std::sync::atomic::{AtomicU32, Ordering};
+            static N: AtomicU32 = AtomicU32::new(0);
+            let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../target/block-tests")
+                .join(format!(
+                    "{}-{}",
+                    std::process::id(),
+                    N.fetch_add(1, Ordering::SeqCst)
+                ));
+            std::fs::create_dir_all(&p).unwrap();
+            Dir(p)
+        }
+    }
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+fn open(path: &Path, range: Option<(u64, u64)>, writable: bool) -> BlockStorage {
+    BlockStorage::open(path, range, writable, None, Path::new("/nonexistent-sysfs")).unwrap_or_else(
+        |e| {
+            panic!(
+                "{}: this test needs a file system that takes O_DIRECT: {e}",
+                path.display()
+            )
+        },
+    )
+}
+
+#[test]
+fn reads_any_range_aligned_or_not() {
+    let (_d, path, bytes) = image(3 << 20);
+    let b = open(&path, None, false);
+    assert_eq!(b.len(), 3 << 20);
+    assert!(b.mapping().is_none() && b.holds_data());
+    for (off, len) in [
+        (0, 4096),
+        (1, 10),
+        (4095, 2),
+        (100_000, 1_500_000),
+        (0, 3 << 20),
+        ((3 << 20) - 1, 1),
+    ] {
+        let mut out = vec![0; len];
+        b.copy_out(off as u64, &mut out).unwrap();
+        assert_eq!(out, bytes[off..off + len], "{off}+{len}");
+    }
+    // straight into an aligned buffer: no bounce of its own
+    let mut aligned = HostBuffer::new(1 << 20).unwrap();
+    b.copy_out(1 << 20, aligned.as_mut_slice()).unwrap();
+    assert_eq!(aligned.as_slice(), &bytes[1 << 20..2 << 20]);
+    let e = b.copy_out((3 << 20) - 1, &mut [0; 2]).unwrap_err();
+    assert!(e.to_string().contains("outside"), "{e}");
+    let e = b.copy_in(0, &[1]).unwrap_err();
+    assert!(e.to_string().contains("read-only"), "{e}");
+    assert!(b.residency().unwrap().contains("device → host"));
+    assert!(b.moved()[2] >= 3 << 20);
+}
+
+#[test]
+fn a_range_of_the_device_is_the_region() {
+    let (_d, path, bytes) = image(1 << 20);
+    let b = open(&path, Some((65536, 131072)), false);
+    assert_eq!(b.len(), 131072);
+    let mut out = vec![0; 100];
+    b.copy_out(131072 - 100, &mut out).unwrap();
+    assert_eq!(out, bytes[65536 + 131072 - 100..65536 + 131072]);
+    assert!(b.copy_out(131072 - 99, &mut out).is_err());
+    for bad in [(1, 4096), (0, 4097), (1 << 20, 4096), (0, 0)] {
+        let e = BlockStorage::open(&path, Some(bad), false, None, Path::new("/x")).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{bad:?}: {e}");
+    }
+}
+
+#[test]
+fn writes_patch_partial_blocks_and_keep_their_neighbours() {
+    let (_d, path, mut model) = image(1 << 20);
+    let b = open(&path, None, true);
+    let writes: &[(usize, usize)] = &[
+        (0, 4096),
+        (1, 1),
+        (4000, 200),
+        (8191, 4098),
+        (65536, 300_000),
+        ((1 << 20) - 3, 3),
+    ];
+    for (i, &(off, len)) in writes.iter().enumerate() {
+        let data: Vec<u8> = (0..len).map(|j| (j as u8) ^ (0xa5 + i as u8)).collect();
+        b.copy_in(off as u64, &data).unwrap();
+        model[off..off + len].copy_from_slice(&data);
+    }
+    b.sync(0, 1 << 20).unwrap();
+    let mut out = vec![0; 1 << 20];
+    b.copy_out(0, &mut out).unwrap();
+    assert!(out == model, "the device differs from the model");
+    assert_eq!(std::fs::read(&path).unwrap(), model);
+}
+
+#[test]
+fn concurrent_puts_that_share_a_block_lose_nothing() {
+    let (_d, path, mut model) = image(64 << 10);
+    let b = Arc::new(open(&path, None, true));
+    // 16 writers, each owning 256 interleaved bytes of the same four blocks
+    let hs: Vec<_> = (0..16u8)
+        .map(|t| {
+            let b = Arc::clone(&b);
+            std::thread::spawn(move || {
+                for round in 0..20u8 {
+                    for blk in 0..4u64 {
+                        let at = blk * 4096 + t as u64 * 256;
+                        b.copy_in(at, &[t ^ round; 256]).unwrap();
+                    }
+                }
+            })
+        })
+        .collect();
+    for h in hs {
+        h.join().unwrap();
+    }
+    for t in 0..16usize {
+        for blk in 0..4 {
+            let at = blk * 4096 + t * 256;
+            model[at..at + 256].fill(t as u8 ^ 19);
+        }
+    }
+    let mut out = vec![0; 64 << 10];
+    b.copy_out(0, &mut out).unwrap();
+    assert!(out == model, "a writer's bytes were lost");
+}
+
+#[test]
+fn a_cmb_that_cannot_be_had_leaves_host_staging_and_says_why() {
+    let (_d, path, bytes) = image(1 << 20);
+    let via = ViaCmb {
+        device: "nvme9".into(),
+        size: 4 << 20,
+    };
+    let sysfs = tempdir::Dir::new();
+    let b = BlockStorage::open(&path, None, true, Some(&via), &sysfs.0).unwrap();
+    let plan = b.legs_plan();
+    assert!(
+        plan.contains("no CMB staging ring") && plan.contains("nvme9"),
+        "{plan}"
+    );
+    assert!(b.no_mapping_reason().unwrap().contains(&plan));
+    let mut out = vec![0; 5000];
+    b.copy_out(3, &mut out).unwrap();
+    assert_eq!(out, bytes[3..5003]);
+    assert_eq!(b.moved()[0], 0, "nothing went through a CMB");
+}
+
+#[test]
+fn what_is_not_storage_is_refused_with_the_reason() {
+    let e = BlockStorage::open(
+        Path::new("/nonexistent/ns"),
+        None,
+        false,
+        None,
+        Path::new("/sys"),
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("open(O_DIRECT)"), "{e}");
+    let e = BlockStorage::open(Path::new("/dev/null"), None, false, None, Path::new("/sys"))
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("neither a block device nor a regular file")
+            || e.to_string().contains("O_DIRECT"),
+        "{e}"
+    );
+}

@@ -1,0 +1,297 @@
+//! Lab tests of block-storage regions (`nvme:`): the lab's switch and iommu topologies put an
+//! SSD (an NVMe without a CMB, serial `p2plabssd`, a fresh image per run) on the PCIe switch
+//! beside the NVMe with a CMB and the NIC.
+
+mod common;
+
+use std::os::unix::fs::FileExt;
+
+use common::*;
+use p2p_rdma::bridge::protocol::{DataPath, ErrorCode};
+use p2p_rdma::bridge::{Client, ClientConfig};
+
+/// The namespace of the controller whose serial is `serial` (`/dev/nvme2n1`).
+fn namespace_of(serial: &str) -> String {
+    let topo = std::env::var("P2P_LAB_TOPOLOGY").unwrap_or_default();
+    let blocks = std::fs::read_dir("/sys/block").expect("/sys/block");
+    let mut names: Vec<String> = blocks
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("nvme"))
+        .collect();
+    names.sort();
+    for n in &names {
+        // the namespace's device is its controller, or with multipath its subsystem: both
+        // have the serial
+        let s =
+            std::fs::read_to_string(format!("/sys/block/{n}/device/serial")).unwrap_or_default();
+        if s.trim() == serial {
+            return format!("/dev/{n}");
+        }
+    }
+    panic!(
+        "no NVMe namespace with serial {serial} among {names:?}: this test needs the lab's switch \
+         or iommu topology (now: '{topo}')"
+    )
+}
+
+/// The controller (`nvme0`) whose serial is `serial`.
+fn controller_of(serial: &str) -> String {
+    for e in std::fs::read_dir("/sys/class/nvme")
+        .expect("/sys/class/nvme")
+        .flatten()
+    {
+        let s = std::fs::read_to_string(e.path().join("serial")).unwrap_or_default();
+        if s.trim() == serial {
+            return e.file_name().to_string_lossy().into_owned();
+        }
+    }
+    panic!("no NVMe controller with serial {serial}: this test needs the lab's switch topology")
+}
+
+/// Write `img` at 0 on `dev` and make it durable, then drop the page cache, so that what
+/// the server reads comes from the device.
+fn write_image(dev: &str, img: &[u8]) {
+    let f = std::fs::OpenOptions::new().write(true).open(dev).unwrap();
+    f.write_all_at(img, 0).unwrap();
+    f.sync_all().unwrap();
+    std::fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
+}
+
+/// `len` bytes at `offset` of `dev` as `dd iflag=direct` reads them.
+fn dd_direct(dev: &str, offset: u64, len: u64) -> Vec<u8> {
+    assert!(offset % 4096 == 0 && len % 4096 == 0);
+    let out = std::process::Command::new("dd")
+        .args([
+            &format!("if={dev}"),
+            "of=/dev/stdout",
+            "bs=4096",
+            &format!("skip={}", offset / 4096),
+            &format!("count={}", len / 4096),
+            "iflag=direct",
+            "status=none",
+        ])
+        .output()
+        .expect("dd");
+    assert!(
+        out.status.success(),
+        "dd: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out.stdout
+}
+
+/// The page cache, in KiB (`Cached:` of /proc/meminfo).
+fn cached_kib() -> u64 {
+    let m = std::fs::read_to_string("/proc/meminfo").unwrap();
+    m.lines()
+        .find_map(|l| l.strip_prefix("Cached:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+fn client(addr: std::net::SocketAddr) -> ClientConfig {
+    let mut c = ClientConfig::new(addr.to_string(), TOKEN);
+    c.chunk = 256 << 10;
+    c
+}
+
+/// Deterministic (offset, len) pairs inside `size`, some aligned, most not.
+fn ranges(size: u64, n: usize) -> Vec<(u64, u64)> {
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    (0..n)
+        .map(|i| {
+            let len = 1 + next() % (3 << 20);
+            let off = next() % (size - len);
+            if i % 4 == 0 {
+                (off / 4096 * 4096, len.div_ceil(4096) * 4096)
+            } else {
+                (off, len)
+            }
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_nvme_region_serves_the_ssd_by_direct_io_and_puts_reach_it() {
+    let dev = namespace_of("p2plabssd");
+    let size: u64 = 16 << 20;
+    let mut model = data(size as usize, 31);
+    write_image(&dev, &model);
+    let s = start(
+        &[
+            &format!("data=nvme:{dev}:0:16M"),
+            &format!("ro=nvme:{dev}:16M:4M:ro"),
+        ],
+        |c| c.bounce_chunk = 256 << 10,
+    )
+    .await;
+    let mut c = Client::connect(client(s.addr)).await.unwrap();
+    let list = c.list().await.unwrap();
+    let info = list.iter().find(|r| r.name == "data").unwrap();
+    assert_eq!(
+        (info.kind.as_str(), info.path),
+        ("nvme", DataPath::Bounce),
+        "{info:?}"
+    );
+    assert!(
+        info.reason.contains("a NIC cannot address block storage")
+            && info.reason.contains("device → host staging by direct I/O")
+            && info.reason.contains("made durable"),
+        "{}",
+        info.reason
+    );
+    assert!(info.server_puts, "{info:?}");
+    // fetches of any range return the image, and the page cache does not grow with them
+    let h = c.open("data", true).await.unwrap();
+    let cached = cached_kib();
+    let mut fetched = 0;
+    for (off, len) in ranges(size, 12) {
+        let mut sink = Vec::new();
+        let r = c
+            .fetch(&h, off, len, &mut sink, true, &mut |_| {})
+            .await
+            .unwrap();
+        assert!(
+            r.verified && sink == model[off as usize..(off + len) as usize],
+            "{off}+{len}"
+        );
+        fetched += len;
+    }
+    let grown = cached_kib().saturating_sub(cached);
+    assert!(
+        grown < fetched / 1024 / 4,
+        "the page cache grew by {grown} KiB for {} KiB fetched: the server read through it",
+        fetched / 1024
+    );
+    // puts, aligned or not, are on the device when acknowledged, and a fetch sees them
+    for (i, (off, len)) in [
+        (12_345u64, 300_000u64),
+        (1 << 20, 1 << 20),
+        (size - 100, 100),
+        (4095, 2),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let d = data(len as usize, 100 + i as u32);
+        let r = c
+            .put(&h, off, &mut d.as_slice(), None, true, &mut |_| {})
+            .await
+            .unwrap();
+        assert!(r.verified);
+        model[off as usize..(off + len) as usize].copy_from_slice(&d);
+        let (a0, a1) = (off / 4096 * 4096, (off + len).div_ceil(4096) * 4096);
+        assert!(
+            dd_direct(&dev, a0, a1 - a0) == model[a0 as usize..a1 as usize],
+            "put {off}+{len} is not on the device"
+        );
+        let mut sink = Vec::new();
+        c.fetch(&h, off, len, &mut sink, true, &mut |_| {})
+            .await
+            .unwrap();
+        assert!(
+            sink == d,
+            "a fetch after the put {off}+{len} did not see it"
+        );
+    }
+    // the read-only range: served, puts refused, its bytes untouched
+    let ro = c.open("ro", false).await.unwrap();
+    let e = c
+        .put(&ro, 0, &mut &[1u8; 4096][..], None, false, &mut |_| {})
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::ReadOnly), "{e}");
+    let info = c
+        .list()
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|r| r.name == "data")
+        .unwrap();
+    let moved = info.residency.unwrap_or_default();
+    assert!(
+        moved.contains("device → CMB 0.0 MiB") && !moved.contains("device → host 0.0"),
+        "{moved}"
+    );
+    c.bye().await.unwrap();
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_nvme_region_through_a_cmb_proves_each_leg_or_names_the_refusal() {
+    let dev = namespace_of("p2plabssd");
+    let cmb = controller_of("p2plab0");
+    let size: u64 = 8 << 20;
+    let mut model = data(size as usize, 47);
+    write_image(&dev, &model);
+    let s = start(&[&format!("d=nvme:{dev}:0:8M,via=cmb:{cmb}:2M")], |c| {
+        c.bounce_chunk = 256 << 10
+    })
+    .await;
+    let mut c = Client::connect(client(s.addr)).await.unwrap();
+    let info = c.list().await.unwrap().remove(0);
+    eprintln!("reason: {}", info.reason);
+    let kernel = std::env::var("P2P_LAB_KERNEL").unwrap_or_default();
+    let through_cmb = info.reason.contains("device → CMB: peer to peer, verified");
+    if kernel == "6.12" {
+        assert!(
+            info.reason.contains("no CMB staging ring")
+                && info.reason.contains("CONFIG_PCI_P2PDMA"),
+            "{}",
+            info.reason
+        );
+    } else {
+        assert!(
+            through_cmb
+                || info.reason.contains(
+                    "device → CMB: through host memory (O_DIRECT read into the CMB: pread"
+                ),
+            "{}",
+            info.reason
+        );
+    }
+    let h = c.open("d", true).await.unwrap();
+    for (off, len) in ranges(size, 6) {
+        let mut sink = Vec::new();
+        c.fetch(&h, off, len, &mut sink, true, &mut |_| {})
+            .await
+            .unwrap();
+        assert!(
+            sink == model[off as usize..(off + len) as usize],
+            "{off}+{len}"
+        );
+    }
+    let d = data(700_001, 9);
+    c.put(&h, 5000, &mut d.as_slice(), None, true, &mut |_| {})
+        .await
+        .unwrap();
+    model[5000..5000 + d.len()].copy_from_slice(&d);
+    assert!(
+        dd_direct(&dev, 0, 1 << 20) == model[..1 << 20],
+        "the put is not on the device"
+    );
+    let moved = c
+        .list()
+        .await
+        .unwrap()
+        .remove(0)
+        .residency
+        .unwrap_or_default();
+    eprintln!("moved: {moved}");
+    if through_cmb {
+        assert!(!moved.contains("device → CMB 0.0 MiB"), "{moved}");
+    } else {
+        assert!(moved.contains("device → CMB 0.0 MiB"), "{moved}");
+    }
+    c.bye().await.unwrap();
+    s.stop().await;
+}
