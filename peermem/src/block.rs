@@ -50,6 +50,8 @@ pub struct BlockStorage {
     via: Option<Ring>,
     /// Why there is no ring although one was asked for.
     via_refused: Option<String>,
+    /// What the NIC's registration attempts on the ring found (set by the server).
+    nic_leg: Mutex<Option<String>>,
     moved: Moved,
 }
 
@@ -69,7 +71,7 @@ struct Moved {
 /// A ring of staging slots in a CMB, and what its legs were proved to do.
 #[derive(Debug)]
 struct Ring {
-    cmb: CmbMemory,
+    cmb: Arc<CmbMemory>,
     slot: u64,
     free: Mutex<Vec<u64>>,
     /// Device → CMB works (else why not).
@@ -192,6 +194,7 @@ impl BlockStorage {
             rmw: Mutex::new(()),
             via: None,
             via_refused: None,
+            nic_leg: Mutex::new(None),
             moved: Moved::default(),
         };
         if let Some(v) = via {
@@ -260,11 +263,24 @@ impl BlockStorage {
         let slots = (cmb.len() / slot).max(1);
         Ok(Ring {
             free: Mutex::new((0..slots).rev().map(|i| i * slot).collect()),
-            cmb,
+            cmb: Arc::new(cmb),
             slot,
             read,
             write,
         })
+    }
+
+    /// The CMB ring's memory, for the server to try registering on its NIC (the CMB → NIC
+    /// leg); None without a ring.
+    pub fn ring(&self) -> Option<Arc<dyn Provider>> {
+        self.via
+            .as_ref()
+            .map(|r| Arc::clone(&r.cmb) as Arc<dyn Provider>)
+    }
+
+    /// Record what registering the ring on the NIC found, for the legs' report.
+    pub fn set_nic_leg(&self, what: String) {
+        *lock(&self.nic_leg) = Some(what);
     }
 
     /// The logical block size.
@@ -558,10 +574,12 @@ impl BlockStorage {
                     Err(why) => format!("{p2p}: through host memory ({why})"),
                 };
                 format!(
-                    "{}; {}; CMB → NIC: the CPU copies each slot to host staging (the NIC \
-                     reading the ring itself is not built)",
+                    "{}; {}; CMB → NIC: {}: the CPU copies each slot to host staging",
                     leg(&r.read, "device → CMB"),
-                    leg(&r.write, "CMB → device")
+                    leg(&r.write, "CMB → device"),
+                    lock(&self.nic_leg)
+                        .clone()
+                        .unwrap_or_else(|| "not tried".into())
                 )
             }
         }
