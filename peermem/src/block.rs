@@ -213,8 +213,9 @@ impl BlockStorage {
     /// the CMB must give the bytes a read into host memory gives; a write of those same bytes
     /// back from the CMB must read back unchanged (the device's bytes stay what they were).
     fn prove_ring(&self, cmb: CmbMemory) -> Result<Ring, Error> {
-        let slot = (PIECE.min(cmb.len()) / self.block) * self.block;
-        if slot == 0 {
+        // eight slots (at most 1 MiB each), so that several requests use the ring at once
+        let slot = ((cmb.len() / 8).min(PIECE) / self.block * self.block).max(self.block);
+        if slot > cmb.len() {
             return Err(Error::InvalidArgument(format!(
                 "the CMB ring ({} bytes) is smaller than one {}-byte block",
                 cmb.len(),
@@ -268,6 +269,23 @@ impl BlockStorage {
             read,
             write,
         })
+    }
+
+    /// `len` bytes at region offset `offset`, cut at multiples of the piece size (a ring slot,
+    /// else [`PIECE`]) on the device: (device offset, range in the caller's buffer). The blocks
+    /// covering a piece never span more than one piece, so each fits a ring slot.
+    fn pieces(&self, offset: u64, len: usize) -> Vec<(u64, std::ops::Range<usize>)> {
+        let piece = self.via.as_ref().map_or(PIECE, |r| r.slot);
+        let start = self.base + offset;
+        let end = start + len as u64;
+        let mut out = Vec::new();
+        let mut at = start;
+        while at < end {
+            let next = ((at / piece + 1) * piece).min(end);
+            out.push((at, (at - start) as usize..(next - start) as usize));
+            at = next;
+        }
+        out
     }
 
     /// The CMB ring's memory, for the server to try registering on its NIC (the CMB → NIC
@@ -338,11 +356,14 @@ impl BlockStorage {
         (a0, a1)
     }
 
-    /// A free ring slot whose leg (`write`: CMB → device) was proved.
-    fn take_slot(&self, write: bool) -> Option<(&Ring, u64)> {
+    /// A free ring slot for `span` bytes whose leg (`write`: CMB → device) was proved.
+    fn take_slot(&self, write: bool, span: u64) -> Option<(&Ring, u64)> {
         let ring = self.via.as_ref()?;
         let ok = if write { &ring.write } else { &ring.read };
         ok.as_ref().ok()?;
+        if span > ring.slot {
+            return None;
+        }
         let slot = lock(&ring.free).pop()?;
         Some((ring, slot))
     }
@@ -356,7 +377,7 @@ impl BlockStorage {
         let (a0, a1) = self.cover(at, out.len() as u64);
         let span = (a1 - a0) as usize;
         let skip = (at - a0) as usize;
-        if let Some((ring, slot)) = self.take_slot(false).filter(|(r, _)| span as u64 <= r.slot) {
+        if let Some((ring, slot)) = self.take_slot(false, span as u64) {
             let mem = cmb_mem(ring);
             let r = mem
                 .fill_from_fd(slot, span, self.fd(), a0)
@@ -390,7 +411,7 @@ impl BlockStorage {
         let edges = self.edges(skip, data.len(), span);
         // a partly covered block is read, patched and written under the lock
         let _rmw = (!edges.is_empty()).then(|| lock(&self.rmw));
-        if let Some((ring, slot)) = self.take_slot(true).filter(|(r, _)| span as u64 <= r.slot) {
+        if let Some((ring, slot)) = self.take_slot(true, span as u64) {
             let mem = cmb_mem(ring);
             let fd = self.fd();
             let r = edges
@@ -502,10 +523,8 @@ impl Provider for BlockStorage {
     }
     fn no_mapping_reason(&self) -> Option<String> {
         Some(format!(
-            "the bytes live on {}: a NIC cannot address block storage, so they are staged \
-             ({})",
-            self.path.display(),
-            self.legs_plan()
+            "the bytes live on {}: a NIC cannot address block storage, so they are staged",
+            self.path.display()
         ))
     }
     fn dmabuf(&self) -> Option<(BorrowedFd<'_>, u64)> {
@@ -516,8 +535,8 @@ impl Provider for BlockStorage {
     }
     fn copy_out(&self, offset: u64, out: &mut [u8]) -> Result<(), Error> {
         check_range("region", offset, out.len() as u64, self.len)?;
-        for (i, piece) in out.chunks_mut(PIECE as usize).enumerate() {
-            self.read_piece(self.base + offset + i as u64 * PIECE, piece)?;
+        for (at, range) in self.pieces(offset, out.len()) {
+            self.read_piece(at, &mut out[range])?;
         }
         Ok(())
     }
@@ -529,8 +548,8 @@ impl Provider for BlockStorage {
             )));
         }
         check_range("region", offset, data.len() as u64, self.len)?;
-        for (i, piece) in data.chunks(PIECE as usize).enumerate() {
-            self.write_piece(self.base + offset + i as u64 * PIECE, piece)?;
+        for (at, range) in self.pieces(offset, data.len()) {
+            self.write_piece(at, &data[range])?;
         }
         Ok(())
     }

@@ -402,7 +402,13 @@ pub(super) async fn build_region(
     let mut reason = d.reason.clone();
     reason.push_str(&shared_note);
     // (through the trait object: the Arc itself is `Any` too)
-    let pages_move = !(*provider).as_any().is::<peermem::block::BlockStorage>();
+    let block = (*provider)
+        .as_any()
+        .downcast_ref::<peermem::block::BlockStorage>();
+    if let Some(b) = block {
+        reason.push_str(&format!("; legs: {}", b.legs_plan()));
+    }
+    let pages_move = block.is_none();
     if let (Some(before), Some(after), true) = (residency_before, provider.residency(), pages_move)
     {
         reason.push_str(&format!(

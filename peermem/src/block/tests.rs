@@ -161,7 +161,10 @@ fn a_cmb_that_cannot_be_had_leaves_host_staging_and_says_why() {
         plan.contains("no CMB staging ring") && plan.contains("nvme9"),
         "{plan}"
     );
-    assert!(b.no_mapping_reason().unwrap().contains(&plan));
+    assert!(b
+        .no_mapping_reason()
+        .unwrap()
+        .contains("a NIC cannot address block storage"));
     let mut out = vec![0; 5000];
     b.copy_out(3, &mut out).unwrap();
     assert_eq!(out, bytes[3..5003]);
@@ -186,5 +189,105 @@ fn what_is_not_storage_is_refused_with_the_reason() {
             .contains("neither a block device nor a regular file")
             || e.to_string().contains("O_DIRECT"),
         "{e}"
+    );
+}
+
+#[test]
+fn requests_are_cut_at_piece_boundaries_of_the_device() {
+    let (_d, path, _) = image(4 << 20);
+    let b = open(&path, Some((4096, 3 << 20)), false);
+    let p = b.pieces(4095, (2 << 20) + 10);
+    let starts: Vec<u64> = p.iter().map(|(at, _)| *at).collect();
+    // device offsets 8191.. cut at 1 MiB and 2 MiB of the device
+    assert_eq!(starts, [8191, 1 << 20, 2 << 20]);
+    assert_eq!(p[0].1, 0..(1 << 20) - 8191);
+    assert_eq!(p.last().unwrap().1.end, (2 << 20) + 10);
+    for w in p.windows(2) {
+        assert_eq!(w[0].1.end, w[1].1.start);
+    }
+    for (at, r) in &p {
+        let (a0, a1) = b.cover(*at, r.len() as u64);
+        assert!(a1 - a0 <= PIECE, "{at}+{}", r.len());
+    }
+}
+
+/// A stand-in sysfs with one PCI device publishing `size` bytes of p2pmem, whose `allocate`
+/// is a plain file (an mmap of it is ordinary shared memory): the ring's logic, without a CMB.
+fn fake_p2pmem(size: u64) -> tempdir::Dir {
+    let root = tempdir::Dir::new();
+    let dir = root.0.join("bus/pci/devices/0000:03:00.0/p2pmem");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("size"), format!("{size}\n")).unwrap();
+    std::fs::write(dir.join("available"), format!("{size}\n")).unwrap();
+    std::fs::write(dir.join("published"), "1\n").unwrap();
+    let f = std::fs::File::create(dir.join("allocate")).unwrap();
+    f.set_len(size).unwrap();
+    root
+}
+
+#[test]
+fn a_ring_carries_every_byte_of_fetches_and_puts_and_slots_come_back() {
+    let (_d, path, mut model) = image(4 << 20);
+    let sysfs = fake_p2pmem(2 << 20);
+    let via = ViaCmb {
+        device: "0000:03:00.0".into(),
+        size: 2 << 20,
+    };
+    let b = BlockStorage::open(&path, None, true, Some(&via), &sysfs.0).unwrap();
+    let plan = b.legs_plan();
+    assert!(
+        plan.contains("device → CMB: peer to peer, verified")
+            && plan.contains("CMB → device: peer to peer, verified")
+            && plan.contains("CMB → NIC: not tried"),
+        "{plan}"
+    );
+    assert!(b.ring().is_some());
+    // unaligned and larger than a slot (256 KiB): cut at slot boundaries, each through the ring
+    for (off, len) in [
+        (1usize, 3 << 20),
+        (4095, 300_000),
+        (0, 4096),
+        ((4 << 20) - 7, 7),
+    ] {
+        let mut out = vec![0; len];
+        b.copy_out(off as u64, &mut out).unwrap();
+        assert!(out == model[off..off + len], "{off}+{len}");
+    }
+    for (i, (off, len)) in [(5000usize, 700_001usize), (1 << 20, 1 << 20), (3, 2)]
+        .into_iter()
+        .enumerate()
+    {
+        let d: Vec<u8> = (0..len).map(|j| (j * 3 + i) as u8).collect();
+        b.copy_in(off as u64, &d).unwrap();
+        model[off..off + len].copy_from_slice(&d);
+    }
+    assert_eq!(std::fs::read(&path).unwrap(), model);
+    let [dc, cd, dh, hd] = b.moved();
+    assert!(dc > 3 << 20 && cd > 1 << 20, "{:?}", b.moved());
+    assert_eq!((dh, hd), (0, 0), "nothing went through host memory");
+    // every slot is free again
+    let ring = b.via.as_ref().unwrap();
+    assert_eq!(lock(&ring.free).len() as u64, (2 << 20) / ring.slot);
+}
+
+#[test]
+fn a_read_only_region_never_tries_the_write_leg() {
+    let (_d, path, bytes) = image(1 << 20);
+    let sysfs = fake_p2pmem(1 << 20);
+    let via = ViaCmb {
+        device: "0000:03:00.0".into(),
+        size: 1 << 20,
+    };
+    let b = BlockStorage::open(&path, None, false, Some(&via), &sysfs.0).unwrap();
+    assert!(b
+        .legs_plan()
+        .contains("CMB → device: through host memory (the region is read-only)"));
+    let mut out = vec![0; 10_000];
+    b.copy_out(77, &mut out).unwrap();
+    assert_eq!(out, bytes[77..10_077]);
+    assert_eq!(
+        std::fs::read(&path).unwrap(),
+        bytes,
+        "the device was not written"
     );
 }
