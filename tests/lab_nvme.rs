@@ -306,4 +306,30 @@ async fn lab_nvme_region_through_a_cmb_proves_each_leg_or_names_the_refusal() {
     }
     c.bye().await.unwrap();
     s.stop().await;
+    // doctor says the same of each leg
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_p2p-rdma"))
+        .args([
+            "doctor",
+            "--region",
+            &format!("nvme:{dev}:0:8M,via=cmb:{cmb}:2M"),
+            "--json",
+        ])
+        .args(["--device", &std::env::var("P2P_RDMA_DEVICE").unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    let v: serde_json::Value =
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {err}"));
+    let legs = v["legs"].as_str().unwrap_or_else(|| panic!("no legs: {v}"));
+    assert_eq!(v["memory"], "nvme", "{v}");
+    assert!(v["residency_before"].is_null(), "{v}");
+    if kernel == "6.12" {
+        assert!(legs.contains("no CMB staging ring"), "{legs}");
+    } else {
+        assert!(
+            legs.contains("device → CMB: peer to peer, verified")
+                && legs.contains("CMB → NIC: the NIC cannot reach the ring ("),
+            "{legs}"
+        );
+    }
 }

@@ -165,13 +165,21 @@ pub(crate) async fn doctor(
         Some((p, b)) => (Some(p), b),
         None => (None, None),
     };
-    let residency_before = provider.residency();
+    let block = (*provider)
+        .as_any()
+        .downcast_ref::<peermem::block::BlockStorage>();
+    if let Some((b, ring)) = block.and_then(|b| b.ring().map(|r| (b, r))) {
+        b.set_nic_leg(bridge::path::ring_nic_leg(&pd, &ring, reg).await);
+    }
+    let legs = block.map(|b| b.legs_plan());
+    // block storage moves no pages: its residency is the bytes each leg moved
+    let residency_before = provider.residency().filter(|_| block.is_none());
     let (mut planned, segments) = bridge::path::decide_segments(&pd, &provider, choice)
         .await
         .map_err(|r| anyhow::anyhow!("{r}"))?;
     let segments = bridge::path::prove_segments(&pd, &provider, &mut planned, segments).await;
     let direct_len = segments.direct_len;
-    let residency_after = provider.residency();
+    let residency_after = provider.residency().filter(|_| block.is_none());
     let window_proof = match peermem::hmm::DevicePrivate::of(&*provider) {
         Some(dp) if dp.window_size() > 0 => {
             Some(peermem::plan::prove_window(&pd, dp, choice.reg, choice.p2p).await)
@@ -200,6 +208,7 @@ pub(crate) async fn doctor(
                 "residency_before": residency_before,
                 "residency_after": residency_after,
                 "window": window_proof,
+                "legs": legs,
             })
         ))?;
     } else {
@@ -240,6 +249,9 @@ pub(crate) async fn doctor(
         }
         if let Some(r) = &residency_after {
             o.push_str(&format!("  residency after the attempts: {r}\n"));
+        }
+        if let Some(l) = &legs {
+            o.push_str(&format!("  legs: {l}\n"));
         }
         if let Some(w) = &window_proof {
             o.push_str("  P2P window, on the mapping of one unit:\n");

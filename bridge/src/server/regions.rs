@@ -249,26 +249,6 @@ pub(super) async fn build_regions(cfg: &ServerConfig) -> Result<(RegionTable, Ni
     Ok((table, nics))
 }
 
-/// Whether the NIC can reach an `nvme` region's CMB staging ring (the last leg of SSD → CMB →
-/// NIC): the same registration attempts and canaries as a region's.
-async fn nic_leg(
-    pd: &verbs::ProtectionDomain,
-    ring: &Arc<dyn Provider>,
-    cfg: &ServerConfig,
-) -> String {
-    let choice =
-        RegionOptions::default().choice(ring.len(), cfg.reg, peermem::plan::P2pPolicy::Preferred);
-    match crate::path::decide_path(pd, ring, choice).await {
-        Ok(p) if p.decision.path == PathKind::Direct => format!(
-            "the NIC reaches the ring ({}, proved by a canary), but serving the NIC from the \
-             ring is not built",
-            p.decision.mode.map(|m| m.to_string()).unwrap_or_default()
-        ),
-        Ok(p) => format!("the NIC cannot reach the ring ({})", p.decision.reason),
-        Err(r) => format!("the NIC cannot reach the ring ({r})"),
-    }
-}
-
 /// Decide one region's path on the device that serves it and, with memory windows, register
 /// its direct part there once.
 pub(super) async fn build_region(
@@ -289,7 +269,7 @@ pub(super) async fn build_region(
         .downcast_ref::<peermem::block::BlockStorage>()
     {
         if let Some(ring) = block.ring() {
-            block.set_nic_leg(nic_leg(pd, &ring, cfg).await);
+            block.set_nic_leg(crate::path::ring_nic_leg(pd, &ring, cfg.reg).await);
         }
     }
     let choice = opts.choice(len, cfg.reg, cfg.p2p);
