@@ -1,6 +1,7 @@
 //! Aggregate fetch throughput of N concurrent clients in one process: each its own
-//! connection, QP and registered buffer, all connected and opened first, then all started at
-//! once on their share of the same bytes (`fetch_into`, zero-copy). The transfer's wall time is
+//! connection, QP and registered buffer, all connected and opened first (one after the
+//! other), then all started at once on their share of the same bytes (`fetch_into`,
+//! zero-copy). The transfer's wall time is
 //! measured apart from the set-up, so the figure is the server's and the wire's, not N process
 //! start-ups.
 //!
@@ -32,24 +33,21 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         return Err(format!("{mib} MiB cannot be shared by {n} clients").into());
     }
     let token = std::fs::read_to_string(&args[1])?.trim().to_string();
-    // set-up: every client connected, the region opened, its buffer registered
+    // set-up, one client after the other (a burst of N handshakes is not what is measured):
+    // every client connected, the region opened, its buffer registered
     let t = Instant::now();
-    let mut set = tokio::task::JoinSet::new();
-    for k in 0..n {
-        let (addr, token, region) = (args[0].clone(), token.clone(), args[2].clone());
-        set.spawn(async move {
-            let mut c = Client::connect(ClientConfig::new(addr, token)).await?;
-            let r = c.open(&region, false).await?;
-            if r.info.size < total {
-                return Err(format!("region '{region}' holds less than {mib} MiB").into());
-            }
-            let buf = c.buffer(share as usize).await?;
-            Ok::<_, Box<dyn std::error::Error + Send + Sync>>((k, c, r, buf))
-        });
-    }
     let mut clients = Vec::new();
-    while let Some(j) = set.join_next().await {
-        clients.push(j?.map_err(|e| e.to_string())?);
+    for k in 0..n {
+        let step = |e: &dyn std::fmt::Display| format!("client {} of {n}: {e}", k + 1);
+        let mut c = Client::connect(ClientConfig::new(args[0].clone(), token.clone()))
+            .await
+            .map_err(|e| step(&e))?;
+        let r = c.open(&args[2], false).await.map_err(|e| step(&e))?;
+        if r.info.size < total {
+            return Err(format!("region '{}' holds less than {mib} MiB", args[2]).into());
+        }
+        let buf = c.buffer(share as usize).await.map_err(|e| step(&e))?;
+        clients.push((k, c, r, buf));
     }
     let setup = t.elapsed().as_secs_f64();
     let mut rates = Vec::new();
@@ -63,7 +61,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 let landed = c
                     .fetch_into(&r, k * share, share, buf, 0)
                     .await
-                    .map_err(|e| e.to_string())?;
+                    .map_err(|e| format!("client {}: {e}", k + 1))?;
                 Ok::<_, String>((k, c, r, landed.buffer))
             });
         }
