@@ -261,6 +261,11 @@ memory = "host:64M"
 name = "cmb"
 memory = "cmb:nvme0:16M"
 p2p = "required"
+
+[[region]]
+name = "data"
+memory = "nvme:/dev/nvme1n1:0:16G"
+via = "cmb:nvme0:64M"
 "#;
 
     #[test]
@@ -272,11 +277,25 @@ p2p = "required"
         assert_eq!(c.bounce_depth, Some(4));
         assert_eq!(c.max_connections, Some(128));
         assert_eq!(c.drain_timeout_secs, Some(30));
-        assert_eq!(c.regions.len(), 2);
+        assert_eq!(c.regions.len(), 3);
         assert_eq!(
             c.regions[1].options.p2p,
             Some(peermem::plan::P2pPolicy::Required)
         );
+        assert_eq!(
+            c.regions[2].options.via,
+            Some(peermem::block::ViaCmb {
+                device: "nvme0".into(),
+                size: 64 << 20
+            })
+        );
+        // via= on memory that is not block storage is refused with the line
+        let bad = GOOD.replace(
+            "memory = \"host:64M\"",
+            "memory = \"host:64M\"\nvia = \"cmb:nvme0:1M\"",
+        );
+        let e = parse(Path::new("serve.toml"), &bad).unwrap_err();
+        assert!(e.0.contains("only nvme regions"), "{}", e.0);
     }
 
     #[test]
