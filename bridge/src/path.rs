@@ -236,6 +236,27 @@ pub async fn prove_segments(
     }
 }
 
+/// Whether the NIC can reach an `nvme` region's CMB staging ring (the last leg of SSD → CMB →
+/// NIC): the same registration attempts and canaries as a region's. One line for the legs'
+/// report.
+pub async fn ring_nic_leg(
+    pd: &ProtectionDomain,
+    ring: &Arc<dyn Provider>,
+    reg: RegChoice,
+) -> String {
+    let choice =
+        crate::spec::RegionOptions::default().choice(ring.len(), reg, P2pPolicy::Preferred);
+    match decide_path(pd, ring, choice).await {
+        Ok(p) if p.decision.path == peermem::plan::PathKind::Direct => format!(
+            "the NIC reaches the ring ({}, proved by a canary), but serving the NIC from the \
+             ring is not built",
+            p.decision.mode.map(|m| m.to_string()).unwrap_or_default()
+        ),
+        Ok(p) => format!("the NIC cannot reach the ring ({})", p.decision.reason),
+        Err(r) => format!("the NIC cannot reach the ring ({r})"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -308,26 +329,5 @@ mod tests {
                 100
             )
         );
-    }
-}
-
-/// Whether the NIC can reach an `nvme` region's CMB staging ring (the last leg of SSD → CMB →
-/// NIC): the same registration attempts and canaries as a region's. One line for the legs'
-/// report.
-pub async fn ring_nic_leg(
-    pd: &ProtectionDomain,
-    ring: &Arc<dyn Provider>,
-    reg: RegChoice,
-) -> String {
-    let choice =
-        crate::spec::RegionOptions::default().choice(ring.len(), reg, P2pPolicy::Preferred);
-    match decide_path(pd, ring, choice).await {
-        Ok(p) if p.decision.path == peermem::plan::PathKind::Direct => format!(
-            "the NIC reaches the ring ({}, proved by a canary), but serving the NIC from the \
-             ring is not built",
-            p.decision.mode.map(|m| m.to_string()).unwrap_or_default()
-        ),
-        Ok(p) => format!("the NIC cannot reach the ring ({})", p.decision.reason),
-        Err(r) => format!("the NIC cannot reach the ring ({r})"),
     }
 }
