@@ -239,8 +239,6 @@ impl BlockStorage {
             mem.drain_to_fd(0, n as usize, fd, self.base)
                 .map_err(|e| format!("O_DIRECT write from the CMB: {e}"))
                 .and_then(|()| {
-                    let mut back = vec![0; n as usize];
-                    mem.read_at(0, &mut back).map_err(|e| e.to_string())?;
                     let mut got = HostBuffer::new(n as usize).map_err(|e| e.to_string())?;
                     self.read_direct(self.base, got.as_mut_slice())
                         .map_err(|e| e.to_string())?;

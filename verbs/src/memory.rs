@@ -52,6 +52,24 @@ impl HostBuffer {
     }
 }
 
+/// Repeat `step(done)` (it moves bytes from `done` on, returning how many) until `len` bytes
+/// have moved: the loop over short reads and writes. A step that moves nothing is
+/// `stalled(done)`.
+fn all_of(
+    len: usize,
+    mut step: impl FnMut(usize) -> Result<usize>,
+    stalled: impl Fn(usize) -> Error,
+) -> Result<()> {
+    let mut done = 0;
+    while done < len {
+        match step(done)? {
+            0 => return Err(stalled(done)),
+            n => done += n,
+        }
+    }
+    Ok(())
+}
+
 /// Memory shared between many registrations and remote peers (a served region): host RAM or a
 /// mapped file. The CPU reaches it only by copying ([`SharedMemory::read_at`] /
 /// [`SharedMemory::write_at`]), never through references, because remote peers may write it at
@@ -265,32 +283,31 @@ impl SharedMemory {
             ));
         }
         let o = self.check(offset, len)?;
-        let mut done = 0;
-        while done < len {
-            let n = self
-                .map
-                .pread_into(o + done, len - done, fd, file_offset + done as u64)
-                .map_err(|e| {
-                    Error::verbs(
-                        Call::Pread,
-                        format!(
-                            "{} bytes at {} into {} memory",
-                            len - done,
-                            file_offset + done as u64,
-                            self.kind
-                        ),
-                        e,
-                    )
-                })?;
-            if n == 0 {
-                return Err(Error::InvalidArgument(format!(
+        all_of(
+            len,
+            |done| {
+                self.map
+                    .pread_into(o + done, len - done, fd, file_offset + done as u64)
+                    .map_err(|e| {
+                        Error::verbs(
+                            Call::Pread,
+                            format!(
+                                "{} bytes at {} into {} memory",
+                                len - done,
+                                file_offset + done as u64,
+                                self.kind
+                            ),
+                            e,
+                        )
+                    })
+            },
+            |_| {
+                Error::InvalidArgument(format!(
                     "the file ends before byte {}",
                     file_offset + len as u64
-                )));
-            }
-            done += n;
-        }
-        Ok(())
+                ))
+            },
+        )
     }
 
     /// Write `offset..offset + len` of this memory to `fd` at `file_offset` by `pwrite` from
@@ -304,32 +321,28 @@ impl SharedMemory {
         file_offset: u64,
     ) -> Result<()> {
         let o = self.check(offset, len)?;
-        let mut done = 0;
-        while done < len {
-            let n = self
-                .map
-                .pwrite_from(o + done, len - done, fd, file_offset + done as u64)
-                .map_err(|e| {
-                    Error::verbs(
-                        Call::Pwrite,
-                        format!(
-                            "{} bytes from {} memory at {}",
-                            len - done,
-                            self.kind,
-                            file_offset + done as u64
-                        ),
-                        e,
-                    )
-                })?;
-            if n == 0 {
-                return Err(Error::InvalidArgument(format!(
-                    "no byte written at {}",
-                    file_offset + done as u64
-                )));
-            }
-            done += n;
-        }
-        Ok(())
+        all_of(
+            len,
+            |done| {
+                self.map
+                    .pwrite_from(o + done, len - done, fd, file_offset + done as u64)
+                    .map_err(|e| {
+                        Error::verbs(
+                            Call::Pwrite,
+                            format!(
+                                "{} bytes from {} memory at {}",
+                                len - done,
+                                self.kind,
+                                file_offset + done as u64
+                            ),
+                            e,
+                        )
+                    })
+            },
+            |done| {
+                Error::InvalidArgument(format!("no byte written at {}", file_offset + done as u64))
+            },
+        )
     }
 
     /// Make what was written to `offset..offset + len` durable: `fdatasync` of a file (the

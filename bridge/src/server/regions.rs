@@ -264,13 +264,12 @@ pub(super) async fn build_region(
         .map_err(|e| Error::Config(format!("region '{name}': {e}")))?;
     let (pd, sharing) = (&nics.get(home).pd, &nics.get(home).sharing);
     let len = provider.len();
-    if let Some(block) = (*provider)
+    // block storage: its legs (through the trait object: the Arc itself is `Any` too)
+    let block = (*provider)
         .as_any()
-        .downcast_ref::<peermem::block::BlockStorage>()
-    {
-        if let Some(ring) = block.ring() {
-            block.set_nic_leg(crate::path::ring_nic_leg(pd, &ring, cfg.reg).await);
-        }
+        .downcast_ref::<peermem::block::BlockStorage>();
+    if let Some((b, ring)) = block.and_then(|b| b.ring().map(|r| (b, r))) {
+        b.set_nic_leg(crate::path::ring_nic_leg(pd, &ring, cfg.reg).await);
     }
     let choice = opts.choice(len, cfg.reg, cfg.p2p);
     let residency_before = provider.residency();
@@ -381,10 +380,6 @@ pub(super) async fn build_region(
     };
     let mut reason = d.reason.clone();
     reason.push_str(&shared_note);
-    // (through the trait object: the Arc itself is `Any` too)
-    let block = (*provider)
-        .as_any()
-        .downcast_ref::<peermem::block::BlockStorage>();
     if let Some(b) = block {
         reason.push_str(&format!("; legs: {}", b.legs_plan()));
     }
