@@ -1,0 +1,94 @@
+//! Opening a region by name: resolve it, then connect to its replicas in the order of
+//! [`crate::choose`] until one opens it.
+
+use crate::catalog::Catalog;
+use crate::choose::Replica;
+use crate::error::{Error, Result};
+
+/// A region opened on one of its nodes.
+#[derive(Debug)]
+pub struct Opened {
+    /// The connection to that node.
+    pub client: bridge::Client,
+    /// The open region.
+    pub region: bridge::OpenRegion,
+    /// The replica used.
+    pub replica: Replica,
+    /// The endpoint connected to.
+    pub endpoint: String,
+    /// Replicas tried before it, with why each failed.
+    pub failed: Vec<String>,
+}
+
+/// Resolve `region` and open it on the best node that answers. `node` restricts the choice
+/// to one node; `config` makes a client configuration for an endpoint (the token, device and
+/// timeouts of the caller). A write open (`write`) is refused when several nodes publish the
+/// name and none was named: a put to one replica would leave the others different.
+pub async fn open(
+    catalog: &Catalog,
+    region: &str,
+    write: bool,
+    node: Option<&str>,
+    config: &dyn Fn(String) -> bridge::ClientConfig,
+) -> Result<Opened> {
+    let mut replicas = catalog.resolve(region).await?;
+    if let Some(n) = node {
+        let all: Vec<String> = replicas.iter().map(|r| r.entry.node.clone()).collect();
+        replicas.retain(|r| r.entry.node == n);
+        if replicas.is_empty() {
+            return Err(Error::NotFound {
+                at: format!("{}", catalog.url()),
+                region: format!("{region}' on node '{n}"),
+                hint: format!(" (it is served by: {})", all.join(", ")),
+            });
+        }
+    }
+    if write && replicas.len() > 1 {
+        let all: Vec<&str> = replicas.iter().map(|r| r.entry.node.as_str()).collect();
+        return Err(Error::Config(format!(
+            "region '{region}' has {} replicas ({}): a put would change only one of them; \
+             name the node to write (--node NODE)",
+            replicas.len(),
+            all.join(", ")
+        )));
+    }
+    open_among(region, replicas, write, config).await
+}
+
+/// Open `region` on the first of `replicas` that answers (each endpoint of each in turn).
+pub async fn open_among(
+    region: &str,
+    replicas: Vec<Replica>,
+    write: bool,
+    config: &dyn Fn(String) -> bridge::ClientConfig,
+) -> Result<Opened> {
+    let mut failed = Vec::new();
+    for replica in replicas {
+        for ep in &replica.entry.endpoints {
+            let attempt = async {
+                let mut c = bridge::Client::connect(config(ep.clone())).await?;
+                let r = c.open(region, write).await?;
+                Ok::<_, bridge::Error>((c, r))
+            };
+            match attempt.await {
+                Ok((client, r)) => {
+                    return Ok(Opened {
+                        client,
+                        region: r,
+                        endpoint: ep.clone(),
+                        replica,
+                        failed,
+                    })
+                }
+                Err(e) => {
+                    tracing::info!(region, node = replica.entry.node, endpoint = ep, error = %e, "replica failed; trying the next");
+                    failed.push(format!("node {} at {ep}: {e}", replica.entry.node));
+                }
+            }
+        }
+    }
+    Err(Error::NoReplica {
+        region: region.to_string(),
+        tried: failed.join("; "),
+    })
+}
