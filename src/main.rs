@@ -56,10 +56,12 @@ enum Cmd {
     Serve(cli::serve::ServeArgs),
     /// List the regions a server offers.
     #[command(
-        after_help = "Example:\n  P2P_RDMA_TOKEN=$(cat token) p2p-rdma ls 10.0.0.1:7471 --json"
+        after_help = "Examples:\n  P2P_RDMA_TOKEN=$(cat token) p2p-rdma ls 10.0.0.1:7471 --json\n  p2p-rdma ls etcd://10.0.0.9:2379/prod            # the whole cluster\n  p2p-rdma ls etcd://10.0.0.9:2379/prod --watch    # and then its changes"
     )]
     Ls {
-        /// Server control address HOST:PORT.
+        /// Server control address HOST:PORT, or a catalog etcd://HOST:PORT[,...]/PREFIX:
+        /// every region of the cluster, with the node serving it and its path (no token
+        /// needed: the catalog holds no secret).
         addr: String,
         #[command(flatten)]
         token: TokenArgs,
@@ -69,13 +71,19 @@ enum Cmd {
         /// Seconds to wait for the server.
         #[arg(long, default_value_t = 30)]
         timeout: u64,
+        /// With a catalog: after the listing, print regions and nodes as they come and go.
+        #[arg(long)]
+        watch: bool,
+        #[command(flatten)]
+        etcd: cli::catalog::EtcdArgs,
     },
     /// Read (part of) a remote region with RDMA READ into a file or stdout.
     #[command(
-        after_help = "Examples:\n  p2p-rdma fetch 10.0.0.1:7471 ram -o ram.bin --token-file token --verify\n  p2p-rdma fetch 10.0.0.1:7471 img --offset 4K --length 1M -o - --token-file token | sha256sum"
+        after_help = "Examples:\n  p2p-rdma fetch 10.0.0.1:7471 ram -o ram.bin --token-file token --verify\n  p2p-rdma fetch 10.0.0.1:7471 img --offset 4K --length 1M -o - --token-file token | sha256sum\n  p2p-rdma fetch etcd://10.0.0.9:2379/prod img -o img.bin --token-file token\n\nBy name (an etcd:// catalog address): the nodes publishing the region are tried best first (direct\npath, then the fewest connections, then at random); one that cannot be reached or fails mid-way\nis skipped for the next (mid-way only when writing to a file, which starts over)."
     )]
     Fetch {
-        /// Server control address HOST:PORT.
+        /// Server control address HOST:PORT, or a catalog etcd://HOST:PORT[,...]/PREFIX to
+        /// fetch from a node that serves the region.
         addr: String,
         /// Region name.
         region: String,
@@ -99,10 +107,10 @@ enum Cmd {
     },
     /// Write a file or stdin into a remote region with RDMA WRITE.
     #[command(
-        after_help = "Examples:\n  p2p-rdma put 10.0.0.1:7471 ram -i data.bin --token-file token --verify\n  tar c dir | p2p-rdma put 10.0.0.1:7471 ram -i - --offset 1M --token-file token"
+        after_help = "Examples:\n  p2p-rdma put 10.0.0.1:7471 ram -i data.bin --token-file token --verify\n  tar c dir | p2p-rdma put 10.0.0.1:7471 ram -i - --offset 1M --token-file token\n  p2p-rdma put etcd://10.0.0.9:2379/prod scratch -i data.bin --node storage-7 --token-file token\n\nBy name, a region that several nodes publish needs --node: a put changes one replica only."
     )]
     Put {
-        /// Server control address HOST:PORT.
+        /// Server control address HOST:PORT, or a catalog etcd://HOST:PORT[,...]/PREFIX.
         addr: String,
         /// Region name.
         region: String,
@@ -379,6 +387,12 @@ struct ClientArgs {
     /// control connection, said on stderr), rdma, or tcp.
     #[arg(long, value_enum, default_value_t = cli::transfer::TransportArg::Auto)]
     transport: cli::transfer::TransportArg,
+    /// With an etcd:// catalog address: use this node's copy of the region (default: the
+    /// best replica that answers: direct path first, then the least loaded node).
+    #[arg(long, value_name = "NODE")]
+    node: Option<String>,
+    #[command(flatten)]
+    etcd: cli::catalog::EtcdArgs,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -461,7 +475,19 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             token,
             json,
             timeout,
+            watch,
+            etcd,
         } => {
+            if catalog::CatalogUrl::is_catalog(&addr) {
+                let url = cli::catalog::url(&addr)?;
+                let o = etcd.options(&Default::default())?;
+                return cli::catalog::ls(&url, &o, json, watch).await;
+            }
+            if watch {
+                return Err(
+                    Usage("--watch follows a catalog: give an etcd:// address".into()).into(),
+                );
+            }
             let mut cfg = bridge::ClientConfig::new(addr, token.load()?);
             cfg.timeout = Duration::from_secs(timeout.max(1));
             let mut c = bridge::Client::connect(cfg).await?;
@@ -518,8 +544,35 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             json,
             client,
         } => {
-            let mut c = bridge::Client::connect(client_config(addr, &client)?).await?;
-            let r = c.open(&region, false).await?;
+            let base = client_config(String::new(), &client)?;
+            let make = |a: String| bridge::ClientConfig {
+                addr: a,
+                ..base.clone()
+            };
+            let by_name = if catalog::CatalogUrl::is_catalog(&addr) {
+                let url = cli::catalog::url(&addr)?;
+                let o = client.etcd.options(&Default::default())?;
+                Some(
+                    cli::catalog::open(&url, &o, &region, false, client.node.as_deref(), &make)
+                        .await?,
+                )
+            } else {
+                if client.node.is_some() {
+                    return Err(Usage(
+                        "--node picks a replica in a catalog: give an etcd:// address".into(),
+                    )
+                    .into());
+                }
+                None
+            };
+            let (mut c, r, mut rest) = match by_name {
+                Some(b) => (b.client, b.region, b.rest),
+                None => {
+                    let mut c = bridge::Client::connect(make(addr.clone())).await?;
+                    let r = c.open(&region, false).await?;
+                    (c, r, Vec::new())
+                }
+            };
             let len = match length {
                 Some(l) => l,
                 None => r
@@ -546,11 +599,39 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 )
             };
             let mut bar = Progress::new(len, json);
-            let rep = c
+            let mut rep = c
                 .fetch(&r, offset, len, sink.as_mut(), verify, &mut |d| {
                     bar.update(d)
                 })
                 .await;
+            let mut r = r;
+            // by name, into a file: a node that fails mid-way is left for the next replica,
+            // which writes the file again from the start
+            while let Err(e) = &rep {
+                if output == "-" || rest.is_empty() {
+                    break;
+                }
+                eprintln!("p2p-rdma: catalog: node failed mid-way ({e}); trying the next replica");
+                let b = match cli::catalog::next(&region, std::mem::take(&mut rest), false, &make)
+                    .await
+                {
+                    Ok(b) => b,
+                    Err(e2) => {
+                        eprintln!("p2p-rdma: {e2:#}");
+                        break;
+                    }
+                };
+                (c, r, rest) = (b.client, b.region, b.rest);
+                sink = Box::new(
+                    std::fs::File::create(&output)
+                        .with_context(|| format!("cannot create the output file {output}"))?,
+                );
+                rep = c
+                    .fetch(&r, offset, len, sink.as_mut(), verify, &mut |d| {
+                        bar.update(d)
+                    })
+                    .await;
+            }
             finish_transfer(c, &r, rep, bar, json).await
         }
         Cmd::Put {
@@ -587,8 +668,28 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 (Some(l), _) => Some(l),
                 (None, n) => n,
             };
-            let mut c = bridge::Client::connect(client_config(addr, &client)?).await?;
-            let r = c.open(&region, true).await?;
+            let base = client_config(String::new(), &client)?;
+            let make = |a: String| bridge::ClientConfig {
+                addr: a,
+                ..base.clone()
+            };
+            let (mut c, r) = if catalog::CatalogUrl::is_catalog(&addr) {
+                let url = cli::catalog::url(&addr)?;
+                let o = client.etcd.options(&Default::default())?;
+                let b = cli::catalog::open(&url, &o, &region, true, client.node.as_deref(), &make)
+                    .await?;
+                (b.client, b.region)
+            } else {
+                if client.node.is_some() {
+                    return Err(Usage(
+                        "--node picks a replica in a catalog: give an etcd:// address".into(),
+                    )
+                    .into());
+                }
+                let mut c = bridge::Client::connect(make(addr.clone())).await?;
+                let r = c.open(&region, true).await?;
+                (c, r)
+            };
             let mut bar = Progress::new(limit.unwrap_or(r.info.size.saturating_sub(offset)), json);
             let rep = c
                 .put(&r, offset, source.as_mut(), limit, verify, &mut |d| {

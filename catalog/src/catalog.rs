@@ -50,7 +50,9 @@ pub struct Catalog {
 
 impl std::fmt::Debug for Catalog {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Catalog").field("url", &self.url.to_string()).finish()
+        f.debug_struct("Catalog")
+            .field("url", &self.url.to_string())
+            .finish()
     }
 }
 
@@ -99,11 +101,15 @@ pub(crate) async fn within<T>(
 ) -> Result<T> {
     match tokio::time::timeout(timeout, f).await {
         Ok(Ok(v)) => Ok(v),
-        Ok(Err(source)) => Err(Error::Etcd {
-            at: at.to_string(),
-            op,
-            source,
-        }),
+        Ok(Err(e)) => {
+            let (kind, why) = crate::error::describe(&e);
+            Err(Error::Etcd {
+                at: at.to_string(),
+                op,
+                kind,
+                why,
+            })
+        }
         Err(_) => Err(Error::Timeout {
             at: at.to_string(),
             op,
@@ -244,7 +250,7 @@ impl Catalog {
             return Err(Error::NotFound {
                 at: self.at(),
                 region: region.to_string(),
-                hint: " (`p2p-rdma ls` of the catalog lists what is served)".into(),
+                hint: format!(" (`p2p-rdma ls {}` lists what is served)", self.url),
             });
         }
         let mut nodes = Vec::new();
@@ -328,12 +334,14 @@ impl CatalogWatch {
             let resp = match self.stream.message().await {
                 Ok(Some(r)) => r,
                 Ok(None) => return Ok(None),
-                Err(source) => {
+                Err(e) => {
+                    let (kind, why) = crate::error::describe(&e);
                     return Err(Error::Etcd {
                         at: self.catalog.at(),
                         op: "watch",
-                        source,
-                    })
+                        kind,
+                        why,
+                    });
                 }
             };
             if resp.canceled() {

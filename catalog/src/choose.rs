@@ -45,7 +45,7 @@ pub fn rank(v: Vec<Replica>, mut tiebreak: impl FnMut() -> u64) -> Vec<Replica> 
             )
         })
         .collect();
-    keyed.sort_by(|a, b| (a.0, a.1, a.2).cmp(&(b.0, b.1, b.2)));
+    keyed.sort_by_key(|k| (k.0, k.1, k.2));
     keyed.into_iter().map(|k| k.3).collect()
 }
 

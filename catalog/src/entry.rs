@@ -190,22 +190,50 @@ mod tests {
         assert!(decode_region("img", "b", v.as_bytes())
             .unwrap_err()
             .contains("under the key"));
-        assert!(decode_region("img", "a", b"{").unwrap_err().contains("not a catalog entry"));
+        assert!(decode_region("img", "a", b"{")
+            .unwrap_err()
+            .contains("not a catalog entry"));
         let big = vec![b' '; MAX_VALUE_BYTES + 1];
-        assert!(decode_region("img", "a", &big).unwrap_err().contains("limit"));
+        assert!(decode_region("img", "a", &big)
+            .unwrap_err()
+            .contains("limit"));
         for bad in [
-            RegionEntry { endpoints: vec![], ..region() },
-            RegionEntry { endpoints: vec!["host".into()], ..region() },
-            RegionEntry { endpoints: vec!["h:0".into()], ..region() },
-            RegionEntry { endpoints: vec!["h x:1".into()], ..region() },
-            RegionEntry { access: "wo".into(), ..region() },
-            RegionEntry { path: String::new(), ..region() },
-            RegionEntry { endpoints: vec!["h:1".into(); 17], ..region() },
+            RegionEntry {
+                endpoints: vec![],
+                ..region()
+            },
+            RegionEntry {
+                endpoints: vec!["host".into()],
+                ..region()
+            },
+            RegionEntry {
+                endpoints: vec!["h:0".into()],
+                ..region()
+            },
+            RegionEntry {
+                endpoints: vec!["h x:1".into()],
+                ..region()
+            },
+            RegionEntry {
+                access: "wo".into(),
+                ..region()
+            },
+            RegionEntry {
+                path: String::new(),
+                ..region()
+            },
+            RegionEntry {
+                endpoints: vec!["h:1".into(); 17],
+                ..region()
+            },
         ] {
             let v = serde_json::to_vec(&bad).unwrap();
             assert!(decode_region("img", "a", &v).is_err(), "{bad:?}");
         }
-        let huge = RegionEntry { kind: "k".repeat(MAX_VALUE_BYTES), ..region() };
+        let huge = RegionEntry {
+            kind: "k".repeat(MAX_VALUE_BYTES),
+            ..region()
+        };
         assert!(encode("img", &huge).unwrap_err().contains("limit"));
     }
 

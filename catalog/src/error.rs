@@ -7,18 +7,21 @@ pub enum Error {
     #[error("{0}")]
     Config(String),
     /// etcd answered with an error, or could not be reached.
-    #[error("catalog {at}: {op} failed: {source}")]
+    #[error("catalog {at}: {op} failed: {why}")]
     Etcd {
         /// `etcd at HOST:PORT, ... (prefix P)`.
         at: String,
         /// What was being done.
         op: &'static str,
-        /// The client's error.
-        #[source]
-        source: etcd_client::Error,
+        /// Which kind of failure.
+        kind: EtcdFailure,
+        /// etcd's or the transport's own words.
+        why: String,
     },
     /// etcd did not answer in time (down, partitioned, or without a leader).
-    #[error("catalog {at}: {op} got no answer within {secs} s: is etcd running and reachable there?")]
+    #[error(
+        "catalog {at}: {op} got no answer within {secs} s: is etcd running and reachable there?"
+    )]
     Timeout {
         /// `etcd at HOST:PORT, ... (prefix P)`.
         at: String,
@@ -48,6 +51,73 @@ pub enum Error {
     /// A node's own error.
     #[error(transparent)]
     Bridge(#[from] bridge::Error),
+}
+
+/// How an etcd request failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EtcdFailure {
+    /// No member answered (down, wrong address, no leader).
+    Unreachable,
+    /// etcd refused the credentials or the permission.
+    Auth,
+    /// etcd refused the request for another reason.
+    Refused,
+}
+
+/// Sort an etcd client error, in the fewest words that say what happened.
+pub(crate) fn describe(e: &etcd_client::Error) -> (EtcdFailure, String) {
+    use tonic_code::*;
+    fn innermost(e: &(dyn std::error::Error + 'static)) -> String {
+        let mut cur = e;
+        while let Some(s) = cur.source() {
+            cur = s;
+        }
+        cur.to_string()
+    }
+    match e {
+        etcd_client::Error::GRpcStatus(st) => {
+            let msg = st.message().to_string();
+            let inner = std::error::Error::source(st)
+                .map(innermost)
+                .unwrap_or_default();
+            let words = if inner.is_empty() || msg.contains(&inner) {
+                msg.clone()
+            } else {
+                format!("{msg}: {inner}")
+            };
+            match i32::from(st.code()) {
+                UNAVAILABLE | DEADLINE_EXCEEDED => (
+                    EtcdFailure::Unreachable,
+                    format!(
+                        "etcd cannot be reached ({words}): is it running, and reachable there?"
+                    ),
+                ),
+                UNAUTHENTICATED | PERMISSION_DENIED => (EtcdFailure::Auth, words),
+                _ if msg.contains("authentication failed")
+                    || msg.contains("user name is empty") =>
+                {
+                    (EtcdFailure::Auth, words)
+                }
+                _ => (EtcdFailure::Refused, words),
+            }
+        }
+        etcd_client::Error::TransportError(t) => (
+            EtcdFailure::Unreachable,
+            format!(
+                "etcd cannot be reached ({}): is it running, and reachable there?",
+                innermost(t)
+            ),
+        ),
+        other => (EtcdFailure::Refused, other.to_string()),
+    }
+}
+
+/// gRPC status codes, by number (the client re-exports no `Code`).
+mod tonic_code {
+    pub(super) const DEADLINE_EXCEEDED: i32 = 4;
+    pub(super) const PERMISSION_DENIED: i32 = 7;
+    pub(super) const UNAVAILABLE: i32 = 14;
+    pub(super) const UNAUTHENTICATED: i32 = 16;
 }
 
 /// Shorthand.

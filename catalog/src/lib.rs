@@ -24,6 +24,6 @@ pub mod url;
 pub use catalog::{Catalog, CatalogEvent, CatalogOptions, CatalogWatch, Listing};
 pub use choose::Replica;
 pub use entry::{NodeEntry, RegionEntry};
-pub use error::{Error, Result};
+pub use error::{Error, EtcdFailure, Result};
 pub use publish::{PublishStatus, Publisher, PublisherConfig};
 pub use url::CatalogUrl;

@@ -208,12 +208,16 @@ async fn session(
     )
     .await
     {
-        Ok(r) => rec.adopt(r.kvs().iter().filter_map(|kv| match layout.parse(kv.key()) {
-            Some(Key::Region { region, node }) if node == cfg.node => {
-                Some(layout.region_key(&region, &node))
-            }
-            _ => None,
-        })),
+        Ok(r) => rec.adopt(
+            r.kvs()
+                .iter()
+                .filter_map(|kv| match layout.parse(kv.key()) {
+                    Some(Key::Region { region, node }) if node == cfg.node => {
+                        Some(layout.region_key(&region, &node))
+                    }
+                    _ => None,
+                }),
+        ),
         Err(e) => return lost(e),
     }
     let keep_every = Duration::from_secs((ttl as u64 / 3).max(1));
@@ -281,4 +285,3 @@ async fn session(
         }
     }
 }
-

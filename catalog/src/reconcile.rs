@@ -170,7 +170,11 @@ mod tests {
         let ops = r.plan(&want);
         assert_eq!(
             keys(&ops),
-            ["put p/v1/nodes/a", "put p/v1/regions/b/a", "put p/v1/regions/x/a"]
+            [
+                "put p/v1/nodes/a",
+                "put p/v1/regions/b/a",
+                "put p/v1/regions/x/a"
+            ]
         );
         r.applied(&ops);
         assert_eq!(r.published(), 3);
@@ -188,7 +192,11 @@ mod tests {
         let ops = r.plan(&want);
         assert_eq!(
             keys(&ops),
-            ["put p/v1/nodes/a", "put p/v1/regions/y/a", "del p/v1/regions/x/a"]
+            [
+                "put p/v1/nodes/a",
+                "put p/v1/regions/y/a",
+                "del p/v1/regions/x/a"
+            ]
         );
         r.applied(&ops);
         assert!(r.plan(&want).is_empty());
@@ -201,12 +209,19 @@ mod tests {
     fn keys_of_an_earlier_run_are_deleted_or_rewritten() {
         let l = Layout::new("p");
         let mut r = Reconcile::new();
-        r.adopt(["p/v1/regions/old/a".to_string(), "p/v1/regions/y/a".to_string()]);
+        r.adopt([
+            "p/v1/regions/old/a".to_string(),
+            "p/v1/regions/y/a".to_string(),
+        ]);
         assert_eq!(r.published(), 0);
         let (want, _) = desired(&l, &node(0), &[region("y", 1)]);
         assert_eq!(
             keys(&r.plan(&want)),
-            ["put p/v1/nodes/a", "put p/v1/regions/y/a", "del p/v1/regions/old/a"]
+            [
+                "put p/v1/nodes/a",
+                "put p/v1/regions/y/a",
+                "del p/v1/regions/old/a"
+            ]
         );
     }
 

@@ -117,8 +117,11 @@ mod tests {
         let one: SocketAddr = "10.0.0.5:7000".parse().unwrap();
         assert_eq!(endpoints_for(one, &[]).unwrap(), ["10.0.0.5:7000"]);
         assert_eq!(
-            endpoints_for(any, &[Ipv4Addr::new(10, 88, 0, 1), Ipv4Addr::new(10, 89, 0, 1)])
-                .unwrap(),
+            endpoints_for(
+                any,
+                &[Ipv4Addr::new(10, 88, 0, 1), Ipv4Addr::new(10, 89, 0, 1)]
+            )
+            .unwrap(),
             ["10.88.0.1:7471", "10.89.0.1:7471"]
         );
         assert!(endpoints_for(any, &[]).unwrap_err().contains("--advertise"));

@@ -77,7 +77,8 @@ impl FromStr for CatalogUrl {
         } else {
             prefix
         };
-        check_prefix(prefix).map_err(|why| format!("catalog URL '{s}': prefix '{prefix}' {why}"))?;
+        check_prefix(prefix)
+            .map_err(|why| format!("catalog URL '{s}': prefix '{prefix}' {why}"))?;
         let mut endpoints = Vec::new();
         for h in hosts.split(',') {
             let e = endpoint(h).map_err(|why| format!("catalog URL '{s}': {why}"))?;
@@ -163,12 +164,17 @@ mod tests {
 
     #[test]
     fn parses_members_prefix_and_tls() {
-        let u: CatalogUrl = "etcd://10.0.0.1:2379,10.0.0.2:2380/prod/storage".parse().unwrap();
+        let u: CatalogUrl = "etcd://10.0.0.1:2379,10.0.0.2:2380/prod/storage"
+            .parse()
+            .unwrap();
         assert_eq!(u.endpoints, ["10.0.0.1:2379", "10.0.0.2:2380"]);
         assert_eq!(u.prefix, "prod/storage");
         assert!(!u.tls);
         assert_eq!(u.uris()[1], "http://10.0.0.2:2380");
-        assert_eq!(u.to_string(), "etcd://10.0.0.1:2379,10.0.0.2:2380/prod/storage");
+        assert_eq!(
+            u.to_string(),
+            "etcd://10.0.0.1:2379,10.0.0.2:2380/prod/storage"
+        );
         let t: CatalogUrl = "etcds://etcd.example:2379".parse().unwrap();
         assert!(t.tls);
         assert_eq!(t.prefix, DEFAULT_PREFIX);
@@ -180,7 +186,10 @@ mod tests {
         let u: CatalogUrl = "etcd://node1,[fd00::1]:2479,[::1]/x/".parse().unwrap();
         assert_eq!(u.endpoints, ["node1:2379", "[fd00::1]:2479", "[::1]:2379"]);
         assert_eq!(u.prefix, "x");
-        assert_eq!(u.members(), "etcd at node1:2379, [fd00::1]:2479, [::1]:2379");
+        assert_eq!(
+            u.members(),
+            "etcd at node1:2379, [fd00::1]:2479, [::1]:2379"
+        );
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! The catalog against a real etcd member: publish, list, resolve, watch, lease expiry after
 //! a crash, etcd going away and coming back, hostile entries, etcd authentication.
 
+#[path = "support/etcd_member.rs"]
 mod etcd_member;
 
 use std::sync::{Arc, Mutex};
@@ -185,7 +186,10 @@ async fn a_crashed_node_leaves_within_the_ttl_and_its_replica_stays() {
         nodes_of(&c, "rep").await == ["b"]
     })
     .await;
-    eprintln!("node a left the catalog {:.1} s after it died (TTL 3 s)", gone.as_secs_f64());
+    eprintln!(
+        "node a left the catalog {:.1} s after it died (TTL 3 s)",
+        gone.as_secs_f64()
+    );
     assert!(gone <= Duration::from_secs(4), "{gone:?}");
     assert!(c.list().await.unwrap().nodes.iter().all(|n| n.node == "b"));
     pb.stop().await;
@@ -215,9 +219,15 @@ async fn etcd_down_then_back_republishes_and_errors_name_the_members() {
         Err(e) => e.to_string(),
     };
     assert!(err.contains(&e.endpoint()), "{err}");
-    until("the publisher notices", 10, || async { !p.status().published }).await;
+    until("the publisher notices", 10, || async {
+        !p.status().published
+    })
+    .await;
     // changes while etcd is away are published when it is back
-    served.lock().unwrap().push(region("while-down", "a", "direct"));
+    served
+        .lock()
+        .unwrap()
+        .push(region("while-down", "a", "direct"));
 
     e.launch();
     let back = until("republished", 20, || async {
@@ -225,7 +235,10 @@ async fn etcd_down_then_back_republishes_and_errors_name_the_members() {
         s.published && s.leases >= 2
     })
     .await;
-    eprintln!("republished {:.1} s after etcd came back", back.as_secs_f64());
+    eprintln!(
+        "republished {:.1} s after etcd came back",
+        back.as_secs_f64()
+    );
     until("both regions listed", 10, || async {
         nodes_of(&c, "while-down").await == ["a"] && nodes_of(&c, "img").await == ["a"]
     })
@@ -270,12 +283,20 @@ async fn hostile_entries_are_skipped_with_the_reason() {
         .await
         .unwrap();
     let good = serde_json::to_string(&region("img", "a", "direct")).unwrap();
-    raw.put("t5/v1/regions/img/a", good.clone(), None).await.unwrap();
+    raw.put("t5/v1/regions/img/a", good.clone(), None)
+        .await
+        .unwrap();
     // a value naming another region, garbage, an oversized value, a foreign key
     raw.put("t5/v1/regions/img/b", good, None).await.unwrap();
-    raw.put("t5/v1/regions/x/a", "{not json", None).await.unwrap();
-    raw.put("t5/v1/regions/y/a", vec![b' '; 20_000], None).await.unwrap();
-    raw.put("t5/v1/regions/bad name/a", "{}", None).await.unwrap();
+    raw.put("t5/v1/regions/x/a", "{not json", None)
+        .await
+        .unwrap();
+    raw.put("t5/v1/regions/y/a", vec![b' '; 20_000], None)
+        .await
+        .unwrap();
+    raw.put("t5/v1/regions/bad name/a", "{}", None)
+        .await
+        .unwrap();
     let c = catalog(&e, "t5").await;
     let l = c.list().await.unwrap();
     assert_eq!(l.regions.len(), 1);
@@ -307,14 +328,19 @@ async fn etcd_authentication_is_used_and_its_refusal_explained() {
     let p = Publisher::start(cfg, source("a", &served, 0)).unwrap();
     assert!(p.published(Duration::from_secs(10)).await.published);
 
-    let anon = Catalog::connect(&url, &CatalogOptions::default()).await.unwrap();
+    let anon = Catalog::connect(&url, &CatalogOptions::default())
+        .await
+        .unwrap();
     let err = anon.list().await.unwrap_err().to_string();
     assert!(err.contains(&e.endpoint()) && err.contains("list"), "{err}");
     let wrong = CatalogOptions {
         user: Some(("root".into(), "nope".into())),
         ..CatalogOptions::default()
     };
-    let err = Catalog::connect(&url, &wrong).await.unwrap_err().to_string();
+    let err = Catalog::connect(&url, &wrong)
+        .await
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("connect"), "{err}");
     let ok = CatalogOptions {
         user: Some(("root".into(), "rootpw".into())),

@@ -34,6 +34,8 @@ pub(crate) struct ServeFile {
     pub(crate) bounce: Bounce,
     #[serde(default, rename = "region")]
     pub(crate) regions: Vec<RegionEntry>,
+    #[serde(default)]
+    pub(crate) catalog: super::catalog::CatalogFile,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -95,6 +97,8 @@ pub(crate) struct ServeConfig {
     pub(crate) staging_budget: Option<u64>,
     pub(crate) bounce_depth: Option<usize>,
     pub(crate) regions: Vec<bridge::RegionSpec>,
+    /// `[catalog]`: where and how to publish the regions.
+    pub(crate) catalog: super::catalog::CatalogFile,
 }
 
 /// 1-based line of a byte offset.
@@ -152,8 +156,25 @@ pub(crate) fn parse(file: &Path, text: &str) -> Result<ServeConfig, Usage> {
         idle_timeout_secs: raw.limits.idle_timeout_secs,
         send_timeout_secs: raw.limits.send_timeout_secs,
         bounce_depth: raw.bounce.depth,
+        catalog: raw.catalog.clone(),
         ..ServeConfig::default()
     };
+    if let Some(u) = &raw.catalog.url {
+        u.parse::<catalog::CatalogUrl>()
+            .map_err(|e| Usage(format!("{}: key 'catalog.url': {e}", file.display())))?;
+    }
+    if let Some(t) = raw.catalog.ttl_secs {
+        if !catalog::publish::TTL_RANGE.contains(&t) {
+            return Err(Usage(format!(
+                "{}: key 'catalog.ttl_secs': {t}: give 2 to 3600 seconds",
+                file.display()
+            )));
+        }
+    }
+    if let Some(n) = &raw.catalog.node {
+        catalog::keys::valid_node(n)
+            .map_err(|e| Usage(format!("{}: key 'catalog.node': {e}", file.display())))?;
+    }
     if let Some(p) = &raw.p2p {
         c.p2p = Some(
             p.get_ref()
@@ -266,6 +287,12 @@ p2p = "required"
 name = "data"
 memory = "nvme:/dev/nvme1n1:0:16G"
 via = "cmb:nvme0:64M"
+
+[catalog]
+url = "etcd://10.0.0.9:2379,10.0.0.10:2379/prod"
+ttl_secs = 10
+node = "storage-7"
+advertise = ["10.0.0.7:7471"]
 "#;
 
     #[test]
@@ -278,6 +305,8 @@ via = "cmb:nvme0:64M"
         assert_eq!(c.max_connections, Some(128));
         assert_eq!(c.drain_timeout_secs, Some(30));
         assert_eq!(c.regions.len(), 3);
+        assert_eq!(c.catalog.node.as_deref(), Some("storage-7"));
+        assert_eq!(c.catalog.advertise, ["10.0.0.7:7471"]);
         assert_eq!(
             c.regions[1].options.p2p,
             Some(peermem::plan::P2pPolicy::Required)
@@ -309,6 +338,10 @@ via = "cmb:nvme0:64M"
             ("[[region]]\nname = \"r\"\nmemory = \"host:1M\"\n[[region]]\nname = \"r\"\nmemory = \"host:1M\"\n", "given twice"),
             ("p2p = \"maybe\"\n", "line 1: key 'p2p'"),
             ("[[region]]\nname = \"r\"\n", "memory"),
+            ("[catalog]\nurl = \"http://x\"\n", "key 'catalog.url'"),
+            ("[catalog]\nttl_secs = 1\n", "key 'catalog.ttl_secs'"),
+            ("[catalog]\nnode = \"a/b\"\n", "key 'catalog.node'"),
+            ("[catalog]\nurll = \"x\"\n", "urll"),
         ] {
             let e = parse(Path::new("f.toml"), text).unwrap_err().0;
             assert!(e.contains(want), "{text:?}: {e}");

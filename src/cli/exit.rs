@@ -48,12 +48,14 @@ pub(crate) const TABLE: &[ExitCode] = &[
     ExitCode {
         code: AUTH,
         name: "auth",
-        meaning: "authentication refused: wrong or missing token, or protocol versions differ",
+        meaning: "authentication refused: wrong or missing token, protocol versions differ, or \
+                  etcd refused the catalog user",
     },
     ExitCode {
         code: UNREACHABLE,
         name: "unreachable",
-        meaning: "the peer cannot be reached: not running, wrong address, timeout",
+        meaning: "the peer cannot be reached: not running, wrong address, timeout (also: \
+                  the catalog's etcd, or every node serving a region by name)",
     },
     ExitCode {
         code: MISMATCH,
@@ -63,7 +65,7 @@ pub(crate) const TABLE: &[ExitCode] = &[
     ExitCode {
         code: NOT_FOUND,
         name: "not-found",
-        meaning: "no such region on the server",
+        meaning: "no such region on the server (or in the catalog)",
     },
     ExitCode {
         code: UNAVAILABLE,
@@ -180,18 +182,39 @@ pub(crate) fn code_of(e: &anyhow::Error) -> u8 {
         if let Some(code) = c.downcast_ref::<verbs::Error>().and_then(verbs_code) {
             return code;
         }
+        if let Some(k) = c.downcast_ref::<catalog::Error>() {
+            return match k {
+                catalog::Error::Config(_) => USAGE,
+                catalog::Error::Etcd { kind, .. } => match kind {
+                    catalog::EtcdFailure::Unreachable => UNREACHABLE,
+                    catalog::EtcdFailure::Auth => AUTH,
+                    catalog::EtcdFailure::Refused => FAILED,
+                },
+                catalog::Error::Timeout { .. } | catalog::Error::NoReplica { .. } => UNREACHABLE,
+                catalog::Error::NotFound { .. } => NOT_FOUND,
+                catalog::Error::Bridge(b) => bridge_code(b),
+            };
+        }
         if let Some(b) = c.downcast_ref::<bridge::Error>() {
-            return match b {
+            return bridge_code(b);
+        }
+    }
+    FAILED
+}
+
+fn bridge_code(b: &bridge::Error) -> u8 {
+    {
+        {
+            match b {
                 bridge::Error::Connect { .. } | bridge::Error::Timeout { .. } => UNREACHABLE,
                 bridge::Error::Version { .. } => AUTH,
                 bridge::Error::Server { code, .. } => server_code(*code),
                 bridge::Error::Mismatch { .. } => MISMATCH,
                 bridge::Error::Verbs(v) => verbs_code(v).unwrap_or(FAILED),
                 _ => FAILED,
-            };
+            }
         }
     }
-    FAILED
 }
 
 /// The error and its causes, each cause only if the text so far does not already say it.

@@ -1,5 +1,6 @@
 //! The command line's modules (the binary's own; the library is `p2p_rdma`).
 
+pub(crate) mod catalog;
 pub(crate) mod config;
 pub(crate) mod exit;
 pub(crate) mod inspect;

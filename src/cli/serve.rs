@@ -74,6 +74,27 @@ pub(crate) struct ServeArgs {
     json: bool,
     #[command(flatten)]
     path: super::PathArgs,
+    /// Publish every region served in a cluster-wide catalog on etcd, under a lease this
+    /// node keeps alive: etcd://HOST:PORT[,HOST:PORT...]/PREFIX (etcds:// for TLS). Clients
+    /// then fetch by name from any node (`p2p-rdma fetch etcd://.../PREFIX REGION`). Serving
+    /// never waits for etcd: while it is unreachable the node serves on and publishes again
+    /// when it answers. SIGTERM revokes the lease.
+    #[arg(long, value_name = "URL")]
+    catalog: Option<String>,
+    /// Seconds the catalog keeps this node's entries after it dies without revoking them
+    /// (the etcd lease TTL, 2-3600) [default: 10].
+    #[arg(long, value_name = "SECONDS")]
+    catalog_ttl: Option<u64>,
+    /// This node's name in the catalog, unique in it [default: HOSTNAME:PORT].
+    #[arg(long, value_name = "NAME")]
+    node: Option<String>,
+    /// The control address clients should use, as published in the catalog (repeatable)
+    /// [default: the listen address; listening on 0.0.0.0, each RDMA device's IPv4 address
+    /// with the listen port].
+    #[arg(long, value_name = "HOST:PORT")]
+    advertise: Vec<String>,
+    #[command(flatten)]
+    etcd: super::catalog::EtcdArgs,
 }
 
 /// The `after_help` of `serve`: the region grammar from the parser's own table, then the rest.
@@ -153,6 +174,18 @@ pub(crate) async fn run(a: ServeArgs) -> anyhow::Result<()> {
         )
         .into());
     }
+    let publishing = Publishing {
+        node: a.node.clone(),
+        advertise: a.advertise.clone(),
+        ttl: a.catalog_ttl,
+        etcd: a.etcd.clone(),
+    };
+    let catalog_url = a
+        .catalog
+        .as_deref()
+        .or(file.catalog.url.as_deref())
+        .map(super::catalog::url)
+        .transpose()?;
     let listen = a
         .listen
         .or(file.listen)
@@ -166,7 +199,7 @@ pub(crate) async fn run(a: ServeArgs) -> anyhow::Result<()> {
             .map(|d| d.split(',').map(|s| s.trim().to_string()).collect())
             .unwrap_or_default()
     } else {
-        a.device
+        a.device.clone()
     })?;
     cfg.device = devices.first().cloned();
     cfg.more_devices = devices.iter().skip(1).cloned().collect();
@@ -247,6 +280,7 @@ pub(crate) async fn run(a: ServeArgs) -> anyhow::Result<()> {
             "memory_windows": server.memory_windows(),
             "registration": server.registration(),
             "metrics": metrics_addr.map(|m| m.to_string()),
+            "catalog": catalog_url.as_ref().map(|u| u.to_string()),
             "regions": server.reports(),
         });
         println!("{}", serde_json::to_string_pretty(&doc)?);
@@ -292,8 +326,31 @@ pub(crate) async fn run(a: ServeArgs) -> anyhow::Result<()> {
         sd_notify::NotifyState::Ready,
         sd_notify::NotifyState::Status(&format!("serving on {addr}")),
     ]);
+    let publisher = match &catalog_url {
+        Some(url) => Some(publish(&publishing, &file.catalog, url, &server, addr).await?),
+        None => None,
+    };
     let reload = tokio::spawn(reload_on_sighup(handle, token_file));
-    let res = server.run(shutdown_signal()).await;
+    let res = server
+        .run(async move {
+            shutdown_signal().await;
+            // leave the catalog first: new clients go elsewhere while open transfers finish
+            if let Some(p) = publisher {
+                let st = p.stop().await;
+                eprintln!(
+                    "p2p-rdma: catalog: {}",
+                    if st.lease == 0 && st.error.is_none() {
+                        "left (lease revoked)".to_string()
+                    } else {
+                        format!(
+                            "could not revoke the lease ({}); the entries go when it expires",
+                            st.error.unwrap_or_default()
+                        )
+                    }
+                );
+            }
+        })
+        .await;
     reload.abort();
     if let Some(t) = metrics_task {
         t.abort();
@@ -301,6 +358,82 @@ pub(crate) async fn run(a: ServeArgs) -> anyhow::Result<()> {
     res?;
     eprintln!("p2p-rdma: stopped");
     Ok(())
+}
+
+/// `serve`'s catalog flags.
+struct Publishing {
+    node: Option<String>,
+    advertise: Vec<String>,
+    ttl: Option<u64>,
+    etcd: super::catalog::EtcdArgs,
+}
+
+/// Start publishing the server's regions in the catalog; waits a few seconds for the first
+/// publication and says how it went (serving goes on either way).
+async fn publish(
+    a: &Publishing,
+    file: &super::catalog::CatalogFile,
+    url: &catalog::CatalogUrl,
+    server: &bridge::Server,
+    addr: SocketAddr,
+) -> anyhow::Result<catalog::Publisher> {
+    use catalog::server::{default_node_name, endpoints_for, source, NodeIdentity};
+    let node = a
+        .node
+        .clone()
+        .or(file.node.clone())
+        .unwrap_or_else(|| default_node_name(addr.port()));
+    let advertise = if a.advertise.is_empty() {
+        file.advertise.clone()
+    } else {
+        a.advertise.clone()
+    };
+    let endpoints = if advertise.is_empty() {
+        let ips: Vec<_> = server
+            .devices()
+            .into_iter()
+            .filter_map(|(_, ip)| ip)
+            .collect();
+        endpoints_for(addr, &ips).map_err(Usage)?
+    } else {
+        for e in &advertise {
+            let ok = e
+                .rsplit_once(':')
+                .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0));
+            if !ok {
+                return Err(Usage(format!("--advertise '{e}': want HOST:PORT")).into());
+            }
+        }
+        advertise
+    };
+    let mut cfg = catalog::PublisherConfig::new(url.clone(), node.clone());
+    cfg.options = a.etcd.options(file)?;
+    if let Some(t) = a.ttl.or(file.ttl_secs) {
+        cfg.ttl = Duration::from_secs(t);
+    }
+    let ttl = cfg.ttl.as_secs();
+    let id = NodeIdentity {
+        node: node.clone(),
+        endpoints: endpoints.clone(),
+        nics: server.devices().into_iter().map(|(n, _)| n).collect(),
+    };
+    let p = catalog::Publisher::start(cfg, source(server.handle(), id))
+        .map_err(|e| Usage(e.to_string()))?;
+    let st = p.published(Duration::from_secs(5)).await;
+    if st.published {
+        eprintln!(
+            "p2p-rdma: catalog {url}: published {} region{} as node {node} at {} (lease TTL {ttl} s)",
+            st.keys.saturating_sub(1),
+            if st.keys == 2 { "" } else { "s" },
+            endpoints.join(", ")
+        );
+    } else {
+        eprintln!(
+            "p2p-rdma: catalog {url}: not published yet ({}); serving anyway, and publishing as node {node} when etcd answers",
+            st.error.as_deref().unwrap_or("no answer within 5 s")
+        );
+    }
+    Ok(p)
 }
 
 /// The devices `--device` names (`all`: every one with an active port), without repeats.

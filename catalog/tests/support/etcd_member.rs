@@ -34,11 +34,8 @@ pub(crate) fn etcd_binary() -> PathBuf {
 
 impl Etcd {
     pub(crate) fn start() -> Etcd {
-        let dir = std::env::temp_dir().join(format!(
-            "p2p-etcd-{}-{}",
-            std::process::id(),
-            free_port()
-        ));
+        let dir =
+            std::env::temp_dir().join(format!("p2p-etcd-{}-{}", std::process::id(), free_port()));
         let mut e = Etcd {
             child: None,
             port: free_port(),
@@ -54,7 +51,9 @@ impl Etcd {
     }
 
     pub(crate) fn url(&self, prefix: &str) -> catalog::CatalogUrl {
-        format!("etcd://{}/{prefix}", self.endpoint()).parse().unwrap()
+        format!("etcd://{}/{prefix}", self.endpoint())
+            .parse()
+            .unwrap()
     }
 
     /// Start the member (again, on the same ports and data).

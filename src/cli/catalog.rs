@@ -1,0 +1,272 @@
+//! The catalog on the command line: etcd connection options, `serve --catalog` publishing,
+//! `ls etcd://...` of the whole cluster, and fetch/put by region name.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use bridge::size::human;
+use catalog::{Catalog, CatalogOptions, CatalogUrl};
+
+use super::emit;
+use super::exit::Usage;
+
+/// How to reach etcd (any command that takes an `etcd://` address, and `serve --catalog`).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub(crate) struct EtcdArgs {
+    /// etcd user (etcd's own authentication); the password comes from
+    /// --catalog-password-file or P2P_RDMA_ETCD_PASSWORD.
+    #[arg(long, value_name = "USER")]
+    pub(crate) catalog_user: Option<String>,
+    /// File holding the etcd user's password.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) catalog_password_file: Option<PathBuf>,
+    /// CA certificate (PEM) of the etcd members (with an etcds:// URL; default: the system's
+    /// roots).
+    #[arg(long, value_name = "FILE")]
+    pub(crate) catalog_ca: Option<PathBuf>,
+    /// Client certificate (PEM), for members that require one (with --catalog-key).
+    #[arg(long, value_name = "FILE", requires = "catalog_key")]
+    pub(crate) catalog_cert: Option<PathBuf>,
+    /// Client certificate's key (PEM).
+    #[arg(long, value_name = "FILE", requires = "catalog_cert")]
+    pub(crate) catalog_key: Option<PathBuf>,
+    /// Seconds to wait for etcd at each request.
+    #[arg(long, value_name = "SECONDS")]
+    pub(crate) catalog_timeout: Option<u64>,
+}
+
+/// The `[catalog]` table of `serve --config` (all optional; flags override).
+#[derive(Debug, Default, Clone, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct CatalogFile {
+    pub(crate) url: Option<String>,
+    pub(crate) ttl_secs: Option<u64>,
+    pub(crate) node: Option<String>,
+    #[serde(default)]
+    pub(crate) advertise: Vec<String>,
+    pub(crate) user: Option<String>,
+    pub(crate) password_file: Option<PathBuf>,
+    pub(crate) ca: Option<PathBuf>,
+    pub(crate) cert: Option<PathBuf>,
+    pub(crate) key: Option<PathBuf>,
+    pub(crate) timeout_secs: Option<u64>,
+}
+
+impl EtcdArgs {
+    /// The options, flags first, then the config file's `[catalog]` table.
+    pub(crate) fn options(&self, file: &CatalogFile) -> anyhow::Result<CatalogOptions> {
+        let mut o = CatalogOptions::default();
+        if let Some(s) = self.catalog_timeout.or(file.timeout_secs) {
+            o.timeout = Duration::from_secs(s.max(1));
+        }
+        if let Some(user) = self.catalog_user.clone().or(file.user.clone()) {
+            let pw = match self
+                .catalog_password_file
+                .as_ref()
+                .or(file.password_file.as_ref())
+            {
+                Some(f) => std::fs::read_to_string(f)
+                    .with_context(|| format!("cannot read the etcd password file {}", f.display()))?
+                    .trim()
+                    .to_string(),
+                None => std::env::var("P2P_RDMA_ETCD_PASSWORD").map_err(|_| {
+                    Usage(format!(
+                        "etcd user '{user}' needs a password: --catalog-password-file FILE or \
+                         P2P_RDMA_ETCD_PASSWORD"
+                    ))
+                })?,
+            };
+            o.user = Some((user, pw));
+        }
+        o.ca = self.catalog_ca.clone().or(file.ca.clone());
+        o.identity = match (
+            self.catalog_cert.clone().or(file.cert.clone()),
+            self.catalog_key.clone().or(file.key.clone()),
+        ) {
+            (Some(c), Some(k)) => Some((c, k)),
+            (None, None) => None,
+            _ => {
+                return Err(Usage(
+                    "a client certificate needs its key, and a key its certificate".into(),
+                )
+                .into())
+            }
+        };
+        Ok(o)
+    }
+}
+
+/// Parse an `etcd://` address given where a server address may be.
+pub(crate) fn url(s: &str) -> anyhow::Result<CatalogUrl> {
+    Ok(s.parse::<CatalogUrl>().map_err(Usage)?)
+}
+
+/// `ls etcd://...`: every region of the cluster, by region then node, and the nodes.
+pub(crate) async fn ls(
+    url: &CatalogUrl,
+    o: &CatalogOptions,
+    json: bool,
+    watch: bool,
+) -> anyhow::Result<()> {
+    let c = Catalog::connect(url, o).await?;
+    let l = c.list().await?;
+    if json && !watch {
+        return emit(&format!("{}\n", serde_json::to_string_pretty(&l)?));
+    }
+    if !json {
+        let mut out = format!(
+            "{:<16} {:<22} {:>10}  {:<6} {:<8} {:<7} {:<9} {}\n",
+            "REGION", "NODE", "SIZE", "ACCESS", "KIND", "PATH", "STRATEGY", "ENDPOINT"
+        );
+        for r in &l.regions {
+            out.push_str(&format!(
+                "{:<16} {:<22} {:>10}  {:<6} {:<8} {:<7} {:<9} {}\n",
+                r.region,
+                r.node,
+                human(r.size),
+                r.access,
+                r.kind,
+                r.path,
+                r.strategy.as_deref().unwrap_or("-"),
+                r.endpoints.join(",")
+            ));
+        }
+        out.push_str(&format!(
+            "\n{:<22} {:>11}  {:<24} {}\n",
+            "NODE", "CONNECTIONS", "ENDPOINTS", "NICS"
+        ));
+        for n in &l.nodes {
+            out.push_str(&format!(
+                "{:<22} {:>11}  {:<24} {}\n",
+                n.node,
+                n.connections,
+                n.endpoints.join(","),
+                n.nics.join(",")
+            ));
+        }
+        for s in &l.skipped {
+            out.push_str(&format!("skipped: {s}\n"));
+        }
+        out.push_str(&format!(
+            "{} region entr{} on {} node{} ({} keys, {} in {url})\n",
+            l.regions.len(),
+            if l.regions.len() == 1 { "y" } else { "ies" },
+            l.nodes.len(),
+            if l.nodes.len() == 1 { "" } else { "s" },
+            l.keys,
+            human(l.bytes)
+        ));
+        emit(&out)?;
+    }
+    if watch {
+        let mut w = c.watch(Some(l.revision)).await?;
+        while let Some(ev) = w.next().await? {
+            use catalog::CatalogEvent as E;
+            let line = match (&ev, json) {
+                (E::RegionUp(r), true) => {
+                    serde_json::json!({"event": "region_up", "entry": r}).to_string()
+                }
+                (E::RegionDown { region, node }, true) => {
+                    serde_json::json!({"event": "region_down", "region": region, "node": node})
+                        .to_string()
+                }
+                (E::NodeUp(n), true) => {
+                    serde_json::json!({"event": "node_up", "entry": n}).to_string()
+                }
+                (E::NodeDown(n), true) => {
+                    serde_json::json!({"event": "node_down", "node": n}).to_string()
+                }
+                (E::Skipped(s), true) => {
+                    serde_json::json!({"event": "skipped", "why": s}).to_string()
+                }
+                (E::RegionUp(r), false) => format!(
+                    "+ region {} on {} ({}, {}, {})",
+                    r.region,
+                    r.node,
+                    human(r.size),
+                    r.access,
+                    r.path
+                ),
+                (E::RegionDown { region, node }, false) => format!("- region {region} on {node}"),
+                (E::NodeUp(n), false) => {
+                    format!("+ node {} ({} connections)", n.node, n.connections)
+                }
+                (E::NodeDown(n), false) => format!("- node {n}"),
+                (E::Skipped(s), false) => format!("! skipped {s}"),
+            };
+            emit(&format!("{line}\n"))?;
+        }
+    }
+    Ok(())
+}
+
+/// A region opened by name through the catalog: the connection, the open region, and the
+/// replicas left to try if this one fails.
+pub(crate) struct ByName {
+    pub(crate) client: bridge::Client,
+    pub(crate) region: bridge::OpenRegion,
+    pub(crate) rest: Vec<catalog::Replica>,
+}
+
+/// Resolve `region` in the catalog and open it on the best node that answers (`node`: that
+/// one only); says on stderr which node serves it and which failed before.
+pub(crate) async fn open(
+    url: &CatalogUrl,
+    o: &CatalogOptions,
+    region: &str,
+    write: bool,
+    node: Option<&str>,
+    config: &dyn Fn(String) -> bridge::ClientConfig,
+) -> anyhow::Result<ByName> {
+    let c = Catalog::connect(url, o).await?;
+    let opened = catalog::open::open(&c, region, write, node, config).await?;
+    let mut rest = c.resolve(region).await.unwrap_or_default();
+    rest.retain(|r| r.entry.node != opened.replica.entry.node);
+    if node.is_some() {
+        rest.clear();
+    }
+    say(&opened);
+    Ok(ByName {
+        client: opened.client,
+        region: opened.region,
+        rest,
+    })
+}
+
+/// Open on the next of `rest` (after a failure), as [`open`] does.
+pub(crate) async fn next(
+    region: &str,
+    rest: Vec<catalog::Replica>,
+    write: bool,
+    config: &dyn Fn(String) -> bridge::ClientConfig,
+) -> anyhow::Result<ByName> {
+    let opened = catalog::open::open_among(region, rest.clone(), write, config).await?;
+    let rest = rest
+        .into_iter()
+        .filter(|r| r.entry.node != opened.replica.entry.node)
+        .collect();
+    say(&opened);
+    Ok(ByName {
+        client: opened.client,
+        region: opened.region,
+        rest,
+    })
+}
+
+fn say(o: &catalog::open::Opened) {
+    for f in &o.failed {
+        eprintln!("p2p-rdma: catalog: skipped {f}");
+    }
+    eprintln!(
+        "p2p-rdma: catalog: region '{}' from node {} at {} ({} path{})",
+        o.region.info.name,
+        o.replica.entry.node,
+        o.endpoint,
+        o.replica.entry.path,
+        o.replica
+            .connections
+            .map(|n| format!(", {n} connections"))
+            .unwrap_or_default()
+    );
+}
