@@ -1,0 +1,147 @@
+# The cluster catalog across the two lab hosts (sourced by two-host-test on host b, 10.88.0.2).
+# An etcd member runs here on 10.88.0.2:2379, reachable from both guests. Host a's server
+# (node "a") publishes its regions, among them `rep`, a read-only file with the same bytes on
+# both hosts; this host serves `rep` too (node "b"), so `rep` has two replicas. Checks: the
+# cluster listing, fetch by name, a node killed with SIGKILL (its entries go within the lease
+# TTL; fetches go to the other replica), etcd down (open transfers and known addresses keep
+# working, new resolves fail naming the endpoints) and back with its data lost (the server
+# publishes again). Prints the by-name vs by-address cost of a 4 KiB fetch.
+
+CAT_ETCD=10.88.0.2:2379
+CAT=etcd://$CAT_ETCD/lab
+CAT_TTL=5
+
+# the replicated region's bytes, the same on both hosts (host a makes them the same way)
+rep_bytes() { python3 -c 'import random,sys; sys.stdout.buffer.write(random.Random(7).randbytes(4 << 20))'; }
+
+catalog_etcd_start() {
+    rm -rf /tmp/etcd-data
+    etcd --name b --data-dir /tmp/etcd-data \
+        --listen-client-urls "http://0.0.0.0:2379" --advertise-client-urls "http://$CAT_ETCD" \
+        --listen-peer-urls http://127.0.0.1:2380 --initial-advertise-peer-urls http://127.0.0.1:2380 \
+        --initial-cluster b=http://127.0.0.1:2380 --log-level error >>"$OUT/etcd.log" 2>&1 &
+    CAT_ETCD_PID=$!
+}
+
+catalog_etcd_kill() {
+    kill -9 "$CAT_ETCD_PID" 2>/dev/null || true
+    wait "$CAT_ETCD_PID" 2>/dev/null || true
+}
+
+# the nodes the catalog lists for region $1, sorted, comma-separated
+cat_nodes() {
+    "$bin" ls "$CAT" --json 2>/dev/null | python3 -c '
+import json, sys
+l = json.load(sys.stdin)
+print(",".join(sorted(r["node"] for r in l["regions"] if r["region"] == sys.argv[1])))' "$1"
+}
+
+# wait up to $3 s for region $1 to be listed on exactly nodes $2
+cat_wait() {
+    local i
+    for i in $(seq 1 $(($3 * 4))); do
+        [[ $(cat_nodes "$1") == "$2" ]] && return 0
+        sleep 0.25
+    done
+    echo "catalog: region $1 is on '$(cat_nodes "$1")', not '$2', after $3 s"
+    return 1
+}
+
+catalog_checks() {
+    rep_bytes >rep.bin
+    check "catalog: host a's server published its regions (etcd started after it)" cat_wait ram a 60
+    "$bin" serve --listen 0.0.0.0:7473 --token-file tok --region rep=file:/tmp/rep.bin:ro \
+        --region onlyb=host:1M --catalog "$CAT" --catalog-ttl $CAT_TTL --node b \
+        >"$OUT/serve-b.log" 2>&1 &
+    local bpid=$!
+    check "catalog: two replicas of rep (nodes a and b)" cat_wait rep a,b 60
+    listing() {
+        "$bin" ls "$CAT" >cl.txt && tee -a "$OUT/catalog-ls.txt" <cl.txt >&2 &&
+            grep -Eq '^rep +a +' cl.txt && grep -Eq '^rep +b +' cl.txt && grep -Eq '^onlyb +b ' cl.txt
+    }
+    check "catalog: ls etcd:// lists every region with its node and path" listing
+    by_name() {
+        "$bin" fetch "$CAT" rep --verify -o r1.bin 2>bn.err && cmp -s rep.bin r1.bin &&
+            "$bin" fetch "$CAT" onlyb --length 4K -o /dev/null &&
+            "$bin" fetch "$CAT" rep --node a --length 4K -o r2.bin 2>bn.err &&
+            grep -q "from node a at 10.88.0.1:7471" bn.err && cmp -s -n 4096 rep.bin r2.bin
+    }
+    check "catalog: fetch by name (any replica, and --node a), bytes equal" by_name
+    put_needs_node() {
+        local rc
+        set +e
+        "$bin" put "$CAT" rep -i rep.bin 2>pn.err; rc=$?
+        set -e
+        [[ $rc -eq 2 ]] && grep -q "2 replicas" pn.err
+    }
+    check "catalog: a put to a replicated name without --node is refused (exit 2)" put_needs_node
+
+    # resolve + open + 4 KiB fetch by name vs with the known address (one process each)
+    local i t0 named=() direct=()
+    for i in 1 2 3 4 5 6 7 8 9 10; do
+        t0=$(date +%s.%N)
+        "$bin" fetch "$CAT" rep --node a --length 4K -o /dev/null 2>/dev/null || true
+        named+=("$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN {print b - a}')")
+        t0=$(date +%s.%N)
+        "$bin" fetch "$P2P_LAB_PEER_IP:$PORT" rep --length 4K -o /dev/null 2>/dev/null || true
+        direct+=("$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN {print b - a}')")
+    done
+    local mn md
+    mn=$(printf '%s\n' "${named[@]}" | sort -g | awk '{v[NR]=$1} END {print (v[int((NR+1)/2)] + v[int(NR/2)+1]) / 2}')
+    md=$(printf '%s\n' "${direct[@]}" | sort -g | awk '{v[NR]=$1} END {print (v[int((NR+1)/2)] + v[int(NR/2)+1]) / 2}')
+    echo "two-host: catalog: resolve + open + 4 KiB fetch by name $mn s, by address $md s, ratio $(awk -v a="$mn" -v b="$md" 'BEGIN {printf "%.2f", a / b}') (median of 10, one process each, min by name $(printf '%s\n' "${named[@]}" | sort -g | head -1) s, by address $(printf '%s\n' "${direct[@]}" | sort -g | head -1) s)"
+
+    # node b dies without a word: fetches skip it at once, the catalog drops it within the TTL
+    killed_node() {
+        local t0 i gone=""
+        kill -9 "$bpid"
+        wait "$bpid" 2>/dev/null || true
+        t0=$(date +%s.%N)
+        for i in 1 2 3; do
+            "$bin" fetch "$CAT" rep --length 64K -o k.bin 2>k.err || { cat k.err; return 1; }
+            cmp -s -n 65536 rep.bin k.bin || return 1
+        done
+        for i in $(seq 1 $((CAT_TTL * 8 + 8))); do
+            if [[ $(cat_nodes rep) == a ]]; then
+                gone=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN {printf "%.1f", b - a}')
+                break
+            fi
+            sleep 0.25
+        done
+        echo "two-host: catalog: node b killed (SIGKILL): gone from the catalog after ${gone:-never} s (lease TTL $CAT_TTL s)"
+        [[ -n $gone ]] && awk -v g="$gone" -v t="$CAT_TTL" 'BEGIN {exit !(g <= t + 1.5)}' &&
+            [[ -z $(cat_nodes onlyb) ]] &&
+            "$bin" fetch "$CAT" rep --verify -o k2.bin 2>k.err && grep -q "from node a" k.err && cmp -s rep.bin k2.bin
+    }
+    check "catalog: node killed with SIGKILL: fetches go to the replica, its entries leave within the TTL" killed_node
+
+    # etcd dies: an open transfer and the known address keep working; a new resolve fails and
+    # names the endpoint; etcd comes back empty (data lost) and the server publishes again
+    etcd_down() {
+        local pid rc
+        rm -f ed.bin
+        "$bin" fetch "$CAT" ram -o ed.bin --chunk 64K --depth 2 2>ed.err &
+        pid=$!
+        for i in $(seq 1 100); do
+            [[ $(stat -c %s ed.bin 2>/dev/null || echo 0) -gt 0 ]] && break
+            sleep 0.1
+        done
+        catalog_etcd_kill
+        wait "$pid" || { echo "the fetch begun before etcd died failed: $(tail -n 2 ed.err)"; return 1; }
+        cmp -s in.bin ed.bin || { echo "the fetch begun before etcd died has other bytes"; return 1; }
+        "$bin" fetch "$S" ram --length 1M -o /dev/null || { echo "the known address failed with etcd down"; return 1; }
+        set +e
+        "$bin" fetch "$CAT" ram --length 4K -o /dev/null --catalog-timeout 2 2>nr.err; rc=$?
+        set -e
+        echo "two-host: catalog: with etcd down, a new fetch by name: exit $rc: $(tail -n 1 nr.err)"
+        [[ $rc -eq 5 ]] && grep -q "$CAT_ETCD" nr.err || return 1
+        rm -rf /tmp/etcd-data
+        catalog_etcd_start
+        local t0
+        t0=$(date +%s.%N)
+        cat_wait ram a 30 || return 1
+        echo "two-host: catalog: etcd back with no data: host a's regions published again after $(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN {printf "%.1f", b - a}') s"
+        "$bin" fetch "$CAT" ram --length 4K -o /dev/null
+    }
+    check "catalog: etcd down: open transfers and known addresses work, resolves fail naming it; back: republished" etcd_down
+}
