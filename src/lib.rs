@@ -6,6 +6,7 @@
 #![forbid(unsafe_code)]
 
 pub use bridge;
+pub use catalog;
 pub use peermem;
 pub use verbs;
 

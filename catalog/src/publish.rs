@@ -138,6 +138,10 @@ async fn run(
         match session(&cfg, &layout, &source, &mut stop, &status, started).await {
             End::Stop => return,
             End::Lost(why) => {
+                if status.borrow().published {
+                    // it was up: this is a new outage, worth saying
+                    said_down = false;
+                }
                 if !said_down {
                     tracing::warn!(
                         catalog = %cfg.url, error = %why,
@@ -157,9 +161,6 @@ async fn run(
             _ = stop.changed() => return,
         }
         backoff = (backoff * 2).min(Duration::from_secs(5));
-        if status.borrow().leases > 0 && status.borrow().published {
-            said_down = false;
-        }
     }
 }
 
@@ -270,6 +271,10 @@ async fn session(
                     rec.applied(batch);
                 }
                 let first = status.borrow().first_publish_seconds.is_none();
+                let (was_up, leases) = (status.borrow().published, status.borrow().leases);
+                if !was_up && leases > 1 {
+                    tracing::warn!(catalog = %cfg.url, node = cfg.node, keys = rec.published(), "catalog reachable again: everything published under a new lease");
+                }
                 status.send_modify(|s| {
                     s.published = true;
                     s.keys = rec.published();
