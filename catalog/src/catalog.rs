@@ -15,6 +15,9 @@ use crate::url::CatalogUrl;
 /// Most keys one listing reads (a hostile or runaway catalog cannot make a client read more).
 pub const MAX_LISTED_KEYS: i64 = 200_000;
 
+/// Most replicas of one region a resolve considers (each costs a read of its node's entry).
+pub const MAX_REPLICAS: i64 = 64;
+
 /// How to reach etcd: credentials, TLS files, the time allowed per request.
 #[derive(Debug, Clone)]
 pub struct CatalogOptions {
@@ -234,7 +237,7 @@ impl Catalog {
             self.timeout,
             c.get(
                 self.layout.region(region),
-                Some(GetOptions::new().with_prefix().with_limit(10_000)),
+                Some(GetOptions::new().with_prefix().with_limit(MAX_REPLICAS)),
             ),
         )
         .await?;

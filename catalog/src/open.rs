@@ -18,6 +18,8 @@ pub struct Opened {
     pub endpoint: String,
     /// Replicas tried before it, with why each failed.
     pub failed: Vec<String>,
+    /// Replicas not tried yet, in order (for a retry if this one fails later).
+    pub rest: Vec<Replica>,
 }
 
 /// Resolve `region` and open it on the best node that answers. `node` restricts the choice
@@ -63,7 +65,8 @@ pub async fn open_among(
     config: &dyn Fn(String) -> bridge::ClientConfig,
 ) -> Result<Opened> {
     let mut failed = Vec::new();
-    for replica in replicas {
+    let mut left = replicas.into_iter();
+    while let Some(replica) = left.next() {
         for ep in &replica.entry.endpoints {
             let attempt = async {
                 let mut c = bridge::Client::connect(config(ep.clone())).await?;
@@ -78,6 +81,7 @@ pub async fn open_among(
                         endpoint: ep.clone(),
                         replica,
                         failed,
+                        rest: left.collect(),
                     })
                 }
                 Err(e) => {

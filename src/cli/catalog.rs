@@ -221,16 +221,11 @@ pub(crate) async fn open(
 ) -> anyhow::Result<ByName> {
     let c = Catalog::connect(url, o).await?;
     let opened = catalog::open::open(&c, region, write, node, config).await?;
-    let mut rest = c.resolve(region).await.unwrap_or_default();
-    rest.retain(|r| r.entry.node != opened.replica.entry.node);
-    if node.is_some() {
-        rest.clear();
-    }
     say(&opened);
     Ok(ByName {
         client: opened.client,
         region: opened.region,
-        rest,
+        rest: opened.rest,
     })
 }
 
@@ -241,16 +236,12 @@ pub(crate) async fn next(
     write: bool,
     config: &dyn Fn(String) -> bridge::ClientConfig,
 ) -> anyhow::Result<ByName> {
-    let opened = catalog::open::open_among(region, rest.clone(), write, config).await?;
-    let rest = rest
-        .into_iter()
-        .filter(|r| r.entry.node != opened.replica.entry.node)
-        .collect();
+    let opened = catalog::open::open_among(region, rest, write, config).await?;
     say(&opened);
     Ok(ByName {
         client: opened.client,
         region: opened.region,
-        rest,
+        rest: opened.rest,
     })
 }
 
