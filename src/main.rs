@@ -545,34 +545,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             client,
         } => {
             let base = client_config(String::new(), &client)?;
-            let make = |a: String| bridge::ClientConfig {
-                addr: a,
-                ..base.clone()
-            };
-            let by_name = if catalog::CatalogUrl::is_catalog(&addr) {
-                let url = cli::catalog::url(&addr)?;
-                let o = client.etcd.options(&Default::default())?;
-                Some(
-                    cli::catalog::open(&url, &o, &region, false, client.node.as_deref(), &make)
-                        .await?,
-                )
-            } else {
-                if client.node.is_some() {
-                    return Err(Usage(
-                        "--node picks a replica in a catalog: give an etcd:// address".into(),
-                    )
-                    .into());
-                }
-                None
-            };
-            let (mut c, r, mut rest) = match by_name {
-                Some(b) => (b.client, b.region, b.rest),
-                None => {
-                    let mut c = bridge::Client::connect(make(addr.clone())).await?;
-                    let r = c.open(&region, false).await?;
-                    (c, r, Vec::new())
-                }
-            };
+            let cli::catalog::Target {
+                client: mut c,
+                region: r,
+                mut rest,
+            } = cli::catalog::open(&addr, &region, false, &base, &client).await?;
             let len = match length {
                 Some(l) => l,
                 None => r
@@ -612,7 +589,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     break;
                 }
                 eprintln!("p2p-rdma: catalog: node failed mid-way ({e}); trying the next replica");
-                let b = match cli::catalog::next(&region, std::mem::take(&mut rest), false, &make)
+                let b = match cli::catalog::next(&region, std::mem::take(&mut rest), false, &base)
                     .await
                 {
                     Ok(b) => b,
@@ -669,27 +646,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 (None, n) => n,
             };
             let base = client_config(String::new(), &client)?;
-            let make = |a: String| bridge::ClientConfig {
-                addr: a,
-                ..base.clone()
-            };
-            let (mut c, r) = if catalog::CatalogUrl::is_catalog(&addr) {
-                let url = cli::catalog::url(&addr)?;
-                let o = client.etcd.options(&Default::default())?;
-                let b = cli::catalog::open(&url, &o, &region, true, client.node.as_deref(), &make)
-                    .await?;
-                (b.client, b.region)
-            } else {
-                if client.node.is_some() {
-                    return Err(Usage(
-                        "--node picks a replica in a catalog: give an etcd:// address".into(),
-                    )
-                    .into());
-                }
-                let mut c = bridge::Client::connect(make(addr.clone())).await?;
-                let r = c.open(&region, true).await?;
-                (c, r)
-            };
+            let cli::catalog::Target {
+                client: mut c,
+                region: r,
+                ..
+            } = cli::catalog::open(&addr, &region, true, &base, &client).await?;
             let mut bar = Progress::new(limit.unwrap_or(r.info.size.saturating_sub(offset)), json);
             let rep = c
                 .put(&r, offset, source.as_mut(), limit, verify, &mut |d| {

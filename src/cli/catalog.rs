@@ -201,48 +201,71 @@ pub(crate) async fn ls(
     Ok(())
 }
 
-/// A region opened by name through the catalog: the connection, the open region, and the
+/// A region opened for a transfer: the connection, the open region, and (by name) the
 /// replicas left to try if this one fails.
-pub(crate) struct ByName {
+pub(crate) struct Target {
     pub(crate) client: bridge::Client,
     pub(crate) region: bridge::OpenRegion,
     pub(crate) rest: Vec<catalog::Replica>,
 }
 
-/// Resolve `region` in the catalog and open it on the best node that answers (`node`: that
-/// one only); says on stderr which node serves it and which failed before.
-pub(crate) async fn open(
-    url: &CatalogUrl,
-    o: &CatalogOptions,
-    region: &str,
-    write: bool,
-    node: Option<&str>,
-    config: &dyn Fn(String) -> bridge::ClientConfig,
-) -> anyhow::Result<ByName> {
-    let c = Catalog::connect(url, o).await?;
-    let opened = catalog::open::open(&c, region, write, node, config).await?;
-    say(&opened);
-    Ok(ByName {
-        client: opened.client,
-        region: opened.region,
-        rest: opened.rest,
-    })
+/// `base` with another server address.
+fn at(base: &bridge::ClientConfig, addr: String) -> bridge::ClientConfig {
+    bridge::ClientConfig {
+        addr,
+        ..base.clone()
+    }
 }
 
-/// Open on the next of `rest` (after a failure), as [`open`] does.
+/// Connect and open `region` for `fetch` or `put`: at a server's address, or by name through
+/// an `etcd://` catalog on the best node that answers (`--node`: that one only), saying on
+/// stderr which node serves it and which failed before.
+pub(crate) async fn open(
+    addr: &str,
+    region: &str,
+    write: bool,
+    base: &bridge::ClientConfig,
+    a: &crate::ClientArgs,
+) -> anyhow::Result<Target> {
+    if !CatalogUrl::is_catalog(addr) {
+        if a.node.is_some() {
+            return Err(Usage(
+                "--node picks a replica in a catalog: give an etcd:// address".into(),
+            )
+            .into());
+        }
+        let mut client = bridge::Client::connect(at(base, addr.to_string())).await?;
+        let region = client.open(region, write).await?;
+        return Ok(Target {
+            client,
+            region,
+            rest: Vec::new(),
+        });
+    }
+    let c = Catalog::connect(&url(addr)?, &a.etcd.options(&Default::default())?).await?;
+    let opened =
+        catalog::open::open(&c, region, write, a.node.as_deref(), &|e| at(base, e)).await?;
+    Ok(said(opened))
+}
+
+/// Open on the next of `rest` (after a failure), as [`open`] does by name.
 pub(crate) async fn next(
     region: &str,
     rest: Vec<catalog::Replica>,
     write: bool,
-    config: &dyn Fn(String) -> bridge::ClientConfig,
-) -> anyhow::Result<ByName> {
-    let opened = catalog::open::open_among(region, rest, write, config).await?;
-    say(&opened);
-    Ok(ByName {
-        client: opened.client,
-        region: opened.region,
-        rest: opened.rest,
-    })
+    base: &bridge::ClientConfig,
+) -> anyhow::Result<Target> {
+    let opened = catalog::open::open_among(region, rest, write, &|e| at(base, e)).await?;
+    Ok(said(opened))
+}
+
+fn said(o: catalog::open::Opened) -> Target {
+    say(&o);
+    Target {
+        client: o.client,
+        region: o.region,
+        rest: o.rest,
+    }
 }
 
 fn say(o: &catalog::open::Opened) {
