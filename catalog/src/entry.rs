@@ -127,8 +127,9 @@ fn parse<T: for<'de> Deserialize<'de>>(value: &[u8]) -> Result<T, String> {
     serde_json::from_slice(value).map_err(|e| format!("not a catalog entry: {e}"))
 }
 
-/// Each endpoint `HOST:PORT` with a port, at most [`MAX_ENDPOINTS`], at least one.
-fn check_endpoints(eps: &[String]) -> Result<(), String> {
+/// Each endpoint `HOST:PORT` with a port, at most [`MAX_ENDPOINTS`], at least one: what every
+/// reader accepts, so what a node may publish.
+pub fn check_endpoints(eps: &[String]) -> Result<(), String> {
     if eps.is_empty() || eps.len() > MAX_ENDPOINTS {
         return Err(format!(
             "{} endpoints (1 to {MAX_ENDPOINTS} expected)",

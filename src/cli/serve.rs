@@ -396,14 +396,9 @@ async fn publish(
             .collect();
         endpoints_for(addr, &ips).map_err(Usage)?
     } else {
-        for e in &advertise {
-            let ok = e
-                .rsplit_once(':')
-                .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0));
-            if !ok {
-                return Err(Usage(format!("--advertise '{e}': want HOST:PORT")).into());
-            }
-        }
+        // the readers' own rule: an endpoint they would refuse is not published
+        catalog::entry::check_endpoints(&advertise)
+            .map_err(|e| Usage(format!("--advertise: {e}")))?;
         advertise
     };
     let mut cfg = catalog::PublisherConfig::new(url.clone(), node.clone());
