@@ -10,15 +10,14 @@ use clap::{Parser, Subcommand, ValueEnum};
 use p2p_rdma::loopback::{self, LoopbackConfig, Op};
 use verbs::CqMode;
 
-use bridge::size::{human, parse_size};
+use bridge::size::human;
 
 mod cli;
 
 use cli::emit;
 use cli::inspect::{devices, doctor, topo};
-use cli::transfer::{client_config, finish_transfer, Progress};
 
-use cli::exit::{self, BenchMismatch, Usage};
+use cli::exit;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -58,80 +57,17 @@ enum Cmd {
     #[command(
         after_help = "Examples:\n  P2P_RDMA_TOKEN=$(cat token) p2p-rdma ls 10.0.0.1:7471 --json\n  p2p-rdma ls etcd://10.0.0.9:2379/prod            # the whole cluster\n  p2p-rdma ls etcd://10.0.0.9:2379/prod --watch    # and then its changes"
     )]
-    Ls {
-        /// Server control address HOST:PORT, or a catalog etcd://HOST:PORT[,...]/PREFIX:
-        /// every region of the cluster, with the node serving it and its path (no token
-        /// needed: the catalog holds no secret).
-        addr: String,
-        #[command(flatten)]
-        token: TokenArgs,
-        /// Print JSON.
-        #[arg(long)]
-        json: bool,
-        /// Seconds to wait for the server.
-        #[arg(long, default_value_t = 30)]
-        timeout: u64,
-        /// With a catalog: after the listing, print regions and nodes as they come and go.
-        #[arg(long)]
-        watch: bool,
-        #[command(flatten)]
-        etcd: cli::catalog::EtcdArgs,
-    },
+    Ls(cli::ls::LsArgs),
     /// Read (part of) a remote region with RDMA READ into a file or stdout.
     #[command(
         after_help = "Examples:\n  p2p-rdma fetch 10.0.0.1:7471 ram -o ram.bin --token-file token --verify\n  p2p-rdma fetch 10.0.0.1:7471 img --offset 4K --length 1M -o - --token-file token | sha256sum\n  p2p-rdma fetch etcd://10.0.0.9:2379/prod img -o img.bin --token-file token\n\nBy name (an etcd:// catalog address): the nodes publishing the region are tried best first (direct\npath, then the fewest connections, then at random); one that cannot be reached or fails mid-way\nis skipped for the next (mid-way only when writing to a file, which starts over)."
     )]
-    Fetch {
-        /// Server control address HOST:PORT, or a catalog etcd://HOST:PORT[,...]/PREFIX to
-        /// fetch from a node that serves the region.
-        addr: String,
-        /// Region name.
-        region: String,
-        /// Start offset in the region (K/M/G suffixes).
-        #[arg(long, default_value = "0", value_parser = parse_size_arg)]
-        offset: u64,
-        /// Bytes to fetch (default: to the end of the region).
-        #[arg(long, value_parser = parse_size_arg)]
-        length: Option<u64>,
-        /// Output file, or - for stdout.
-        #[arg(short = 'o', long = "output", value_name = "FILE|-")]
-        output: String,
-        /// Compare a CRC-32C of the bytes received with the server's.
-        #[arg(long)]
-        verify: bool,
-        /// Print a JSON result record.
-        #[arg(long)]
-        json: bool,
-        #[command(flatten)]
-        client: ClientArgs,
-    },
+    Fetch(cli::fetch::FetchArgs),
     /// Write a file or stdin into a remote region with RDMA WRITE.
     #[command(
         after_help = "Examples:\n  p2p-rdma put 10.0.0.1:7471 ram -i data.bin --token-file token --verify\n  tar c dir | p2p-rdma put 10.0.0.1:7471 ram -i - --offset 1M --token-file token\n  p2p-rdma put etcd://10.0.0.9:2379/prod scratch -i data.bin --node storage-7 --token-file token\n\nBy name, a region that several nodes publish needs --node: a put changes one replica only."
     )]
-    Put {
-        /// Server control address HOST:PORT, or a catalog etcd://HOST:PORT[,...]/PREFIX.
-        addr: String,
-        /// Region name.
-        region: String,
-        /// Start offset in the region (K/M/G suffixes).
-        #[arg(long, default_value = "0", value_parser = parse_size_arg)]
-        offset: u64,
-        /// Bytes to put (default: the whole input; it must fit in the region).
-        #[arg(long, value_parser = parse_size_arg)]
-        length: Option<u64>,
-        /// Input file, or - for stdin.
-        #[arg(short = 'i', long = "input", value_name = "FILE|-")]
-        input: String,
-        /// Compare a CRC-32C of the bytes sent with the server's checksum of the range.
-        #[arg(long)]
-        verify: bool,
-        /// Print a JSON result record.
-        #[arg(long)]
-        json: bool,
-        #[command(flatten)]
-        client: ClientArgs,
-    },
+    Put(cli::fetch::PutArgs),
     /// Try to register memory the way `serve` would, and prove each strategy with a canary.
     ///
     /// For each strategy (dma-buf, pinned, ODP) in order: register, then RDMA WRITE and READ
@@ -196,88 +132,7 @@ enum Cmd {
     #[command(
         after_help = "Examples:\n  server$ export P2P_RDMA_TOKEN=$(cat token)   (both sides: the server refuses other clients)\n  server$ p2p-rdma bench write\n  client$ p2p-rdma bench write 10.0.0.1 --size 1M --duration 5\n  server$ p2p-rdma bench read --mem cmb:nvme0:16M\n  client$ p2p-rdma bench read 10.0.0.1 --all --iters 1000 --validate --json\n  client$ p2p-rdma bench write 10.0.0.1 --lat --size 2\n\nThe server's --mem takes the region specs of `serve` (host:SIZE, file:PATH, cmb:DEV:SIZE,\ndmabuf:SIZE, cuda:GPU:SIZE). When that memory cannot be registered direct (the canary decides),\nthe server serves it through the bridge's bounce pipeline and the client measures put/fetch of\neach size on that path (bandwidth runs only). The client's buffers are host RAM.\n\nCompare with perftest on the same devices: soft-roce/compare (lab) prints the ratios."
     )]
-    Bench {
-        /// write, read or send.
-        #[arg(value_enum)]
-        op: BenchOpArg,
-        /// The server to run against (HOST or HOST:PORT); none: be the server.
-        server: Option<String>,
-        /// TCP port of the control connection (perftest's default).
-        #[arg(long, short = 'p', default_value_t = 18515)]
-        port: u16,
-        /// Message size (K/M/G suffixes).
-        #[arg(long, short = 's', value_parser = parse_size_arg, conflicts_with = "all")]
-        size: Option<u64>,
-        /// Every size from 2 B to 8 MiB in powers of two.
-        #[arg(long, short = 'a')]
-        all: bool,
-        /// Messages per QP per size (default 5000, 1000 with --lat).
-        #[arg(long, short = 'n', conflicts_with = "duration")]
-        iters: Option<u64>,
-        /// Seconds per size instead of --iters.
-        #[arg(long, short = 'D')]
-        duration: Option<f64>,
-        /// With --duration: seconds not measured at each end (warm-up, drain), as perftest's
-        /// --margin (default: a quarter of --duration, perftest's default too).
-        #[arg(long, requires = "duration")]
-        margin: Option<f64>,
-        /// Work requests in flight per QP.
-        #[arg(long, short = 't', default_value_t = 128)]
-        tx_depth: u32,
-        /// Ask for a completion every N work requests (like perftest's --cq-mod); the ones
-        /// between complete with it. Default: one per 256 KiB moved, at most --tx-depth/4
-        /// apart (messages of 256 KiB and more: each). 1: every one.
-        #[arg(long = "cq-mod", short = 'Q')]
-        cq_mod: Option<u32>,
-        /// Busy-poll the completion queues on both sides, as perftest does by default, instead
-        /// of sleeping on completion events (perftest's --use_event): no interrupt and wake-up
-        /// per completion, but one core spins on each host while a run lasts.
-        #[arg(long)]
-        poll: bool,
-        /// Queue pairs.
-        #[arg(long, short = 'q', default_value_t = 1)]
-        qps: u32,
-        /// Messages of at most this many bytes travel inside their work request (perftest's
-        /// --inline_size). Default as perftest: 220 for write --lat, 236 for send --lat, else 0.
-        #[arg(long = "inline-size", short = 'I', value_name = "BYTES")]
-        inline: Option<u32>,
-        /// Both directions at once (write and read).
-        #[arg(long, short = 'b')]
-        bidir: bool,
-        /// Latency instead of bandwidth.
-        #[arg(long)]
-        lat: bool,
-        /// Server: the memory to benchmark (a region spec of `serve`, without the name).
-        #[arg(long, value_name = "SPEC")]
-        mem: Option<String>,
-        /// The shared secret, the same on both sides (default: $P2P_RDMA_TOKEN); the server
-        /// refuses a client without it.
-        #[arg(long, value_name = "FILE")]
-        token_file: Option<std::path::PathBuf>,
-        /// Server: P2P policy for --mem.
-        #[arg(long, default_value = "preferred", value_name = "POLICY")]
-        p2p: peermem::plan::P2pPolicy,
-        /// Server: registration strategy for --mem.
-        #[arg(long = "reg", default_value = "auto", value_name = "STRATEGY")]
-        reg: peermem::plan::RegChoice,
-        /// Check the data at the end of each size (like perftest's --data_validation).
-        #[arg(long)]
-        validate: bool,
-        /// Bandwidth in Gb/s instead of MiB/s.
-        #[arg(long)]
-        report_gbits: bool,
-        /// One JSON object per line per size.
-        #[arg(long)]
-        json: bool,
-        /// RDMA device.
-        #[arg(long, short = 'd', env = "P2P_RDMA_DEVICE")]
-        device: Option<String>,
-        #[command(flatten)]
-        path: cli::PathArgs,
-        /// Device port.
-        #[arg(long, short = 'i')]
-        ib_port: Option<u8>,
-    },
+    Bench(cli::bench::BenchArgs),
     /// List RDMA devices with their ports, GID tables and capabilities.
     #[command(
         after_help = "Examples:\n  p2p-rdma devices\n  p2p-rdma devices --json | jq '.[0].ports[0].gids'"
@@ -303,7 +158,7 @@ enum Cmd {
         #[arg(long, value_enum, default_value_t = OpArg::Write)]
         op: OpArg,
         /// Bytes per work request (K/M/G suffixes).
-        #[arg(long, short = 's', default_value = "1M", value_parser = parse_size_arg)]
+        #[arg(long, short = 's', default_value = "1M", value_parser = cli::parse_size_arg)]
         size: u64,
         /// Work requests kept in flight.
         #[arg(long, default_value_t = 16)]
@@ -343,73 +198,10 @@ enum Cmd {
     },
 }
 
-/// How a client finds the token.
-#[derive(clap::Args, Debug, Clone)]
-struct TokenArgs {
-    /// File holding the shared secret (surrounding whitespace is ignored). Default: the
-    /// environment variable P2P_RDMA_TOKEN.
-    #[arg(long, value_name = "FILE")]
-    token_file: Option<PathBuf>,
-}
-
-impl TokenArgs {
-    fn load(&self) -> anyhow::Result<String> {
-        cli::read_token(self.token_file.as_deref())
-    }
-}
-
-/// Options every data-moving client command shares.
-#[derive(clap::Args, Debug, Clone)]
-struct ClientArgs {
-    /// RDMA device (default: the one that carries the route to the server's device, else the
-    /// first one with an active port).
-    #[arg(long, short = 'd', env = "P2P_RDMA_DEVICE")]
-    device: Option<String>,
-    /// On a server that serves from several RDMA devices, connect to this one (default: the
-    /// one that serves the region; `ls` names it). Another one reaches the region through the
-    /// server's bounce buffers.
-    #[arg(long, value_name = "DEVICE")]
-    server_nic: Option<String>,
-    #[command(flatten)]
-    token: TokenArgs,
-    /// Bytes per RDMA work request (K/M/G suffixes).
-    #[arg(long, default_value = "1M", value_parser = parse_size_arg)]
-    chunk: u64,
-    /// Work requests in flight (capped by the server).
-    #[arg(long, default_value_t = 16)]
-    depth: usize,
-    /// Seconds to wait for the server at each step.
-    #[arg(long, default_value_t = 30)]
-    timeout: u64,
-    #[command(flatten)]
-    path: cli::PathArgs,
-    /// How the bytes travel: auto (RDMA when this host has an RDMA device, else TCP over the
-    /// control connection, said on stderr), rdma, or tcp.
-    #[arg(long, value_enum, default_value_t = cli::transfer::TransportArg::Auto)]
-    transport: cli::transfer::TransportArg,
-    /// With an etcd:// catalog address: use this node's copy of the region (default: the
-    /// best replica that answers: direct path first, then the least loaded node).
-    #[arg(long, value_name = "NODE")]
-    node: Option<String>,
-    #[command(flatten)]
-    etcd: cli::catalog::EtcdArgs,
-}
-
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum OpArg {
     Write,
     Read,
-}
-
-#[derive(ValueEnum, Clone, Copy, Debug)]
-enum BenchOpArg {
-    Write,
-    Read,
-    Send,
-}
-
-fn parse_size_arg(s: &str) -> Result<u64, String> {
-    parse_size(s)
 }
 
 fn main() -> ExitCode {
@@ -470,326 +262,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Man { dir } => {
             cli::man::write(<Cli as clap::CommandFactory>::command(), dir.as_deref())
         }
-        Cmd::Ls {
-            addr,
-            token,
-            json,
-            timeout,
-            watch,
-            etcd,
-        } => {
-            if catalog::CatalogUrl::is_catalog(&addr) {
-                let url = cli::catalog::url(&addr)?;
-                let o = etcd.options(&Default::default())?;
-                return cli::catalog::ls(&url, &o, json, watch).await;
-            }
-            if watch {
-                return Err(
-                    Usage("--watch follows a catalog: give an etcd:// address".into()).into(),
-                );
-            }
-            let mut cfg = bridge::ClientConfig::new(addr, token.load()?);
-            cfg.timeout = Duration::from_secs(timeout.max(1));
-            let mut c = bridge::Client::connect(cfg).await?;
-            let regions = c.list().await?;
-            let _ = c.bye().await;
-            if json {
-                emit(&format!("{}\n", serde_json::to_string_pretty(&regions)?))
-            } else {
-                let mut o = format!(
-                    "{:<16} {:>14} {:>10}  {:<6} {:<8} {:<7} {}\n",
-                    "REGION", "BYTES", "SIZE", "ACCESS", "KIND", "PATH", "STRATEGY"
-                );
-                for r in regions {
-                    o.push_str(&format!(
-                        "{:<16} {:>14} {:>10}  {:<6} {:<8} {:<7} {}\n",
-                        r.name,
-                        r.size,
-                        human(r.size),
-                        r.access.to_string(),
-                        r.kind,
-                        r.path.to_string(),
-                        r.strategy.as_deref().unwrap_or("-")
-                    ));
-                    if r.extents.len() > 1 {
-                        for e in &r.extents {
-                            o.push_str(&format!(
-                                "    bytes {}..{}: {}\n",
-                                e.offset,
-                                e.offset + e.len,
-                                e.path
-                            ));
-                        }
-                    }
-                    if !r.reason.is_empty() {
-                        o.push_str(&format!("    why: {}\n", r.reason));
-                    }
-                    if let Some(res) = &r.residency {
-                        o.push_str(&format!("    residency: {res}\n"));
-                    }
-                    if let Some(nic) = &r.nic {
-                        o.push_str(&format!("    served from: {nic}\n"));
-                    }
-                }
-                emit(&o)
-            }
-        }
-        Cmd::Fetch {
-            addr,
-            region,
-            offset,
-            length,
-            output,
-            verify,
-            json,
-            client,
-        } => {
-            let base = client_config(String::new(), &client)?;
-            let cli::catalog::Target {
-                client: mut c,
-                region: r,
-                mut rest,
-            } = cli::catalog::open(&addr, &region, false, &base, &client).await?;
-            let len = match length {
-                Some(l) => l,
-                None => r
-                    .info
-                    .size
-                    .checked_sub(offset)
-                    .ok_or_else(|| bridge::Error::Server {
-                        code: bridge::protocol::ErrorCode::OutOfRange,
-                        message: format!(
-                            "offset {offset} is beyond the end of region '{region}' ({} bytes)",
-                            r.info.size
-                        ),
-                    })?,
-            };
-            let mut sink: Box<dyn std::io::Write + Send> = if output == "-" {
-                Box::new(std::io::BufWriter::with_capacity(
-                    1 << 20,
-                    std::io::stdout(),
-                ))
-            } else {
-                Box::new(
-                    std::fs::File::create(&output)
-                        .with_context(|| format!("cannot create the output file {output}"))?,
-                )
-            };
-            let mut bar = Progress::new(len, json);
-            let mut rep = c
-                .fetch(&r, offset, len, sink.as_mut(), verify, &mut |d| {
-                    bar.update(d)
-                })
-                .await;
-            let mut r = r;
-            // by name, into a file: a node that fails mid-way is left for the next replica,
-            // which writes the file again from the start
-            while let Err(e) = &rep {
-                if output == "-" || rest.is_empty() {
-                    break;
-                }
-                eprintln!("p2p-rdma: catalog: node failed mid-way ({e}); trying the next replica");
-                let b = match cli::catalog::next(&region, std::mem::take(&mut rest), false, &base)
-                    .await
-                {
-                    Ok(b) => b,
-                    Err(e2) => {
-                        eprintln!("p2p-rdma: {e2:#}");
-                        break;
-                    }
-                };
-                (c, r, rest) = (b.client, b.region, b.rest);
-                sink = Box::new(
-                    std::fs::File::create(&output)
-                        .with_context(|| format!("cannot create the output file {output}"))?,
-                );
-                rep = c
-                    .fetch(&r, offset, len, sink.as_mut(), verify, &mut |d| {
-                        bar.update(d)
-                    })
-                    .await;
-            }
-            finish_transfer(c, &r, rep, bar, json).await
-        }
-        Cmd::Put {
-            addr,
-            region,
-            offset,
-            length,
-            input,
-            verify,
-            json,
-            client,
-        } => {
-            let (mut source, size): (Box<dyn std::io::Read + Send>, Option<u64>) = if input == "-" {
-                (Box::new(std::io::stdin()), None)
-            } else {
-                let f = std::fs::File::open(&input)
-                    .with_context(|| format!("cannot open the input file {input}"))?;
-                let n = f
-                    .metadata()
-                    .with_context(|| format!("cannot stat {input}"))?
-                    .len();
-                (
-                    Box::new(std::io::BufReader::with_capacity(1 << 20, f)),
-                    Some(n),
-                )
-            };
-            let limit = match (length, size) {
-                (Some(l), Some(n)) if l > n => {
-                    return Err(Usage(format!(
-                        "--length {l} is more than the {n} bytes of {input}"
-                    ))
-                    .into())
-                }
-                (Some(l), _) => Some(l),
-                (None, n) => n,
-            };
-            let base = client_config(String::new(), &client)?;
-            let cli::catalog::Target {
-                client: mut c,
-                region: r,
-                ..
-            } = cli::catalog::open(&addr, &region, true, &base, &client).await?;
-            let mut bar = Progress::new(limit.unwrap_or(r.info.size.saturating_sub(offset)), json);
-            let rep = c
-                .put(&r, offset, source.as_mut(), limit, verify, &mut |d| {
-                    bar.update(d)
-                })
-                .await;
-            finish_transfer(c, &r, rep, bar, json).await
-        }
-        Cmd::Bench {
-            op,
-            server,
-            port,
-            size,
-            all,
-            iters,
-            duration,
-            margin,
-            tx_depth,
-            cq_mod,
-            poll,
-            qps,
-            inline,
-            bidir,
-            lat,
-            mem,
-            token_file,
-            p2p,
-            reg,
-            validate,
-            report_gbits,
-            json,
-            device,
-            path,
-            ib_port,
-        } => {
-            use p2p_rdma::bench::{self, BenchOp, BenchParams, Side};
-            let op = match op {
-                BenchOpArg::Write => BenchOp::Write,
-                BenchOpArg::Read => BenchOp::Read,
-                BenchOpArg::Send => BenchOp::Send,
-            };
-            let side = Side {
-                device,
-                path: path.qp_path(),
-                ib_port,
-            };
-            let Some(server) = server else {
-                let listen: std::net::SocketAddr = ([0, 0, 0, 0], port).into();
-                if !json {
-                    eprintln!(
-                        "p2p-rdma bench: waiting for a client on port {port} ({} {})",
-                        op.perftest(lat),
-                        if lat {
-                            "style"
-                        } else {
-                            "style; run the client with the same op"
-                        }
-                    );
-                }
-                let mem = bench::ServerMem {
-                    token: bridge::Token::new(cli::read_token(token_file.as_deref())?),
-                    spec: mem,
-                    p2p,
-                    reg,
-                };
-                return bench::serve_one(listen, &side, &mem)
-                    .await
-                    .map_err(Into::into);
-            };
-            if mem.as_deref().is_some_and(|m| !m.starts_with("host:")) {
-                anyhow::bail!(
-                    "--mem on the client: its buffers are host RAM; give --mem to the server (the memory the operations target)"
-                );
-            }
-            let sizes = if all {
-                bench::all_sizes()
-            } else {
-                vec![size.unwrap_or(if lat { 2 } else { 65536 })]
-            };
-            let params = BenchParams {
-                op,
-                sizes,
-                iters: if duration.is_some() {
-                    None
-                } else {
-                    Some(iters.unwrap_or(if lat { 1000 } else { 5000 }))
-                },
-                duration,
-                margin,
-                tx_depth,
-                qps,
-                bidir,
-                lat,
-                validate,
-                cq_mod: match cq_mod {
-                    Some(0) => anyhow::bail!("--cq-mod must be at least 1"),
-                    Some(n) => n,
-                    None => 0,
-                },
-                poll,
-                inline,
-            };
-            params.check().map_err(|e| anyhow::anyhow!("{e}"))?;
-            let token = bridge::Token::new(cli::read_token(token_file.as_deref())?);
-            let server = if server.contains(':') {
-                server
-            } else {
-                format!("{server}:{port}")
-            };
-            if !json {
-                emit(&bench::header(lat, report_gbits))?;
-            }
-            let mut failed = false;
-            let results = bench::run_client(
-                &bench::ClientOpts {
-                    server,
-                    token,
-                    side,
-                    params,
-                },
-                &mut |r| {
-                    failed |= r.validated == Some(false);
-                    let line = if json {
-                        format!("{}\n", serde_json::to_string(r).unwrap_or_default())
-                    } else {
-                        bench::row(r, report_gbits)
-                    };
-                    let _ = emit(&line);
-                },
-            )
-            .await?;
-            if !json {
-                emit(&format!("{}\n", "-".repeat(100)))?;
-            }
-            if failed || results.iter().any(|r| r.validated == Some(false)) {
-                anyhow::bail!(BenchMismatch);
-            }
-            Ok(())
-        }
+        Cmd::Ls(a) => cli::ls::run(a).await,
+        Cmd::Fetch(a) => cli::fetch::fetch(a).await,
+        Cmd::Put(a) => cli::fetch::put(a).await,
+        Cmd::Bench(a) => cli::bench::run(a).await,
         Cmd::Loopback {
             device,
             op,

@@ -225,7 +225,7 @@ pub(crate) async fn open(
     region: &str,
     write: bool,
     base: &bridge::ClientConfig,
-    a: &crate::ClientArgs,
+    a: &super::transfer::ClientArgs,
 ) -> anyhow::Result<Target> {
     if !CatalogUrl::is_catalog(addr) {
         if a.node.is_some() {

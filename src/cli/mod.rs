@@ -1,9 +1,12 @@
 //! The command line's modules (the binary's own; the library is `p2p_rdma`).
 
+pub(crate) mod bench;
 pub(crate) mod catalog;
 pub(crate) mod config;
 pub(crate) mod exit;
+pub(crate) mod fetch;
 pub(crate) mod inspect;
+pub(crate) mod ls;
 pub(crate) mod man;
 pub(crate) mod serve;
 pub(crate) mod transfer;

@@ -7,9 +7,9 @@ use std::time::Duration;
 use anyhow::Context as _;
 use bridge::size::human;
 
-use crate::ClientArgs;
+use std::path::PathBuf;
 
-use super::emit;
+use super::{emit, parse_size_arg};
 
 pub(crate) fn client_config(addr: String, a: &ClientArgs) -> anyhow::Result<bridge::ClientConfig> {
     let mut cfg = bridge::ClientConfig::new(addr, a.token.load()?);
@@ -145,4 +145,56 @@ impl Progress {
             eprint!("\r{:60}\r", "");
         }
     }
+}
+
+/// How a client finds the token.
+#[derive(clap::Args, Debug, Clone)]
+pub(crate) struct TokenArgs {
+    /// File holding the shared secret (surrounding whitespace is ignored). Default: the
+    /// environment variable P2P_RDMA_TOKEN.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) token_file: Option<PathBuf>,
+}
+
+impl TokenArgs {
+    pub(crate) fn load(&self) -> anyhow::Result<String> {
+        super::read_token(self.token_file.as_deref())
+    }
+}
+
+/// Options every data-moving client command shares.
+#[derive(clap::Args, Debug, Clone)]
+pub(crate) struct ClientArgs {
+    /// RDMA device (default: the one that carries the route to the server's device, else the
+    /// first one with an active port).
+    #[arg(long, short = 'd', env = "P2P_RDMA_DEVICE")]
+    pub(crate) device: Option<String>,
+    /// On a server that serves from several RDMA devices, connect to this one (default: the
+    /// one that serves the region; `ls` names it). Another one reaches the region through the
+    /// server's bounce buffers.
+    #[arg(long, value_name = "DEVICE")]
+    pub(crate) server_nic: Option<String>,
+    #[command(flatten)]
+    pub(crate) token: TokenArgs,
+    /// Bytes per RDMA work request (K/M/G suffixes).
+    #[arg(long, default_value = "1M", value_parser = parse_size_arg)]
+    pub(crate) chunk: u64,
+    /// Work requests in flight (capped by the server).
+    #[arg(long, default_value_t = 16)]
+    pub(crate) depth: usize,
+    /// Seconds to wait for the server at each step.
+    #[arg(long, default_value_t = 30)]
+    pub(crate) timeout: u64,
+    #[command(flatten)]
+    pub(crate) path: super::PathArgs,
+    /// How the bytes travel: auto (RDMA when this host has an RDMA device, else TCP over the
+    /// control connection, said on stderr), rdma, or tcp.
+    #[arg(long, value_enum, default_value_t = super::transfer::TransportArg::Auto)]
+    pub(crate) transport: super::transfer::TransportArg,
+    /// With an etcd:// catalog address: use this node's copy of the region (default: the
+    /// best replica that answers: direct path first, then the least loaded node).
+    #[arg(long, value_name = "NODE")]
+    pub(crate) node: Option<String>,
+    #[command(flatten)]
+    pub(crate) etcd: super::catalog::EtcdArgs,
 }

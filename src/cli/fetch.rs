@@ -1,0 +1,188 @@
+//! `fetch` and `put`: one transfer, by address or by catalog name (fetch goes on to the next
+//! replica when a node fails mid-way into a file).
+
+use anyhow::Context as _;
+
+use super::exit::Usage;
+use super::parse_size_arg;
+use super::transfer::{client_config, finish_transfer, ClientArgs, Progress};
+
+/// `fetch`: where from, which bytes, where to.
+#[derive(clap::Args, Debug)]
+pub(crate) struct FetchArgs {
+    /// Server control address HOST:PORT, or a catalog etcd://HOST:PORT[,...]/PREFIX to
+    /// fetch from a node that serves the region.
+    pub(crate) addr: String,
+    /// Region name.
+    pub(crate) region: String,
+    /// Start offset in the region (K/M/G suffixes).
+    #[arg(long, default_value = "0", value_parser = parse_size_arg)]
+    pub(crate) offset: u64,
+    /// Bytes to fetch (default: to the end of the region).
+    #[arg(long, value_parser = parse_size_arg)]
+    pub(crate) length: Option<u64>,
+    /// Output file, or - for stdout.
+    #[arg(short = 'o', long = "output", value_name = "FILE|-")]
+    pub(crate) output: String,
+    /// Compare a CRC-32C of the bytes received with the server's.
+    #[arg(long)]
+    pub(crate) verify: bool,
+    /// Print a JSON result record.
+    #[arg(long)]
+    pub(crate) json: bool,
+    #[command(flatten)]
+    pub(crate) client: ClientArgs,
+}
+
+/// `put`: which bytes, where to.
+#[derive(clap::Args, Debug)]
+pub(crate) struct PutArgs {
+    /// Server control address HOST:PORT, or a catalog etcd://HOST:PORT[,...]/PREFIX.
+    pub(crate) addr: String,
+    /// Region name.
+    pub(crate) region: String,
+    /// Start offset in the region (K/M/G suffixes).
+    #[arg(long, default_value = "0", value_parser = parse_size_arg)]
+    pub(crate) offset: u64,
+    /// Bytes to put (default: the whole input; it must fit in the region).
+    #[arg(long, value_parser = parse_size_arg)]
+    pub(crate) length: Option<u64>,
+    /// Input file, or - for stdin.
+    #[arg(short = 'i', long = "input", value_name = "FILE|-")]
+    pub(crate) input: String,
+    /// Compare a CRC-32C of the bytes sent with the server's checksum of the range.
+    #[arg(long)]
+    pub(crate) verify: bool,
+    /// Print a JSON result record.
+    #[arg(long)]
+    pub(crate) json: bool,
+    #[command(flatten)]
+    pub(crate) client: ClientArgs,
+}
+
+pub(crate) async fn fetch(a: FetchArgs) -> anyhow::Result<()> {
+    let FetchArgs {
+        addr,
+        region,
+        offset,
+        length,
+        output,
+        verify,
+        json,
+        client,
+    } = a;
+    let base = client_config(String::new(), &client)?;
+    let super::catalog::Target {
+        client: mut c,
+        region: r,
+        mut rest,
+    } = super::catalog::open(&addr, &region, false, &base, &client).await?;
+    let len = match length {
+        Some(l) => l,
+        None => r
+            .info
+            .size
+            .checked_sub(offset)
+            .ok_or_else(|| bridge::Error::Server {
+                code: bridge::protocol::ErrorCode::OutOfRange,
+                message: format!(
+                    "offset {offset} is beyond the end of region '{region}' ({} bytes)",
+                    r.info.size
+                ),
+            })?,
+    };
+    let mut sink: Box<dyn std::io::Write + Send> = if output == "-" {
+        Box::new(std::io::BufWriter::with_capacity(
+            1 << 20,
+            std::io::stdout(),
+        ))
+    } else {
+        Box::new(
+            std::fs::File::create(&output)
+                .with_context(|| format!("cannot create the output file {output}"))?,
+        )
+    };
+    let mut bar = Progress::new(len, json);
+    let mut rep = c
+        .fetch(&r, offset, len, sink.as_mut(), verify, &mut |d| {
+            bar.update(d)
+        })
+        .await;
+    let mut r = r;
+    // by name, into a file: a node that fails mid-way is left for the next replica,
+    // which writes the file again from the start
+    while let Err(e) = &rep {
+        if output == "-" || rest.is_empty() {
+            break;
+        }
+        eprintln!("p2p-rdma: catalog: node failed mid-way ({e}); trying the next replica");
+        let b = match super::catalog::next(&region, std::mem::take(&mut rest), false, &base).await {
+            Ok(b) => b,
+            Err(e2) => {
+                eprintln!("p2p-rdma: {e2:#}");
+                break;
+            }
+        };
+        (c, r, rest) = (b.client, b.region, b.rest);
+        sink = Box::new(
+            std::fs::File::create(&output)
+                .with_context(|| format!("cannot create the output file {output}"))?,
+        );
+        rep = c
+            .fetch(&r, offset, len, sink.as_mut(), verify, &mut |d| {
+                bar.update(d)
+            })
+            .await;
+    }
+    finish_transfer(c, &r, rep, bar, json).await
+}
+
+pub(crate) async fn put(a: PutArgs) -> anyhow::Result<()> {
+    let PutArgs {
+        addr,
+        region,
+        offset,
+        length,
+        input,
+        verify,
+        json,
+        client,
+    } = a;
+    let (mut source, size): (Box<dyn std::io::Read + Send>, Option<u64>) = if input == "-" {
+        (Box::new(std::io::stdin()), None)
+    } else {
+        let f = std::fs::File::open(&input)
+            .with_context(|| format!("cannot open the input file {input}"))?;
+        let n = f
+            .metadata()
+            .with_context(|| format!("cannot stat {input}"))?
+            .len();
+        (
+            Box::new(std::io::BufReader::with_capacity(1 << 20, f)),
+            Some(n),
+        )
+    };
+    let limit = match (length, size) {
+        (Some(l), Some(n)) if l > n => {
+            return Err(Usage(format!(
+                "--length {l} is more than the {n} bytes of {input}"
+            ))
+            .into())
+        }
+        (Some(l), _) => Some(l),
+        (None, n) => n,
+    };
+    let base = client_config(String::new(), &client)?;
+    let super::catalog::Target {
+        client: mut c,
+        region: r,
+        ..
+    } = super::catalog::open(&addr, &region, true, &base, &client).await?;
+    let mut bar = Progress::new(limit.unwrap_or(r.info.size.saturating_sub(offset)), json);
+    let rep = c
+        .put(&r, offset, source.as_mut(), limit, verify, &mut |d| {
+            bar.update(d)
+        })
+        .await;
+    finish_transfer(c, &r, rep, bar, json).await
+}
