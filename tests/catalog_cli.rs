@@ -26,34 +26,35 @@ fn stderr(o: &Output) -> String {
 fn publish(url: catalog::CatalogUrl) -> Publisher {
     let mut cfg = PublisherConfig::new(url, "n1");
     cfg.interval = Duration::from_millis(200);
-    // a node whose control port refuses connections: it died without revoking its lease
+    Publisher::start(cfg, publish_source()).unwrap()
+}
+
+/// Node n1 serving `img`, at a control port that refuses connections: it died without revoking
+/// its lease.
+fn publish_source() -> catalog::publish::Source {
     let ep = "127.0.0.1:1".to_string();
-    Publisher::start(
-        cfg,
-        Arc::new(move || {
-            (
-                NodeEntry {
-                    node: "n1".into(),
-                    endpoints: vec![ep.clone()],
-                    nics: vec!["rxe0".into()],
-                    connections: 0,
-                    version: "t".into(),
-                },
-                vec![RegionEntry {
-                    region: "img".into(),
-                    node: "n1".into(),
-                    endpoints: vec![ep.clone()],
-                    size: 4096,
-                    access: "ro".into(),
-                    kind: "file".into(),
-                    path: "direct".into(),
-                    strategy: Some("pinned".into()),
-                    nic: Some("rxe0".into()),
-                }],
-            )
-        }),
-    )
-    .unwrap()
+    Arc::new(move || {
+        (
+            NodeEntry {
+                node: "n1".into(),
+                endpoints: vec![ep.clone()],
+                nics: vec!["rxe0".into()],
+                connections: 0,
+                version: "t".into(),
+            },
+            vec![RegionEntry {
+                region: "img".into(),
+                node: "n1".into(),
+                endpoints: vec![ep.clone()],
+                size: 4096,
+                access: "ro".into(),
+                kind: "file".into(),
+                path: "direct".into(),
+                strategy: Some("pinned".into()),
+                nic: Some("rxe0".into()),
+            }],
+        )
+    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -170,4 +171,59 @@ fn etcd_down_and_bad_settings() {
     let o = bin(&["serve", "--check-config", f.to_str().unwrap()]);
     assert!(o.status.success(), "{}", stderr(&o));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ls_over_etcd_tls_with_a_client_certificate() {
+    let e = etcd_member::Etcd::start_tls();
+    let pki = e.tls.as_ref().unwrap();
+    let url = e.url("tls");
+    let u = url.to_string();
+    assert!(u.starts_with("etcds://"), "{u}");
+    let s = |p: &std::path::Path| p.to_str().unwrap().to_string();
+    let (ca, cert, key) = (s(&pki.ca), s(&pki.client.0), s(&pki.client.1));
+    let mut cfg = PublisherConfig::new(url, "n1");
+    cfg.options.ca = Some(pki.ca.clone());
+    cfg.options.identity = Some(pki.client.clone());
+    cfg.interval = Duration::from_millis(200);
+    let p = Publisher::start(cfg, publish_source()).unwrap();
+    assert!(p.published(Duration::from_secs(10)).await.published);
+
+    let tls = [
+        "--catalog-ca",
+        &ca,
+        "--catalog-cert",
+        &cert,
+        "--catalog-key",
+        &key,
+    ];
+    let o = bin(&[&["ls", &u, "--json"][..], &tls].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["regions"][0]["region"], "img");
+    // without our certificate: refused by etcd, exit 4 (authentication) or 1, said so
+    let o = bin(&["ls", &u, "--catalog-ca", &ca, "--catalog-timeout", "5"]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("client certificate") || stderr(&o).contains("closed the connection"),
+        "{}",
+        stderr(&o)
+    );
+    // without the CA: etcd's certificate is not trusted, exit 4
+    let o = bin(&[
+        "ls",
+        &u,
+        "--catalog-cert",
+        &cert,
+        "--catalog-key",
+        &key,
+        "--catalog-timeout",
+        "5",
+    ]);
+    assert_eq!(o.status.code(), Some(4), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--catalog-ca"), "{}", stderr(&o));
+    // a certificate without its key: a usage error before any request
+    let o = bin(&["ls", &u, "--catalog-cert", &cert]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    p.stop().await;
 }

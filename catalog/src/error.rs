@@ -66,6 +66,12 @@ pub enum EtcdFailure {
 
 /// Sort an etcd client error, in the fewest words that say what happened.
 pub(crate) fn describe(e: &etcd_client::Error) -> (EtcdFailure, String) {
+    let (kind, words) = sort(e);
+    explain(kind, words)
+}
+
+/// The failure's kind and the client's or transport's own words.
+fn sort(e: &etcd_client::Error) -> (EtcdFailure, String) {
     use tonic_code::*;
     fn innermost(e: &(dyn std::error::Error + 'static)) -> String {
         let mut cur = e;
@@ -86,12 +92,7 @@ pub(crate) fn describe(e: &etcd_client::Error) -> (EtcdFailure, String) {
                 format!("{msg}: {inner}")
             };
             match i32::from(st.code()) {
-                UNAVAILABLE | DEADLINE_EXCEEDED => (
-                    EtcdFailure::Unreachable,
-                    format!(
-                        "etcd cannot be reached ({words}): is it running, and reachable there?"
-                    ),
-                ),
+                UNAVAILABLE | DEADLINE_EXCEEDED => (EtcdFailure::Unreachable, words),
                 UNAUTHENTICATED | PERMISSION_DENIED => (EtcdFailure::Auth, words),
                 _ if msg.contains("authentication failed")
                     || msg.contains("user name is empty") =>
@@ -101,14 +102,46 @@ pub(crate) fn describe(e: &etcd_client::Error) -> (EtcdFailure, String) {
                 _ => (EtcdFailure::Refused, words),
             }
         }
-        etcd_client::Error::TransportError(t) => (
-            EtcdFailure::Unreachable,
-            format!(
-                "etcd cannot be reached ({}): is it running, and reachable there?",
-                innermost(t)
-            ),
-        ),
+        etcd_client::Error::TransportError(t) => (EtcdFailure::Unreachable, innermost(t)),
         other => (EtcdFailure::Refused, other.to_string()),
+    }
+}
+
+/// What the words mean. TLS failures are said as such: the transport's words alone
+/// ("connection closed", "BadCertificate", "UnknownIssuer") do not tell which side refused what.
+fn explain(kind: EtcdFailure, words: String) -> (EtcdFailure, String) {
+    let has = |s: &str| words.contains(s);
+    if has("invalid peer certificate") {
+        (
+            EtcdFailure::Auth,
+            format!(
+                "{words}: etcd's TLS certificate is not trusted here (give the CA that signed \
+                 it: --catalog-ca)"
+            ),
+        )
+    } else if has("fatal alert") && (has("Certificate") || has("certificate")) {
+        (
+            EtcdFailure::Auth,
+            format!(
+                "{words}: etcd refused our TLS client certificate (--catalog-cert and \
+                 --catalog-key, signed by a CA the member trusts)"
+            ),
+        )
+    } else if kind == EtcdFailure::Unreachable {
+        (
+            kind,
+            format!("etcd cannot be reached ({words}): is it running, and reachable there?"),
+        )
+    } else if has("connection closed") || has("broken pipe") || has("frame with invalid size") {
+        (
+            kind,
+            format!(
+                "{words}: etcd closed the connection (a member that speaks TLS to a plain \
+                 etcd:// URL, or that refuses our client certificate, does this)"
+            ),
+        )
+    } else {
+        (kind, words)
     }
 }
 

@@ -1,5 +1,5 @@
 //! The catalog against a real etcd member: publish, list, resolve, watch, lease expiry after
-//! a crash, etcd going away and coming back, hostile entries, etcd authentication.
+//! a crash, etcd going away and coming back, hostile entries, etcd authentication and TLS.
 
 #[path = "support/etcd_member.rs"]
 mod etcd_member;
@@ -349,4 +349,92 @@ async fn etcd_authentication_is_used_and_its_refusal_explained() {
     let c = Catalog::connect(&url, &ok).await.unwrap();
     assert_eq!(nodes_of(&c, "img").await, ["a"]);
     p.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_tls_with_client_certificates() {
+    let e = Etcd::start_tls();
+    let pki = e.tls.as_ref().unwrap();
+    let url = e.url("t7");
+    assert!(url.tls, "{url}");
+    let mine = CatalogOptions {
+        ca: Some(pki.ca.clone()),
+        identity: Some(pki.client.clone()),
+        timeout: Duration::from_secs(5),
+        ..CatalogOptions::default()
+    };
+
+    // a node publishes over TLS, a client resolves over TLS
+    let mut cfg = config(&e, "t7", "a", 5);
+    cfg.options = mine.clone();
+    let served: Served = Arc::new(Mutex::new(vec![region("img", "a", "direct")]));
+    let p = Publisher::start(cfg, source("a", &served, 0)).unwrap();
+    assert!(p.published(Duration::from_secs(15)).await.published);
+    let c = Catalog::connect(&url, &mine).await.unwrap();
+    assert_eq!(nodes_of(&c, "img").await, ["a"]);
+
+    // refusals, each naming the member and the operation
+    let refused = |o: CatalogOptions, url: catalog::CatalogUrl, why: &'static str| async move {
+        let r = match Catalog::connect(&url, &o).await {
+            Ok(c) => c.list().await.map(|_| ()),
+            Err(e) => Err(e),
+        };
+        let err = r.expect_err(why);
+        let text = err.to_string();
+        assert!(text.contains(&e_endpoint(&url)), "{why}: {text}");
+        assert!(
+            text.contains("list") || text.contains("connect"),
+            "{why}: {text}"
+        );
+        text
+    };
+    // the client certificate refused: said so (TLS 1.3 may also just close the connection)
+    let cert_refused = |t: &str| {
+        t.contains("refused our TLS client certificate") || t.contains("closed the connection")
+    };
+    // no client certificate: the member requires one
+    let no_cert = CatalogOptions {
+        identity: None,
+        ..mine.clone()
+    };
+    let t = refused(no_cert, url.clone(), "a client without a certificate").await;
+    assert!(cert_refused(&t), "{t}");
+    // a certificate from a CA the member does not trust
+    let stranger = CatalogOptions {
+        identity: Some(pki.stranger.clone()),
+        ..mine.clone()
+    };
+    let t = refused(stranger, url.clone(), "a certificate of another CA").await;
+    assert!(cert_refused(&t), "{t}");
+    // the member's certificate checked against the system roots only: not trusted
+    let roots_only = CatalogOptions {
+        ca: None,
+        ..mine.clone()
+    };
+    let t = refused(roots_only, url.clone(), "the system roots").await;
+    assert!(
+        t.contains("not trusted here") && t.contains("--catalog-ca"),
+        "{t}"
+    );
+    // plain etcd:// to a TLS member
+    let plain: catalog::CatalogUrl = format!("etcd://{}/t7", e.endpoint()).parse().unwrap();
+    let t = refused(
+        CatalogOptions {
+            timeout: Duration::from_secs(5),
+            ..CatalogOptions::default()
+        },
+        plain.clone(),
+        "plain text to a TLS member",
+    )
+    .await;
+    assert!(t.contains("plain etcd:// URL"), "{t}");
+    // TLS files with a plain URL: a configuration error before any request
+    let err = Catalog::connect(&plain, &mine).await.unwrap_err();
+    assert!(matches!(err, catalog::Error::Config(_)), "{err}");
+    assert!(err.to_string().contains("etcds://"), "{err}");
+    p.stop().await;
+}
+
+fn e_endpoint(url: &catalog::CatalogUrl) -> String {
+    url.endpoints[0].clone()
 }
