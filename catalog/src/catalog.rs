@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use etcd_client::{ConnectOptions, EventType, GetOptions, WatchOptions};
+use etcd_client::{ConnectOptions, GetOptions};
 
 use crate::choose::{rank, replicas, Replica};
 use crate::entry::{decode_node, decode_region, NodeEntry, RegionEntry};
@@ -45,10 +45,10 @@ impl Default for CatalogOptions {
 /// A connection to a catalog.
 #[derive(Clone)]
 pub struct Catalog {
-    client: etcd_client::Client,
-    url: CatalogUrl,
-    layout: Layout,
-    timeout: Duration,
+    pub(crate) client: etcd_client::Client,
+    pub(crate) url: CatalogUrl,
+    pub(crate) layout: Layout,
+    pub(crate) timeout: Duration,
 }
 
 impl std::fmt::Debug for Catalog {
@@ -60,7 +60,7 @@ impl std::fmt::Debug for Catalog {
 }
 
 /// Everything a catalog holds at one revision.
-#[derive(Debug, Clone, Default, serde::Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 pub struct Listing {
     /// Every region entry (one per node serving it), by region then node.
     pub regions: Vec<RegionEntry>,
@@ -94,6 +94,15 @@ pub enum CatalogEvent {
     NodeDown(String),
     /// An entry that was refused, with why.
     Skipped(String),
+    /// The watch lost etcd (said once per outage); it reconnects by itself, with a backoff of
+    /// 0.2 s doubling to 5 s, and then says [`CatalogEvent::Resumed`].
+    Interrupted(String),
+    /// Watching again after [`CatalogEvent::Interrupted`], from the revision where it stopped:
+    /// no change was missed.
+    Resumed,
+    /// etcd had compacted the changes made while the watch was away, so they cannot be
+    /// replayed: this listing is the catalog now, and the watch goes on from its revision.
+    Relisted(Listing),
 }
 
 pub(crate) async fn within<T>(
@@ -188,7 +197,7 @@ impl Catalog {
         &self.url
     }
 
-    fn at(&self) -> String {
+    pub(crate) fn at(&self) -> String {
         at(&self.url)
     }
 
@@ -274,30 +283,8 @@ impl Catalog {
         Ok(rank(replicas(entries, &nodes), rand::random::<u64>))
     }
 
-    /// Watch the catalog from now on; start from a [`Catalog::list`] and give its revision to
-    /// miss nothing between the two.
-    pub async fn watch(&self, after_revision: Option<i64>) -> Result<CatalogWatch> {
-        let mut c = self.client.clone();
-        let mut opts = WatchOptions::new().with_prefix();
-        if let Some(r) = after_revision {
-            opts = opts.with_start_revision(r + 1);
-        }
-        let stream = within(
-            &self.at(),
-            "watch",
-            self.timeout,
-            c.watch(self.layout.all(), Some(opts)),
-        )
-        .await?;
-        Ok(CatalogWatch {
-            stream,
-            catalog: self.clone(),
-            pending: std::collections::VecDeque::new(),
-        })
-    }
-
     /// A key and value of the catalog as an event (`None`: not a key of this layout).
-    fn decode(&self, key: &[u8], value: &[u8]) -> Option<CatalogEvent> {
+    pub(crate) fn decode(&self, key: &[u8], value: &[u8]) -> Option<CatalogEvent> {
         let name = String::from_utf8_lossy(key).into_owned();
         Some(match self.layout.parse(key)? {
             Key::Node(node) => match decode_node(&node, value) {
@@ -309,66 +296,5 @@ impl Catalog {
                 Err(why) => CatalogEvent::Skipped(format!("{name}: {why}")),
             },
         })
-    }
-}
-
-/// Changes of a catalog as they happen.
-pub struct CatalogWatch {
-    stream: etcd_client::WatchStream,
-    catalog: Catalog,
-    pending: std::collections::VecDeque<CatalogEvent>,
-}
-
-impl std::fmt::Debug for CatalogWatch {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CatalogWatch")
-            .field("catalog", &self.catalog)
-            .finish()
-    }
-}
-
-impl CatalogWatch {
-    /// The next change; `Ok(None)` when etcd ended the watch.
-    pub async fn next(&mut self) -> Result<Option<CatalogEvent>> {
-        loop {
-            if let Some(e) = self.pending.pop_front() {
-                return Ok(Some(e));
-            }
-            let resp = match self.stream.message().await {
-                Ok(Some(r)) => r,
-                Ok(None) => return Ok(None),
-                Err(e) => {
-                    let (kind, why) = crate::error::describe(&e);
-                    return Err(Error::Etcd {
-                        at: self.catalog.at(),
-                        op: "watch",
-                        kind,
-                        why,
-                    });
-                }
-            };
-            if resp.canceled() {
-                return Err(Error::Config(format!(
-                    "catalog {}: etcd cancelled the watch: {} (compacted at revision {})",
-                    self.catalog.at(),
-                    resp.cancel_reason(),
-                    resp.compact_revision()
-                )));
-            }
-            for ev in resp.events() {
-                let Some(kv) = ev.kv() else { continue };
-                let e = match ev.event_type() {
-                    EventType::Put => self.catalog.decode(kv.key(), kv.value()),
-                    EventType::Delete => match self.catalog.layout.parse(kv.key()) {
-                        Some(Key::Node(n)) => Some(CatalogEvent::NodeDown(n)),
-                        Some(Key::Region { region, node }) => {
-                            Some(CatalogEvent::RegionDown { region, node })
-                        }
-                        None => None,
-                    },
-                };
-                self.pending.extend(e);
-            }
-        }
     }
 }

@@ -70,6 +70,12 @@ pub(crate) fn describe(e: &etcd_client::Error) -> (EtcdFailure, String) {
     explain(kind, words)
 }
 
+/// The client's or transport's own words, without a guess at their cause (an established
+/// stream that breaks: the guesses of [`describe`] are about a first contact).
+pub(crate) fn words(e: &etcd_client::Error) -> String {
+    sort(e).1
+}
+
 /// The failure's kind and the client's or transport's own words.
 fn sort(e: &etcd_client::Error) -> (EtcdFailure, String) {
     use tonic_code::*;

@@ -20,10 +20,12 @@ pub mod publish;
 pub mod reconcile;
 pub mod server;
 pub mod url;
+pub mod watch;
 
-pub use catalog::{Catalog, CatalogEvent, CatalogOptions, CatalogWatch, Listing};
+pub use catalog::{Catalog, CatalogEvent, CatalogOptions, Listing};
 pub use choose::Replica;
 pub use entry::{NodeEntry, RegionEntry};
 pub use error::{Error, EtcdFailure, Result};
 pub use publish::{PublishStatus, Publisher, PublisherConfig};
 pub use url::CatalogUrl;
+pub use watch::CatalogWatch;

@@ -438,3 +438,81 @@ async fn etcd_tls_with_client_certificates() {
 fn e_endpoint(url: &catalog::CatalogUrl) -> String {
     url.endpoints[0].clone()
 }
+
+async fn next_event(w: &mut catalog::CatalogWatch, secs: u64) -> CatalogEvent {
+    tokio::time::timeout(Duration::from_secs(secs), w.next())
+        .await
+        .unwrap_or_else(|_| panic!("no catalog event within {secs} s"))
+        .unwrap()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_survives_etcd_going_away_and_misses_nothing() {
+    let mut e = Etcd::start();
+    let ep = format!("http://{}", e.endpoint());
+    let raw = || async {
+        etcd_client::Client::connect([ep.clone()], None)
+            .await
+            .unwrap()
+    };
+    let put = |c: &mut etcd_client::Client, name: &'static str| {
+        let v = serde_json::to_string(&region(name, "a", "direct")).unwrap();
+        let mut c = c.clone();
+        async move {
+            c.put(format!("t8/v1/regions/{name}/a"), v, None)
+                .await
+                .unwrap()
+                .header()
+                .unwrap()
+                .revision()
+        }
+    };
+    let mut r = raw().await;
+    put(&mut r, "one").await;
+    let c = catalog(&e, "t8").await;
+    let l = c.list().await.unwrap();
+    let mut w = c.watch(Some(l.revision)).await.unwrap();
+    put(&mut r, "two").await;
+    assert_eq!(
+        next_event(&mut w, 5).await,
+        CatalogEvent::RegionUp(region("two", "a", "direct"))
+    );
+
+    // etcd goes away: said once
+    e.kill();
+    match next_event(&mut w, 30).await {
+        CatalogEvent::Interrupted(why) => {
+            assert!(why.contains(&e.endpoint()), "{why}")
+        }
+        other => panic!("{other:?}"),
+    }
+    // back (same data): a change made before the watch is back is delivered after Resumed
+    e.launch();
+    let mut r = raw().await;
+    put(&mut r, "three").await;
+    assert_eq!(next_event(&mut w, 30).await, CatalogEvent::Resumed);
+    assert_eq!(
+        next_event(&mut w, 5).await,
+        CatalogEvent::RegionUp(region("three", "a", "direct"))
+    );
+
+    // a watch from a compacted revision: the catalog is listed again instead
+    let now = put(&mut r, "four").await;
+    r.compact(now, None).await.unwrap();
+    let mut old = c.watch(Some(l.revision)).await.unwrap();
+    match next_event(&mut old, 10).await {
+        CatalogEvent::Relisted(l) => {
+            let names: Vec<_> = l.regions.iter().map(|r| r.region.as_str()).collect();
+            assert_eq!(names, ["four", "one", "three", "two"]);
+            assert_eq!(l.revision, now);
+        }
+        other => panic!("{other:?}"),
+    }
+    // and goes on from there
+    put(&mut r, "five").await;
+    assert_eq!(
+        next_event(&mut old, 10).await,
+        CatalogEvent::RegionUp(region("five", "a", "direct"))
+    );
+}

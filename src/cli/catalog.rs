@@ -111,53 +111,14 @@ pub(crate) async fn ls(
 ) -> anyhow::Result<()> {
     let c = Catalog::connect(url, o).await?;
     let l = c.list().await?;
-    if json && !watch {
-        return emit(&format!("{}\n", serde_json::to_string_pretty(&l)?));
-    }
-    if !json {
-        let mut out = format!(
-            "{:<16} {:<22} {:>10}  {:<6} {:<8} {:<7} {:<9} {}\n",
-            "REGION", "NODE", "SIZE", "ACCESS", "KIND", "PATH", "STRATEGY", "ENDPOINT"
-        );
-        for r in &l.regions {
-            out.push_str(&format!(
-                "{:<16} {:<22} {:>10}  {:<6} {:<8} {:<7} {:<9} {}\n",
-                r.region,
-                r.node,
-                human(r.size),
-                r.access,
-                r.kind,
-                r.path,
-                r.strategy.as_deref().unwrap_or("-"),
-                r.endpoints.join(",")
-            ));
-        }
-        out.push_str(&format!(
-            "\n{:<22} {:>11}  {:<24} {}\n",
-            "NODE", "CONNECTIONS", "ENDPOINTS", "NICS"
-        ));
-        for n in &l.nodes {
-            out.push_str(&format!(
-                "{:<22} {:>11}  {:<24} {}\n",
-                n.node,
-                n.connections,
-                n.endpoints.join(","),
-                n.nics.join(",")
-            ));
-        }
-        for s in &l.skipped {
-            out.push_str(&format!("skipped: {s}\n"));
-        }
-        out.push_str(&format!(
-            "{} region entr{} on {} node{} ({} keys, {} in {url})\n",
-            l.regions.len(),
-            if l.regions.len() == 1 { "y" } else { "ies" },
-            l.nodes.len(),
-            if l.nodes.len() == 1 { "" } else { "s" },
-            l.keys,
-            human(l.bytes)
-        ));
-        emit(&out)?;
+    match (json, watch) {
+        (true, false) => return emit(&format!("{}\n", serde_json::to_string_pretty(&l)?)),
+        // JSON lines: the listing, then one line per change
+        (true, true) => emit(&format!(
+            "{}\n",
+            serde_json::json!({"event": "listing", "listing": l})
+        ))?,
+        (false, _) => emit(&listing_text(&l, url))?,
     }
     if watch {
         let mut w = c.watch(Some(l.revision)).await?;
@@ -194,11 +155,71 @@ pub(crate) async fn ls(
                 }
                 (E::NodeDown(n), false) => format!("- node {n}"),
                 (E::Skipped(s), false) => format!("! skipped {s}"),
+                (E::Interrupted(why), true) => {
+                    serde_json::json!({"event": "interrupted", "why": why}).to_string()
+                }
+                (E::Resumed, true) => serde_json::json!({"event": "resumed"}).to_string(),
+                (E::Relisted(l), true) => {
+                    serde_json::json!({"event": "relisted", "listing": l}).to_string()
+                }
+                (E::Interrupted(why), false) => format!("! {why}"),
+                (E::Resumed, false) => "! watching again (no change was missed)".to_string(),
+                (E::Relisted(l), false) => format!(
+                    "! etcd compacted the changes made while the watch was away; the catalog now:\n{}",
+                    listing_text(l, url).trim_end()
+                ),
             };
             emit(&format!("{line}\n"))?;
         }
     }
     Ok(())
+}
+
+/// The text of `ls etcd://...`: regions, nodes, skipped entries and a summary line.
+fn listing_text(l: &catalog::Listing, url: &CatalogUrl) -> String {
+    let mut out = format!(
+        "{:<16} {:<22} {:>10}  {:<6} {:<8} {:<7} {:<9} {}\n",
+        "REGION", "NODE", "SIZE", "ACCESS", "KIND", "PATH", "STRATEGY", "ENDPOINT"
+    );
+    for r in &l.regions {
+        out.push_str(&format!(
+            "{:<16} {:<22} {:>10}  {:<6} {:<8} {:<7} {:<9} {}\n",
+            r.region,
+            r.node,
+            human(r.size),
+            r.access,
+            r.kind,
+            r.path,
+            r.strategy.as_deref().unwrap_or("-"),
+            r.endpoints.join(",")
+        ));
+    }
+    out.push_str(&format!(
+        "\n{:<22} {:>11}  {:<24} {}\n",
+        "NODE", "CONNECTIONS", "ENDPOINTS", "NICS"
+    ));
+    for n in &l.nodes {
+        out.push_str(&format!(
+            "{:<22} {:>11}  {:<24} {}\n",
+            n.node,
+            n.connections,
+            n.endpoints.join(","),
+            n.nics.join(",")
+        ));
+    }
+    for s in &l.skipped {
+        out.push_str(&format!("skipped: {s}\n"));
+    }
+    out.push_str(&format!(
+        "{} region entr{} on {} node{} ({} keys, {} in {url})\n",
+        l.regions.len(),
+        if l.regions.len() == 1 { "y" } else { "ies" },
+        l.nodes.len(),
+        if l.nodes.len() == 1 { "" } else { "s" },
+        l.keys,
+        human(l.bytes)
+    ));
+    out
 }
 
 /// A region opened for a transfer: the connection, the open region, and (by name) the

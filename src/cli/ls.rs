@@ -23,7 +23,10 @@ pub(crate) struct LsArgs {
     /// Seconds to wait for the server.
     #[arg(long, default_value_t = 30)]
     pub(crate) timeout: u64,
-    /// With a catalog: after the listing, print regions and nodes as they come and go.
+    /// With a catalog: after the listing, print regions and nodes as they come and go, until
+    /// interrupted. An etcd outage is said, the watch reconnects by itself and goes on from
+    /// where it stopped (or lists again when etcd has compacted that history). With --json:
+    /// one JSON object per line, the first {"event":"listing",...}.
     #[arg(long)]
     pub(crate) watch: bool,
     #[command(flatten)]
