@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use etcd_client::{ConnectOptions, GetOptions};
+use etcd_client::{ConnectOptions, GetOptions, Txn, TxnOp, TxnOpResponse};
 
 use crate::choose::{rank, replicas, Replica};
 use crate::entry::{decode_node, decode_region, NodeEntry, RegionEntry};
@@ -15,7 +15,8 @@ use crate::url::CatalogUrl;
 /// Most keys one listing reads (a hostile or runaway catalog cannot make a client read more).
 pub const MAX_LISTED_KEYS: i64 = 200_000;
 
-/// Most replicas of one region a resolve considers (each costs a read of its node's entry).
+/// Most replicas of one region a resolve considers (their node entries are read in one
+/// transaction, within etcd's default limit of 128 operations).
 pub const MAX_REPLICAS: i64 = 64;
 
 /// How to reach etcd: credentials, TLS files, the time allowed per request.
@@ -265,18 +266,29 @@ impl Catalog {
                 hint: format!(" (`p2p-rdma ls {}` lists what is served)", self.url),
             });
         }
+        // the replicas' node entries (their loads) in one transaction: one more round trip,
+        // whatever the number of replicas
+        let mut names: Vec<&str> = entries.iter().map(|e| e.node.as_str()).collect();
+        names.sort_unstable();
+        names.dedup();
+        let reads: Vec<TxnOp> = names
+            .iter()
+            .map(|n| TxnOp::get(self.layout.node_key(n), None))
+            .collect();
+        let resp = within(
+            &self.at(),
+            "resolve",
+            self.timeout,
+            c.txn(Txn::new().and_then(reads)),
+        )
+        .await?;
         let mut nodes = Vec::new();
-        for e in &entries {
-            let resp = within(
-                &self.at(),
-                "resolve",
-                self.timeout,
-                c.get(self.layout.node_key(&e.node), None),
-            )
-            .await?;
-            if let Some(kv) = resp.kvs().first() {
-                if let Ok(n) = decode_node(&e.node, kv.value()) {
-                    nodes.push(n);
+        for (name, r) in names.iter().zip(resp.op_responses()) {
+            let TxnOpResponse::Get(g) = r else { continue };
+            if let Some(kv) = g.kvs().first() {
+                match decode_node(name, kv.value()) {
+                    Ok(n) => nodes.push(n),
+                    Err(why) => tracing::warn!(%why, node = name, "catalog node entry refused"),
                 }
             }
         }

@@ -138,7 +138,11 @@ fn explain(kind: EtcdFailure, words: String) -> (EtcdFailure, String) {
             kind,
             format!("etcd cannot be reached ({words}): is it running, and reachable there?"),
         )
-    } else if has("connection closed") || has("broken pipe") || has("frame with invalid size") {
+    } else if has("connection closed")
+        || has("connection reset")
+        || has("broken pipe")
+        || has("frame with invalid size")
+    {
         (
             kind,
             format!(
