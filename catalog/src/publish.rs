@@ -10,7 +10,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use etcd_client::{GetOptions, PutOptions, Txn, TxnOp};
+use etcd_client::{LeaseTimeToLiveOptions, PutOptions, Txn, TxnOp};
 use tokio::sync::watch;
 
 use crate::catalog::{at, client, within, CatalogOptions};
@@ -197,28 +197,16 @@ async fn session(
         s.leases += 1;
     });
     let mut rec = Reconcile::new();
-    // keys an earlier run of this node left (under a lease not yet expired)
-    match within(
-        &at,
-        "list own keys",
-        t,
-        c.get(
-            layout.regions(),
-            Some(GetOptions::new().with_prefix().with_keys_only()),
-        ),
-    )
-    .await
-    {
-        Ok(r) => rec.adopt(
-            r.kvs()
-                .iter()
-                .filter_map(|kv| match layout.parse(kv.key()) {
-                    Some(Key::Region { region, node }) if node == cfg.node => {
-                        Some(layout.region_key(&region, &node))
-                    }
-                    _ => None,
-                }),
-        ),
+    // keys an earlier run of this node left under a lease not yet expired (a crash, a restart
+    // within the TTL): its node entry names that lease, and the lease lists its keys, so this
+    // reads the node's own keys only, whatever the size of the cluster
+    match leftovers(&mut c, &at, t, layout, &cfg.node).await {
+        Ok(keys) => {
+            if !keys.is_empty() {
+                tracing::info!(catalog = %cfg.url, node = cfg.node, keys = keys.len(), "catalog keys of an earlier run adopted");
+            }
+            rec.adopt(keys)
+        }
         Err(e) => return lost(e),
     }
     let keep_every = Duration::from_secs((ttl as u64 / 3).max(1));
@@ -289,4 +277,40 @@ async fn session(
             }
         }
     }
+}
+
+/// The keys of this node that an earlier run left: those of the lease its node entry is under.
+async fn leftovers(
+    c: &mut etcd_client::Client,
+    at: &str,
+    t: Duration,
+    layout: &Layout,
+    node: &str,
+) -> Result<Vec<String>> {
+    let r = within(
+        at,
+        "read own node entry",
+        t,
+        c.get(layout.node_key(node), None),
+    )
+    .await?;
+    let Some(old) = r.kvs().first().map(|kv| kv.lease()).filter(|l| *l != 0) else {
+        return Ok(Vec::new());
+    };
+    let ttl = within(
+        at,
+        "list own keys",
+        t,
+        c.lease_time_to_live(old, Some(LeaseTimeToLiveOptions::new().with_keys())),
+    )
+    .await?;
+    Ok(ttl
+        .keys()
+        .iter()
+        .filter_map(|k| match layout.parse(k)? {
+            Key::Region { region, node: n } if n == node => Some(layout.region_key(&region, &n)),
+            Key::Node(n) if n == node => Some(layout.node_key(&n)),
+            _ => None,
+        })
+        .collect())
 }

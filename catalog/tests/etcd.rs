@@ -516,3 +516,55 @@ async fn a_watch_survives_etcd_going_away_and_misses_nothing() {
         CatalogEvent::RegionUp(region("five", "a", "direct"))
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_node_adopts_its_earlier_keys_and_drops_what_it_no_longer_serves() {
+    let e = Etcd::start();
+    // run 1 of node a serves img and old, then dies without revoking its lease (30 s TTL)
+    let run1: Served = Arc::new(Mutex::new(vec![
+        region("img", "a", "direct"),
+        region("old", "a", "direct"),
+    ]));
+    let (cfg, src) = (config(&e, "t9", "a", 30), source("a", &run1, 0));
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let p = rt.block_on(async {
+            let p = Publisher::start(cfg, src).unwrap();
+            assert!(p.published(Duration::from_secs(10)).await.published);
+            p
+        });
+        std::mem::forget(p);
+        rt.shutdown_background();
+    })
+    .join()
+    .unwrap();
+    // node b serves old too, and node a2 (a name a is a prefix of) serves img
+    let b: Served = Arc::new(Mutex::new(vec![region("old", "b", "direct")]));
+    let a2: Served = Arc::new(Mutex::new(vec![region("img", "a2", "direct")]));
+    let pb = Publisher::start(config(&e, "t9", "b", 30), source("b", &b, 0)).unwrap();
+    let pa2 = Publisher::start(config(&e, "t9", "a2", 30), source("a2", &a2, 0)).unwrap();
+    assert!(pb.published(Duration::from_secs(10)).await.published);
+    assert!(pa2.published(Duration::from_secs(10)).await.published);
+    let c = catalog(&e, "t9").await;
+    assert_eq!(nodes_of(&c, "old").await.len(), 2);
+
+    // run 2 of node a, well within the old lease's TTL, serves img only
+    let run2: Served = Arc::new(Mutex::new(vec![region("img", "a", "direct")]));
+    let pa = Publisher::start(config(&e, "t9", "a", 30), source("a", &run2, 0)).unwrap();
+    assert!(pa.published(Duration::from_secs(10)).await.published);
+    assert_eq!(
+        nodes_of(&c, "old").await,
+        ["b"],
+        "a's old entry is gone now"
+    );
+    let mut img = nodes_of(&c, "img").await;
+    img.sort();
+    assert_eq!(img, ["a", "a2"]);
+    // and run 2's keys hang on its own lease: its stop takes them all
+    pa.stop().await;
+    let l = c.list().await.unwrap();
+    assert!(l.regions.iter().all(|r| r.node != "a"), "{:?}", l.regions);
+    assert!(l.nodes.iter().all(|n| n.node != "a"), "{:?}", l.nodes);
+    pb.stop().await;
+    pa2.stop().await;
+}
