@@ -417,10 +417,11 @@ async fn publish(
     let st = p.published(Duration::from_secs(5)).await;
     if st.published {
         eprintln!(
-            "p2p-rdma: catalog {url}: published {} region{} as node {node} at {} (lease TTL {ttl} s)",
+            "p2p-rdma: catalog {url}: published {} region{} as node {node} at {} in {:.2} s (lease TTL {ttl} s)",
             st.keys.saturating_sub(1),
             if st.keys == 2 { "" } else { "s" },
-            endpoints.join(", ")
+            endpoints.join(", "),
+            st.first_publish_seconds.unwrap_or_default()
         );
     } else {
         eprintln!(
