@@ -538,3 +538,76 @@ fn lab_ops_exit_codes_of_a_live_server() {
         "{e}"
     );
 }
+
+#[test]
+#[ignore = "lab"]
+fn lab_ops_fetch_and_put_striped_over_several_qps() {
+    let d = tmpdir("qps");
+    let data: Vec<u8> = (0..(8u32 << 20) + 777)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    let file = d.join("data.bin");
+    std::fs::write(&file, &data).unwrap();
+    let f = format!("f=file:{}", file.display());
+    let s = Serve::start(&d, 17521, &["ram=host:8M", &f], &[]);
+    s.wait_ready(Duration::from_secs(120));
+    let json = |out: &std::process::Output| -> serde_json::Value {
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+
+    // a fetch in 4 stripes of whole chunks (the last one short), verified, equals the file
+    let one = json(&client(
+        &["fetch", &s.addr, "f", "-o", "one.bin", "--json", "--verify"],
+        &d,
+    ));
+    let out = client(
+        &[
+            "fetch", &s.addr, "f", "-o", "four.bin", "--json", "--verify", "--qps", "4", "--chunk",
+            "256K",
+        ],
+        &d,
+    );
+    let four = json(&out);
+    assert!(std::fs::read(d.join("four.bin")).unwrap() == data);
+    assert_eq!(four["bytes"], data.len() as u64);
+    assert_eq!(four["verified"], true);
+    assert_eq!(
+        four["crc32c"], one["crc32c"],
+        "the stripes' CRC is the range's"
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("4 connections"), "{err}");
+
+    // a put in 3 stripes at an offset, then read back in one stream
+    let input = d.join("in.bin");
+    std::fs::write(&input, &data[..(5 << 20) + 123]).unwrap();
+    let put = json(&client(
+        &[
+            "put", &s.addr, "ram", "-i", "in.bin", "--offset", "4096", "--json", "--verify",
+            "--qps", "3",
+        ],
+        &d,
+    ));
+    assert_eq!(put["bytes"], (5u64 << 20) + 123);
+    assert_eq!(put["verified"], true);
+    json(&client(
+        &[
+            "fetch", &s.addr, "ram", "--offset", "4096", "--length", "5M", "-o", "back.bin",
+            "--json",
+        ],
+        &d,
+    ));
+    let back = std::fs::read(d.join("back.bin")).unwrap();
+    assert!(back == data[..5 << 20], "the striped put's bytes read back");
+
+    // a pipe cannot be striped: a usage error before connecting
+    let out = client(&["fetch", &s.addr, "f", "-o", "-", "--qps", "2"], &d);
+    assert_eq!(out.status.code(), Some(2));
+    let out = client(&["put", &s.addr, "ram", "-i", "-", "--qps", "2"], &d);
+    assert_eq!(out.status.code(), Some(2));
+}

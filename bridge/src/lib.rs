@@ -20,6 +20,7 @@ pub mod server;
 pub mod size;
 pub mod spec;
 mod staging;
+pub mod stripe;
 pub mod token;
 
 pub use client::{

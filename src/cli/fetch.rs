@@ -5,6 +5,7 @@ use anyhow::Context as _;
 
 use super::exit::Usage;
 use super::parse_size_arg;
+use super::stripe::{self, Lanes};
 use super::transfer::{client_config, finish_transfer, ClientArgs, Progress};
 
 /// `fetch`: where from, which bytes, where to.
@@ -71,6 +72,13 @@ pub(crate) async fn fetch(a: FetchArgs) -> anyhow::Result<()> {
         json,
         client,
     } = a;
+    if client.qps > 1 && output == "-" {
+        return Err(Usage(
+            "--qps writes the stripes at their own offsets of a file at once: give -o FILE, not -"
+                .into(),
+        )
+        .into());
+    }
     let base = client_config(String::new(), &client)?;
     let super::catalog::Target {
         client: mut c,
@@ -91,50 +99,79 @@ pub(crate) async fn fetch(a: FetchArgs) -> anyhow::Result<()> {
                 ),
             })?,
     };
-    let mut sink: Box<dyn std::io::Write + Send> = if output == "-" {
-        Box::new(std::io::BufWriter::with_capacity(
-            1 << 20,
-            std::io::stdout(),
-        ))
-    } else {
-        Box::new(
-            std::fs::File::create(&output)
-                .with_context(|| format!("cannot create the output file {output}"))?,
-        )
-    };
     let mut bar = Progress::new(len, json);
-    let mut rep = c
-        .fetch(&r, offset, len, sink.as_mut(), verify, &mut |d| {
-            bar.update(d)
-        })
-        .await;
+    let qps = usize::from(client.qps);
+    let mut rep;
     let mut r = r;
-    // by name, into a file: a node that fails mid-way is left for the next replica,
-    // which writes the file again from the start
-    while let Err(e) = &rep {
-        if output == "-" || rest.is_empty() {
+    if output == "-" {
+        let mut sink = std::io::BufWriter::with_capacity(1 << 20, std::io::stdout());
+        rep = c
+            .fetch(&r, offset, len, &mut sink, verify, &mut |d| bar.update(d))
+            .await;
+        return finish_transfer(c, &r, rep, bar, json).await;
+    }
+    loop {
+        (c, r, rep) = into_file(
+            c, r, &base, &region, offset, len, &output, verify, qps, &mut bar,
+        )
+        .await?;
+        // by name: a node that fails mid-way is left for the next replica, which writes the
+        // file again from the start
+        let Err(e) = &rep else { break };
+        if rest.is_empty() {
             break;
         }
         eprintln!("p2p-rdma: catalog: node failed mid-way ({e}); trying the next replica");
-        let b = match super::catalog::next(&region, std::mem::take(&mut rest), false, &base).await {
-            Ok(b) => b,
+        match super::catalog::next(&region, std::mem::take(&mut rest), false, &base).await {
+            Ok(b) => (c, r, rest) = (b.client, b.region, b.rest),
             Err(e2) => {
                 eprintln!("p2p-rdma: {e2:#}");
                 break;
             }
-        };
-        (c, r, rest) = (b.client, b.region, b.rest);
-        sink = Box::new(
-            std::fs::File::create(&output)
-                .with_context(|| format!("cannot create the output file {output}"))?,
-        );
-        rep = c
-            .fetch(&r, offset, len, sink.as_mut(), verify, &mut |d| {
-                bar.update(d)
-            })
-            .await;
+        }
     }
     finish_transfer(c, &r, rep, bar, json).await
+}
+
+/// One attempt at fetching into the file `output` (created again), over `qps` connections.
+#[allow(clippy::too_many_arguments)]
+async fn into_file(
+    mut c: bridge::Client,
+    r: bridge::OpenRegion,
+    base: &bridge::ClientConfig,
+    region: &str,
+    offset: u64,
+    len: u64,
+    output: &str,
+    verify: bool,
+    qps: usize,
+    bar: &mut Progress,
+) -> anyhow::Result<(
+    bridge::Client,
+    bridge::OpenRegion,
+    bridge::Result<bridge::TransferReport>,
+)> {
+    if qps > 1 {
+        let mut lanes = Lanes::open((c, r), base, region, false, qps).await;
+        let rep = stripe::fetch(
+            &mut lanes,
+            offset,
+            len,
+            output,
+            verify,
+            base.chunk as u64,
+            bar,
+        )
+        .await?;
+        let (c, r) = lanes.close_rest().await;
+        return Ok((c, r, rep));
+    }
+    let mut f = std::fs::File::create(output)
+        .with_context(|| format!("cannot create the output file {output}"))?;
+    let rep = c
+        .fetch(&r, offset, len, &mut f, verify, &mut |d| bar.update(d))
+        .await;
+    Ok((c, r, rep))
 }
 
 pub(crate) async fn put(a: PutArgs) -> anyhow::Result<()> {
@@ -172,6 +209,13 @@ pub(crate) async fn put(a: PutArgs) -> anyhow::Result<()> {
         (Some(l), _) => Some(l),
         (None, n) => n,
     };
+    if client.qps > 1 && input == "-" {
+        return Err(Usage(
+            "--qps reads the stripes from their own offsets of a file at once: give -i FILE, not -"
+                .into(),
+        )
+        .into());
+    }
     let base = client_config(String::new(), &client)?;
     let super::catalog::Target {
         client: mut c,
@@ -179,6 +223,21 @@ pub(crate) async fn put(a: PutArgs) -> anyhow::Result<()> {
         ..
     } = super::catalog::open(&addr, &region, true, &base, &client).await?;
     let mut bar = Progress::new(limit.unwrap_or(r.info.size.saturating_sub(offset)), json);
+    if let (true, Some(len)) = (client.qps > 1, limit) {
+        let mut lanes = Lanes::open((c, r), &base, &region, true, usize::from(client.qps)).await;
+        let rep = stripe::put(
+            &mut lanes,
+            offset,
+            len,
+            &input,
+            verify,
+            base.chunk as u64,
+            &mut bar,
+        )
+        .await?;
+        let (c, r) = lanes.close_rest().await;
+        return finish_transfer(c, &r, rep, bar, json).await;
+    }
     let rep = c
         .put(&r, offset, source.as_mut(), limit, verify, &mut |d| {
             bar.update(d)

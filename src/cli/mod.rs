@@ -9,6 +9,7 @@ pub(crate) mod inspect;
 pub(crate) mod ls;
 pub(crate) mod man;
 pub(crate) mod serve;
+pub(crate) mod stripe;
 pub(crate) mod transfer;
 
 /// GID, traffic class and service level of the QPs a command creates (serve, fetch, put,

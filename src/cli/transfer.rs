@@ -179,6 +179,12 @@ pub(crate) struct ClientArgs {
     /// Bytes per RDMA work request (K/M/G suffixes).
     #[arg(long, default_value = "1M", value_parser = parse_size_arg)]
     pub(crate) chunk: u64,
+    /// Stripe the transfer over N connections to the server, each with its own queue pair,
+    /// in parts of whole --chunk's (at most 64; default 1: one stream). A file only (-o FILE,
+    /// -i FILE), not a pipe; the CRC-32C and --verify cover the whole range.
+    #[arg(long, value_name = "N", default_value_t = 1,
+          value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub(crate) qps: u16,
     /// Work requests in flight (capped by the server).
     #[arg(long, default_value_t = 16)]
     pub(crate) depth: usize,

@@ -1,0 +1,154 @@
+//! Striping one transfer over several connections, each with its own queue pair (`fetch` and
+//! `put` with `--qps N`): how a range is cut, and how the stripes' reports make one. Sans-IO.
+//!
+//! Each stripe is a whole number of chunks (the last one takes the rest), so no work request
+//! is cut smaller than it would be in one stream; a range too short for `n` stripes of at least
+//! one chunk gets fewer. The stripes' CRC-32Cs combine, in range order, into the CRC-32C of the
+//! whole range, so a striped transfer reports the same checksum as an unstriped one.
+
+use crate::client::TransferReport;
+
+/// Most stripes of one transfer.
+pub const MAX_STRIPES: usize = 64;
+
+/// One stripe: a part of the range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stripe {
+    /// Offset in the region.
+    pub offset: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// Cut `len` bytes at `offset` into at most `n` stripes of whole `chunk`s, in order, covering
+/// the range exactly (an empty range: no stripe).
+pub fn plan(offset: u64, len: u64, n: usize, chunk: u64) -> Vec<Stripe> {
+    let chunk = chunk.max(1);
+    let chunks = len.div_ceil(chunk);
+    let n = (n.clamp(1, MAX_STRIPES) as u64).min(chunks);
+    let mut out = Vec::with_capacity(n as usize);
+    let mut at = 0;
+    for i in 0..n {
+        // chunks spread evenly: the first `chunks % n` stripes take one more
+        let k = chunks / n + u64::from(i < chunks % n);
+        let l = (k * chunk).min(len - at);
+        out.push(Stripe {
+            offset: offset + at,
+            len: l,
+        });
+        at += l;
+    }
+    out
+}
+
+/// One report for the whole range out of the stripes' (in range order), timed by the caller
+/// (`seconds`: the wall time of all of them).
+pub fn merge(reports: &[TransferReport], seconds: f64) -> Option<TransferReport> {
+    let first = reports.first()?;
+    let mut m = TransferReport {
+        bytes: 0,
+        direct_bytes: 0,
+        bounce_bytes: 0,
+        zero_copy_bytes: 0,
+        tcp_bytes: 0,
+        crc32c: 0,
+        verified: true,
+        ..first.clone()
+    };
+    for (i, r) in reports.iter().enumerate() {
+        m.crc32c = if i == 0 {
+            r.crc32c
+        } else {
+            crc32c::crc32c_combine(m.crc32c, r.crc32c, r.bytes as usize)
+        };
+        m.bytes += r.bytes;
+        m.direct_bytes += r.direct_bytes;
+        m.bounce_bytes += r.bounce_bytes;
+        m.zero_copy_bytes += r.zero_copy_bytes;
+        m.tcp_bytes += r.tcp_bytes;
+        m.verified &= r.verified;
+    }
+    m.seconds = seconds;
+    m.mib_per_sec = if seconds > 0.0 {
+        m.bytes as f64 / seconds / f64::from(1 << 20)
+    } else {
+        0.0
+    };
+    Some(m)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn report(offset: u64, data: &[u8], verified: bool) -> TransferReport {
+        TransferReport {
+            op: "fetch",
+            region: "r".into(),
+            offset,
+            bytes: data.len() as u64,
+            seconds: 1.0,
+            mib_per_sec: 0.0,
+            direct_bytes: data.len() as u64,
+            bounce_bytes: 0,
+            zero_copy_bytes: 0,
+            tcp_bytes: 0,
+            crc32c: crc32c::crc32c(data),
+            verified,
+        }
+    }
+
+    #[test]
+    fn stripes_are_whole_chunks_and_the_last_takes_the_rest() {
+        let s = plan(100, 10 * 4096 + 5, 3, 4096);
+        let lens: Vec<u64> = s.iter().map(|s| s.len).collect();
+        assert_eq!(lens, [4 * 4096, 4 * 4096, 2 * 4096 + 5]);
+        assert_eq!(s[0].offset, 100);
+        assert_eq!(s[2].offset, 100 + 8 * 4096);
+        // fewer chunks than stripes: one stripe per chunk
+        assert_eq!(plan(0, 5000, 8, 4096).len(), 2);
+        assert!(plan(0, 0, 4, 4096).is_empty());
+        assert_eq!(plan(0, 1 << 30, 1000, 1 << 20).len(), MAX_STRIPES);
+    }
+
+    #[test]
+    fn the_merged_report_has_the_crc_of_the_whole_range() {
+        let data: Vec<u8> = (0..100_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let s = plan(0, data.len() as u64, 3, 16384);
+        let reps: Vec<_> = s
+            .iter()
+            .map(|s| report(s.offset, &data[s.offset as usize..][..s.len as usize], true))
+            .collect();
+        let m = merge(&reps, 2.0).unwrap();
+        assert_eq!(m.crc32c, crc32c::crc32c(&data));
+        assert_eq!(m.bytes, data.len() as u64);
+        assert_eq!(m.offset, 0);
+        assert!(m.verified);
+        assert!((m.mib_per_sec - data.len() as f64 / 2.0 / 1048576.0).abs() < 1e-9);
+        let mut one_unverified = reps.clone();
+        one_unverified[1].verified = false;
+        assert!(!merge(&one_unverified, 1.0).unwrap().verified);
+        assert!(merge(&[], 1.0).is_none());
+    }
+
+    proptest! {
+        #[test]
+        fn stripes_cover_the_range_exactly(
+            offset in 0u64..1 << 40, len in 0u64..1 << 26, n in 0usize..100, chunk in 1u64..1 << 21
+        ) {
+            let s = plan(offset, len, n, chunk);
+            prop_assert!(s.len() <= n.clamp(1, MAX_STRIPES));
+            let mut at = offset;
+            for (i, st) in s.iter().enumerate() {
+                prop_assert_eq!(st.offset, at);
+                prop_assert!(st.len > 0);
+                if i + 1 < s.len() {
+                    prop_assert_eq!(st.len % chunk, 0);
+                }
+                at += st.len;
+            }
+            prop_assert_eq!(at, offset + len);
+        }
+    }
+}

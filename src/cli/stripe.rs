@@ -1,0 +1,232 @@
+//! `fetch` and `put` with `--qps N`: one transfer striped over N connections to the same
+//! server, each with its own queue pair, each stripe a file range of its own (the cut and the
+//! merged report: `bridge::stripe`).
+
+use std::io::{Seek as _, SeekFrom};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use bridge::stripe::{merge, plan, Stripe};
+use bridge::{Client, ClientConfig, OpenRegion, TransferReport};
+
+use super::transfer::Progress;
+
+/// The connections of a striped transfer, the first one being the one already open.
+pub(crate) struct Lanes {
+    pub(crate) lanes: Vec<(Client, OpenRegion)>,
+}
+
+impl Lanes {
+    /// `first` and up to `n - 1` more connections to its server, each opening `region`. A
+    /// server that refuses more (its connection limit) leaves fewer stripes, said on stderr.
+    pub(crate) async fn open(
+        first: (Client, OpenRegion),
+        base: &ClientConfig,
+        region: &str,
+        write: bool,
+        n: usize,
+    ) -> Lanes {
+        let addr = first.0.server().to_string();
+        let mut lanes = vec![first];
+        while lanes.len() < n {
+            let more = async {
+                let mut c = Client::connect(ClientConfig {
+                    addr: addr.clone(),
+                    ..base.clone()
+                })
+                .await?;
+                let r = c.open(region, write).await?;
+                Ok::<_, bridge::Error>((c, r))
+            };
+            match more.await {
+                Ok(l) => lanes.push(l),
+                Err(e) => {
+                    eprintln!(
+                        "p2p-rdma: --qps {n}: connection {} to {addr} failed ({e}); striping over {}",
+                        lanes.len() + 1,
+                        lanes.len()
+                    );
+                    break;
+                }
+            }
+        }
+        Lanes { lanes }
+    }
+
+    /// Close every connection but the first (which the caller reports on and closes).
+    pub(crate) async fn close_rest(&mut self) -> (Client, OpenRegion) {
+        let mut all = std::mem::take(&mut self.lanes).into_iter();
+        let first = all
+            .next()
+            .expect("a striped transfer has a first connection");
+        for (mut c, r) in all {
+            let _ = c.close(&r).await;
+            let _ = c.bye().await;
+        }
+        first
+    }
+}
+
+type Lane = (Client, OpenRegion);
+type Done = (usize, Lane, bridge::Result<TransferReport>);
+
+/// Run one task per stripe, keep the progress line moving, and merge the reports. A failed
+/// stripe fails the transfer (its range is said on stderr; the error is the stripe's own).
+async fn run<F>(
+    lanes: &mut Lanes,
+    stripes: Vec<Stripe>,
+    bar: &mut Progress,
+    start: impl Fn(usize, Lane, Stripe, Arc<AtomicU64>) -> F,
+) -> anyhow::Result<bridge::Result<TransferReport>>
+where
+    F: std::future::Future<Output = Done> + Send + 'static,
+{
+    let t0 = Instant::now();
+    if stripes.len() > 1 {
+        eprintln!(
+            "p2p-rdma: striped over {} connections to {}, one QP each",
+            stripes.len(),
+            lanes.lanes[0].0.server()
+        );
+    }
+    let counters: Vec<Arc<AtomicU64>> = stripes.iter().map(|_| Arc::default()).collect();
+    let mut tasks = tokio::task::JoinSet::new();
+    let mut used = std::mem::take(&mut lanes.lanes);
+    // a range of fewer chunks than connections leaves some idle: kept, to be closed in order
+    let idle = used.split_off(stripes.len().min(used.len()));
+    for (i, (lane, s)) in used.into_iter().zip(stripes.iter().copied()).enumerate() {
+        tasks.spawn(start(i, lane, s, Arc::clone(&counters[i])));
+    }
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    let mut results: Vec<Option<(Lane, bridge::Result<TransferReport>)>> =
+        (0..stripes.len()).map(|_| None).collect();
+    loop {
+        tokio::select! {
+            d = tasks.join_next() => match d {
+                Some(Ok((i, lane, rep))) => results[i] = Some((lane, rep)),
+                Some(Err(e)) => anyhow::bail!("a stripe's task ended without a result: {e}"),
+                None => break,
+            },
+            _ = tick.tick() => bar.update(counters.iter().map(|c| c.load(Ordering::Relaxed)).sum()),
+        }
+    }
+    let mut reports = Vec::new();
+    let mut failed = None;
+    for (i, slot) in results.into_iter().enumerate() {
+        let Some((lane, rep)) = slot else {
+            anyhow::bail!("stripe {} did not report", i + 1)
+        };
+        lanes.lanes.push(lane);
+        match rep {
+            Ok(r) => reports.push(r),
+            Err(e) => {
+                let s = stripes[i];
+                eprintln!(
+                    "p2p-rdma: stripe {} of {} (bytes {}..{} of the region) failed: {e}",
+                    i + 1,
+                    stripes.len(),
+                    s.offset,
+                    s.offset + s.len
+                );
+                failed.get_or_insert(e);
+            }
+        }
+    }
+    lanes.lanes.extend(idle);
+    if let Some(e) = failed {
+        return Ok(Err(e));
+    }
+    let m = merge(&reports, t0.elapsed().as_secs_f64())
+        .ok_or_else(|| anyhow::anyhow!("a striped transfer without a stripe"))?;
+    Ok(Ok(m))
+}
+
+/// Fetch `len` bytes at `offset` into the file `output` (created, and sized first), one stripe
+/// per lane.
+pub(crate) async fn fetch(
+    lanes: &mut Lanes,
+    offset: u64,
+    len: u64,
+    output: &str,
+    verify: bool,
+    chunk: u64,
+    bar: &mut Progress,
+) -> anyhow::Result<bridge::Result<TransferReport>> {
+    let f = std::fs::File::create(output)
+        .with_context(|| format!("cannot create the output file {output}"))?;
+    f.set_len(len)
+        .with_context(|| format!("cannot size the output file {output} to {len} bytes"))?;
+    let stripes = cut(offset, len, lanes.lanes.len(), chunk);
+    let mut files = Vec::new();
+    for s in &stripes {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(output)
+            .with_context(|| format!("cannot open the output file {output}"))?;
+        f.seek(SeekFrom::Start(s.offset - offset))
+            .with_context(|| format!("cannot seek in {output}"))?;
+        files.push(Some(f));
+    }
+    let files = std::sync::Mutex::new(files);
+    run(lanes, stripes, bar, |i, (mut c, r), s, done| {
+        let mut f = files.lock().unwrap()[i]
+            .take()
+            .expect("one file per stripe");
+        async move {
+            let rep = c
+                .fetch(&r, s.offset, s.len, &mut f, verify, &mut |d| {
+                    done.store(d, Ordering::Relaxed)
+                })
+                .await;
+            (i, (c, r), rep)
+        }
+    })
+    .await
+}
+
+/// Put the `len` bytes of the file `input` (from its start) at `offset`, one stripe per lane.
+pub(crate) async fn put(
+    lanes: &mut Lanes,
+    offset: u64,
+    len: u64,
+    input: &str,
+    verify: bool,
+    chunk: u64,
+    bar: &mut Progress,
+) -> anyhow::Result<bridge::Result<TransferReport>> {
+    let stripes = cut(offset, len, lanes.lanes.len(), chunk);
+    let mut files = Vec::new();
+    for s in &stripes {
+        let mut f = std::fs::File::open(input)
+            .with_context(|| format!("cannot open the input file {input}"))?;
+        f.seek(SeekFrom::Start(s.offset - offset))
+            .with_context(|| format!("cannot seek in {input}"))?;
+        files.push(Some(std::io::BufReader::with_capacity(1 << 20, f)));
+    }
+    let files = std::sync::Mutex::new(files);
+    run(lanes, stripes, bar, |i, (mut c, r), s, done| {
+        let mut f = files.lock().unwrap()[i]
+            .take()
+            .expect("one file per stripe");
+        async move {
+            let rep = c
+                .put(&r, s.offset, &mut f, Some(s.len), verify, &mut |d| {
+                    done.store(d, Ordering::Relaxed)
+                })
+                .await;
+            (i, (c, r), rep)
+        }
+    })
+    .await
+}
+
+/// The stripes of the range; an empty range is one empty stripe (a transfer of no bytes still
+/// opens, checks and reports like any other).
+fn cut(offset: u64, len: u64, n: usize, chunk: u64) -> Vec<Stripe> {
+    match plan(offset, len, n, chunk) {
+        s if s.is_empty() => vec![Stripe { offset, len: 0 }],
+        s => s,
+    }
+}
