@@ -1,5 +1,6 @@
 # The cluster catalog across the two lab hosts (sourced by two-host-test on host b, 10.88.0.2).
-# An etcd member runs here on 10.88.0.2:2379, reachable from both guests. Host a's server
+# An etcd member runs here on 10.88.0.2:2379, reachable from both guests (its warnings, e.g.
+# "apply request took too long", in $OUT/etcd.log). Host a's server
 # (node "a") publishes its regions, among them `rep`, a read-only file with the same bytes on
 # both hosts; this host serves `rep` too (node "b"), so `rep` has two replicas. Checks: the
 # cluster listing, fetch by name, a node killed with SIGKILL (its entries go within the lease
@@ -22,7 +23,7 @@ catalog_etcd_start() {
     etcd --name b --data-dir /tmp/etcd-data \
         --listen-client-urls "http://0.0.0.0:2379" --advertise-client-urls "http://$CAT_ETCD" \
         --listen-peer-urls http://127.0.0.1:2380 --initial-advertise-peer-urls http://127.0.0.1:2380 \
-        --initial-cluster b=http://127.0.0.1:2380 --log-level error >>"$OUT/etcd.log" 2>&1 &
+        --initial-cluster b=http://127.0.0.1:2380 --log-level warn >>"$OUT/etcd.log" 2>&1 &
     CAT_ETCD_PID=$!
 }
 
