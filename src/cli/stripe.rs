@@ -28,7 +28,7 @@ impl Lanes {
         write: bool,
         n: usize,
     ) -> Lanes {
-        let addr = first.0.server().to_string();
+        let addr = first.0.addr().to_string();
         let mut lanes = vec![first];
         while lanes.len() < n {
             let more = async {
@@ -88,7 +88,7 @@ where
         eprintln!(
             "p2p-rdma: striped over {} connections to {}, one QP each",
             stripes.len(),
-            lanes.lanes[0].0.server()
+            lanes.lanes[0].0.addr()
         );
     }
     let counters: Vec<Arc<AtomicU64>> = stripes.iter().map(|_| Arc::default()).collect();

@@ -309,6 +309,11 @@ impl Client {
         &self.server
     }
 
+    /// The control address this client connected to (`HOST:PORT`, as configured).
+    pub fn addr(&self) -> &str {
+        &self.cfg.addr
+    }
+
     async fn request(&mut self, m: &Msg, want: &'static str) -> Result<Msg> {
         self.conn.send(m).await?;
         self.conn.recv(Some(self.cfg.timeout), want).await
