@@ -351,3 +351,90 @@ async fn lab_nvme_region_through_a_cmb_proves_each_leg_or_names_the_refusal() {
         );
     }
 }
+
+/// `p2p-rdma bench` with the lab token.
+fn bench_cmd() -> std::process::Command {
+    let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_p2p-rdma"));
+    c.env("P2P_RDMA_TOKEN", TOKEN);
+    c
+}
+
+#[test]
+#[ignore = "lab"]
+fn lab_nvme_bench_reads_an_ssd_through_bounce_and_refuses_to_write_it() {
+    // the SSD holds data and is served through the bounce path (a NIC cannot address block
+    // storage): a write benchmark would overwrite it and is refused by both sides (before a
+    // path is chosen), a read benchmark measures it through bounce, and the SSD's bytes are
+    // the same afterwards
+    let dev = namespace_of("p2plabssd");
+    let model = data(4 << 20, 53);
+    write_image(&dev, &model);
+    let spec = format!("nvme:{dev}:0:4M");
+    let addr = |port: u16| format!("{}:{port}", lab_ip());
+    let serve = |op: &str, port: u16| {
+        bench_cmd()
+            .args(["bench", op, "--port", &port.to_string(), "--mem", &spec])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let stderr_of = |c: std::process::Child| {
+        let o = c.wait_with_output().unwrap();
+        (
+            o.status.success(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        )
+    };
+    let s = serve("write", 19150);
+    let out = bench_cmd()
+        .args([
+            "bench",
+            "write",
+            &addr(19150),
+            "--size",
+            "1M",
+            "--iters",
+            "4",
+        ])
+        .output()
+        .unwrap();
+    let (ok, sv) = stderr_of(s);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && !ok,
+        "the write benchmark ran: {err}\n{sv}"
+    );
+    assert!(
+        sv.contains("holds data") && err.contains("holds data"),
+        "server: {sv}\nclient: {err}"
+    );
+    let s = serve("read", 19151);
+    let out = bench_cmd()
+        .args([
+            "bench",
+            "read",
+            &addr(19151),
+            "--size",
+            "1M",
+            "--iters",
+            "4",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    let (ok, sv) = stderr_of(s);
+    assert!(
+        out.status.success() && ok,
+        "{}\nserver: {sv}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let row: serde_json::Value =
+        serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().next().unwrap()).unwrap();
+    assert_eq!(row["path"], "bounce", "{row}");
+    assert_eq!(row["iterations"], 4, "{row}");
+    assert!(
+        dd_direct(&dev, 0, 4 << 20) == model,
+        "the SSD's bytes changed under a bench"
+    );
+}
