@@ -611,3 +611,67 @@ fn lab_ops_fetch_and_put_striped_over_several_qps() {
     let out = client(&["put", &s.addr, "ram", "-i", "-", "--qps", "2"], &d);
     assert_eq!(out.status.code(), Some(2));
 }
+
+#[test]
+#[ignore = "lab"]
+fn lab_ops_a_put_is_flushed_only_into_memory_that_persists() {
+    // host memory the server allocated: a put is complete when its WRITEs are, no Flush round
+    // trip; a file holds data: its put is made durable by a Flush before it is acknowledged
+    let d = tmpdir("flush");
+    let file = d.join("data.bin");
+    std::fs::write(&file, vec![0u8; 1 << 20]).unwrap();
+    let f = format!("f=file:{}", file.display());
+    let s = Serve::start(&d, 17531, &["ram=host:1M", &f], &[]);
+    s.wait_ready(Duration::from_secs(120));
+    let small: Vec<u8> = (0..200u8).collect();
+    std::fs::write(d.join("small.bin"), &small).unwrap();
+    for region in ["ram", "f"] {
+        let out = client(
+            &[
+                "put",
+                &s.addr,
+                region,
+                "-i",
+                "small.bin",
+                "--offset",
+                "4100",
+                "--verify",
+            ],
+            &d,
+        );
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let out = client(
+            &[
+                "fetch", &s.addr, region, "--offset", "4100", "--length", "200", "-o", "back.bin",
+            ],
+            &d,
+        );
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(
+            std::fs::read(d.join("back.bin")).unwrap(),
+            small,
+            "{region}"
+        );
+    }
+    let m = parse_metrics(&http_get(&s.metrics, "/metrics").unwrap().1);
+    let flushes = |r: &str| sample(&m, "p2p_rdma_flushes_total", &[("region", r)]);
+    assert_eq!(flushes("f"), Some(1.0), "the file's put was flushed once");
+    assert_eq!(
+        flushes("ram").unwrap_or(0.0),
+        0.0,
+        "no flush of host memory"
+    );
+    assert_eq!(
+        std::fs::read(&file).unwrap()[4100..4300],
+        small[..],
+        "the file holds the put"
+    );
+}

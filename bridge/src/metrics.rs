@@ -101,6 +101,13 @@ pub struct CodeLabels {
     pub code: String,
 }
 
+/// Labels of per-region counters.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RegionLabels {
+    /// The region's name.
+    pub region: String,
+}
+
 /// Labels of canary results.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CanaryLabels {
@@ -131,6 +138,8 @@ pub struct Metrics {
     pub bounce_stages: Family<StageLabels, Histogram>,
     /// Error replies sent, by code.
     pub errors: Family<CodeLabels, Counter>,
+    /// Flush requests served (puts made durable), by region.
+    pub flushes: Family<RegionLabels, Counter>,
     /// Connections now open (authenticated or not).
     pub connections: Gauge,
     /// Connections accepted since start.
@@ -194,6 +203,7 @@ impl Metrics {
                 Histogram::new(exponential_buckets(1e-5, 4.0, 13))
             }),
             errors: Family::default(),
+            flushes: Family::default(),
             connections: Gauge::default(),
             connections_accepted: Counter::default(),
             unauthenticated: Gauge::default(),
@@ -248,6 +258,11 @@ impl Metrics {
                 "errors",
                 "Error replies sent to clients, by code",
                 m.errors.clone(),
+            );
+            r.register(
+                "flushes",
+                "Flush requests served, by region: a put made durable (fdatasync of a file or a namespace); puts into memory that does not persist need none",
+                m.flushes.clone(),
             );
             r.register(
                 "connections",
@@ -385,6 +400,15 @@ impl Metrics {
                 .get_or_create(&StageLabels { direction, stage })
                 .observe(seconds);
         }
+    }
+
+    /// Count a flush request served.
+    pub fn flush(&self, region: &str) {
+        self.flushes
+            .get_or_create(&RegionLabels {
+                region: region.to_string(),
+            })
+            .inc();
     }
 
     /// Count an error reply.

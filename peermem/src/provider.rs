@@ -55,7 +55,8 @@ pub trait Provider: AsAny + Send + Sync + fmt::Debug {
     /// Copy `data` into the memory at `offset`.
     fn copy_in(&self, offset: u64, data: &[u8]) -> Result<(), Error>;
     /// Make what [`Provider::copy_in`] wrote to `offset..offset + len` durable (a file:
-    /// `fdatasync`). Memory that does not persist has nothing to do.
+    /// `fdatasync`). Memory that does not persist has nothing to do. Memory that does not
+    /// [`Provider::holds_data`] must not need this: clients do not ask a flush of it.
     fn sync(&self, offset: u64, len: u64) -> Result<(), Error> {
         let _ = (offset, len);
         Ok(())

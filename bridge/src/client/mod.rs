@@ -771,8 +771,12 @@ impl Client {
         if overflow {
             return Err(overflow_error(r, room, offset, done));
         }
-        // acknowledged only once the server made it durable
-        self.flush(r, offset, done).await?;
+        // acknowledged only once the server made it durable; memory that does not persist
+        // (the server takes no puts itself: `server_puts` is false) has nothing to make
+        // durable, and the bytes are placed once their WRITEs (or bounce replies) completed
+        if r.info.server_puts {
+            self.flush(r, offset, done).await?;
+        }
         let seconds = start.elapsed().as_secs_f64();
         self.report_direct(r, offset, by_path[0], true, seconds)
             .await?;

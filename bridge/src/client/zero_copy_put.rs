@@ -89,10 +89,12 @@ impl Client {
             });
         };
         let buffer = LocalBuffer(buffer);
-        // acknowledged only once durable: one flush per region, over the span it received
+        // acknowledged only once durable: one flush per region that holds data, over the span
+        // it received
         let mut spans: Vec<(&super::OpenRegion, u64, u64)> = Vec::new();
         for (r, res) in ranges.iter().zip(&results) {
-            if res.is_err() || r.len == 0 {
+            // memory that does not persist has nothing to make durable (see `put`)
+            if res.is_err() || r.len == 0 || !r.region.info.server_puts {
                 continue;
             }
             match spans.iter_mut().find(|s| s.0.handle == r.region.handle) {

@@ -129,7 +129,9 @@ pub struct RegionInfo {
     pub residency: Option<String>,
     /// Puts go through the server (bounce requests, over the direct part too) and are durable
     /// when [`Msg::Flushed`] answers: the memory holds data the server did not create (a file,
-    /// the embedding application's memory), so no rkey of it allows remote writes.
+    /// the embedding application's memory), so no rkey of it allows remote writes. When false,
+    /// the memory does not persist (the server allocated it) and a put is complete once its
+    /// bytes are placed: clients send no [`Msg::Flush`] for it.
     #[serde(default, skip_serializing_if = "is_false")]
     pub server_puts: bool,
     /// The server's RDMA device that serves the direct part, when the server serves from

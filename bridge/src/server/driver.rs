@@ -610,6 +610,7 @@ impl ConnState {
                     move |p| p.sync(offset, len),
                 )
                 .await?;
+                shared.metrics().flush(&shared.regions.info(region).name);
                 Ok(Msg::Flushed { len })
             }
             Step::Close {
