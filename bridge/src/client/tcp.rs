@@ -206,8 +206,11 @@ impl Client {
         if overflow {
             return Err(overflow_error(r, room, offset, done));
         }
-        // acknowledged only once the server made it durable
-        self.flush(r, offset, done).await?;
+        // acknowledged only once the server made it durable (memory that does not persist:
+        // placed once each TcpWritten answered, see `Client::put`)
+        if r.info.server_puts {
+            self.flush(r, offset, done).await?;
+        }
         let seconds = start.elapsed().as_secs_f64();
         let verified = verify && self.verify(r, "put", offset, done, crc).await?;
         let mut rep = report("put", r, offset, done, seconds, crc, verified, [0; 3]);
