@@ -147,33 +147,26 @@ pub(crate) fn etcd_binary() -> PathBuf {
 
 impl Etcd {
     pub(crate) fn start() -> Etcd {
-        let dir =
-            std::env::temp_dir().join(format!("p2p-etcd-{}-{}", std::process::id(), free_port()));
-        let mut e = Etcd {
-            child: None,
-            port: free_port(),
-            peer: free_port(),
-            metrics: free_port(),
-            dir,
-            tls: None,
-        };
-        e.launch();
-        e
+        Self::new(false)
     }
 
     /// A member whose clients must speak TLS and show a certificate signed by its CA.
     #[allow(dead_code)]
     pub(crate) fn start_tls() -> Etcd {
+        Self::new(true)
+    }
+
+    fn new(tls: bool) -> Etcd {
         let dir =
             std::env::temp_dir().join(format!("p2p-etcd-{}-{}", std::process::id(), free_port()));
-        let pki = Pki::make(&dir.join("pki"));
+        let tls = tls.then(|| Pki::make(&dir.join("pki")));
         let mut e = Etcd {
             child: None,
             port: free_port(),
             peer: free_port(),
             metrics: free_port(),
             dir,
-            tls: Some(pki),
+            tls,
         };
         e.launch();
         e
