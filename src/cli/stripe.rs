@@ -72,13 +72,15 @@ impl Lanes {
 type Lane = (Client, OpenRegion);
 type Done = (usize, Lane, bridge::Result<TransferReport>);
 
-/// Run one task per stripe, keep the progress line moving, and merge the reports. A failed
-/// stripe fails the transfer (its range is said on stderr; the error is the stripe's own).
-async fn run<F>(
+/// Run one task per stripe, each with its own file (`files[i]` for `stripes[i]`), keep the
+/// progress line moving, and merge the reports. A failed stripe fails the transfer (its range
+/// is said on stderr; the error is the stripe's own).
+async fn run<T, F>(
     lanes: &mut Lanes,
     stripes: Vec<Stripe>,
+    files: Vec<T>,
     bar: &mut Progress,
-    start: impl Fn(usize, Lane, Stripe, Arc<AtomicU64>) -> F,
+    start: impl Fn(usize, Lane, Stripe, T, Arc<AtomicU64>) -> F,
 ) -> anyhow::Result<bridge::Result<TransferReport>>
 where
     F: std::future::Future<Output = Done> + Send + 'static,
@@ -96,8 +98,13 @@ where
     let mut used = std::mem::take(&mut lanes.lanes);
     // a range of fewer chunks than connections leaves some idle: kept, to be closed in order
     let idle = used.split_off(stripes.len().min(used.len()));
-    for (i, (lane, s)) in used.into_iter().zip(stripes.iter().copied()).enumerate() {
-        tasks.spawn(start(i, lane, s, Arc::clone(&counters[i])));
+    for (i, ((lane, s), f)) in used
+        .into_iter()
+        .zip(stripes.iter().copied())
+        .zip(files)
+        .enumerate()
+    {
+        tasks.spawn(start(i, lane, s, f, Arc::clone(&counters[i])));
     }
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     let mut results: Vec<Option<(Lane, bridge::Result<TransferReport>)>> =
@@ -167,22 +174,22 @@ pub(crate) async fn fetch(
             .with_context(|| format!("cannot open the output file {output}"))?;
         f.seek(SeekFrom::Start(s.offset - offset))
             .with_context(|| format!("cannot seek in {output}"))?;
-        files.push(Some(f));
+        files.push(f);
     }
-    let files = std::sync::Mutex::new(files);
-    run(lanes, stripes, bar, |i, (mut c, r), s, done| {
-        let mut f = files.lock().unwrap()[i]
-            .take()
-            .expect("one file per stripe");
-        async move {
+    run(
+        lanes,
+        stripes,
+        files,
+        bar,
+        |i, (mut c, r), s, mut f, done| async move {
             let rep = c
                 .fetch(&r, s.offset, s.len, &mut f, verify, &mut |d| {
                     done.store(d, Ordering::Relaxed)
                 })
                 .await;
             (i, (c, r), rep)
-        }
-    })
+        },
+    )
     .await
 }
 
@@ -203,22 +210,22 @@ pub(crate) async fn put(
             .with_context(|| format!("cannot open the input file {input}"))?;
         f.seek(SeekFrom::Start(s.offset - offset))
             .with_context(|| format!("cannot seek in {input}"))?;
-        files.push(Some(std::io::BufReader::with_capacity(1 << 20, f)));
+        files.push(std::io::BufReader::with_capacity(1 << 20, f));
     }
-    let files = std::sync::Mutex::new(files);
-    run(lanes, stripes, bar, |i, (mut c, r), s, done| {
-        let mut f = files.lock().unwrap()[i]
-            .take()
-            .expect("one file per stripe");
-        async move {
+    run(
+        lanes,
+        stripes,
+        files,
+        bar,
+        |i, (mut c, r), s, mut f, done| async move {
             let rep = c
                 .put(&r, s.offset, &mut f, Some(s.len), verify, &mut |d| {
                     done.store(d, Ordering::Relaxed)
                 })
                 .await;
             (i, (c, r), rep)
-        }
-    })
+        },
+    )
     .await
 }
 
