@@ -1,7 +1,13 @@
-//! Latency of small puts on one connection: N puts of SIZE bytes, one after the other, into
-//! each REGION given, each put timed twice, interleaved: as `put` does it, and followed by an
-//! explicit `flush` (what every put did before puts into memory that does not persist stopped
-//! asking for one). Connection, open and staging buffers are set up first.
+//! Latency of small puts: N puts of SIZE bytes, one after the other, into each REGION given,
+//! each put timed three ways, interleaved:
+//! - `put`: as `put` does it (the bytes inline in the work request when SIZE fits the QP's
+//!   inline room, 220 bytes by default);
+//! - `put, not inline`: the same on a second connection whose QP has no inline room (the NIC
+//!   fetches the bytes from a registered buffer);
+//! - `put+flush`: the first, followed by an explicit `flush` (what every put did before puts into
+//!   memory that does not persist stopped asking for one).
+//!
+//! Connections, opens and staging buffers are set up first.
 //!
 //! ```text
 //! cargo run --example small_puts -- ADDR TOKEN_FILE N SIZE REGION [REGION...]
@@ -9,7 +15,9 @@
 //! Prints one JSON line per region and mode: the median, p90 and max time in microseconds.
 use std::time::Instant;
 
-use p2p_rdma::bridge::{Client, ClientConfig};
+use p2p_rdma::bridge::{Client, ClientConfig, OpenRegion};
+
+const MODES: [&str; 3] = ["put", "put, not inline", "put+flush"];
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -24,35 +32,53 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         return Err("N and SIZE must be at least 1".into());
     }
     let token = std::fs::read_to_string(&args[1])?.trim().to_string();
-    let mut c = Client::connect(ClientConfig::new(args[0].clone(), token)).await?;
-    let mut regions = Vec::new();
+    let cfg = ClientConfig::new(args[0].clone(), token);
+    let mut c = Client::connect(cfg.clone()).await?;
+    let mut plain = Client::connect(ClientConfig { inline: 0, ..cfg }).await?;
+    // (the handle opened on each connection, for each region)
+    let mut regions: Vec<[OpenRegion; 2]> = Vec::new();
     for name in &args[4..] {
-        regions.push(c.open(name, true).await?);
+        regions.push([c.open(name, true).await?, plain.open(name, true).await?]);
     }
     let data: Vec<u8> = (0..size).map(|i| i as u8).collect();
-    // one put each first: the QP and the staging buffers exist before anything is timed
-    for r in &regions {
+    // one put each first: the QPs and the staging buffers exist before anything is timed
+    for [r, p] in &regions {
         c.put(r, 0, &mut &data[..], Some(size as u64), false, &mut |_| {})
             .await?;
+        plain
+            .put(p, 0, &mut &data[..], Some(size as u64), false, &mut |_| {})
+            .await?;
     }
-    // times[region][mode]: mode 0 the put alone, mode 1 the put and a flush
-    let mut times: Vec<[Vec<f64>; 2]> =
-        vec![[Vec::with_capacity(n), Vec::with_capacity(n)]; regions.len()];
+    // times[region][mode], modes as in MODES
+    let mut times: Vec<[Vec<f64>; 3]> = vec![Default::default(); regions.len()];
     for i in 0..n {
-        for (k, r) in regions.iter().enumerate() {
+        for (k, [r, p]) in regions.iter().enumerate() {
             let at = (i * size) as u64 % (r.info.size - size as u64 + 1);
             for (mode, m) in times[k].iter_mut().enumerate() {
                 let t = Instant::now();
-                c.put(r, at, &mut &data[..], Some(size as u64), false, &mut |_| {})
+                let (client, handle) = if mode == 1 {
+                    (&mut plain, p)
+                } else {
+                    (&mut c, r)
+                };
+                client
+                    .put(
+                        handle,
+                        at,
+                        &mut &data[..],
+                        Some(size as u64),
+                        false,
+                        &mut |_| {},
+                    )
                     .await?;
-                if mode == 1 {
-                    c.flush(r, at, size as u64).await?;
+                if mode == 2 {
+                    client.flush(handle, at, size as u64).await?;
                 }
                 m.push(t.elapsed().as_secs_f64() * 1e6);
             }
         }
     }
-    for (r, modes) in regions.iter().zip(times) {
+    for ([r, _], modes) in regions.iter().zip(times) {
         for (mode, mut t) in modes.into_iter().enumerate() {
             t.sort_by(f64::total_cmp);
             println!(
@@ -61,7 +87,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                     "region": r.info.name,
                     "kind": r.info.kind,
                     "server_puts": r.info.server_puts,
-                    "mode": if mode == 0 { "put" } else { "put+flush" },
+                    "mode": MODES[mode],
                     "puts": n,
                     "size": size,
                     "median_us": t[t.len() / 2],
@@ -72,5 +98,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     c.bye().await?;
+    plain.bye().await?;
     Ok(())
 }

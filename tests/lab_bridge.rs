@@ -100,6 +100,41 @@ async fn lab_bridge_random_offsets_and_lengths() {
     s.stop().await;
 }
 
+/// Small put pieces go inline in the work request (the default room); a client that asks for
+/// more room than the device has gets a QP without it, and its puts land all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_bridge_small_puts_go_inline_and_a_device_without_the_room_falls_back() {
+    let s = start(&["ram=host:1M"], |_| {}).await;
+    let mut c = Client::connect(cfg(s.addr)).await.unwrap();
+    assert_eq!(c.inline_room(), None, "no QP before the first transfer");
+    let small = data(200, 3);
+    let rep = put(&mut c, "ram", 4100, &small).await;
+    assert_eq!(rep.direct_bytes, 200);
+    assert_eq!(c.inline_room(), Some(p2p_rdma::bridge::DEFAULT_INLINE));
+    assert!(fetch(&mut c, "ram", 4100, 200).await == small);
+    // a chunk from a buffer, then a 100-byte last piece inline
+    let mixed = data((256 << 10) + 100, 4);
+    put(&mut c, "ram", 8192, &mixed).await;
+    assert!(fetch(&mut c, "ram", 8192, mixed.len() as u64).await == mixed);
+    c.bye().await.unwrap();
+
+    // far more room than rxe has (its inline data is bounded by its largest work request)
+    let mut wide = cfg(s.addr);
+    wide.inline = 64 << 10;
+    let mut c = Client::connect(wide).await.unwrap();
+    let other = data(200, 5);
+    put(&mut c, "ram", 4100, &other).await;
+    assert_eq!(
+        c.inline_room(),
+        Some(0),
+        "the device refused the room: none"
+    );
+    assert!(fetch(&mut c, "ram", 4100, 200).await == other);
+    c.bye().await.unwrap();
+    s.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "lab"]
 async fn lab_bridge_four_clients_at_once() {

@@ -2,7 +2,7 @@
 //! (`Client::buffer`, `fetch_into`) and batches of many ranges across regions (`fetch_many`).
 
 mod common;
-use common::{data, start, TOKEN};
+use common::{data, rdma_resources, start, TOKEN};
 
 use std::net::SocketAddr;
 
@@ -66,6 +66,35 @@ async fn lab_zero_copy_fetch_lands_in_the_callers_buffer() {
     assert!(e.to_string().contains("another client"), "{e}");
     assert!(e.buffer.is_some());
     other.bye().await.unwrap();
+    c.bye().await.unwrap();
+    s.stop().await;
+}
+
+/// A client that moves bytes only from and into its own registered buffer pins nothing else:
+/// staging buffers are registered by the first transfer that goes through them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_zero_copy_a_client_of_its_own_buffers_registers_no_staging() {
+    let s = start(&["ram=host:4M"], |_| {}).await;
+    let mrs = || rdma_resources("mr", "rkey");
+    let before = mrs();
+    let mut c = Client::connect(cfg(s.addr)).await.unwrap();
+    let r = c.open("ram", true).await.unwrap();
+    let buf = c.buffer(1 << 20).await.unwrap();
+    let landed = c.fetch_into(&r, 0, 1 << 20, buf, 0).await.unwrap();
+    let landed = c.put_from(&r, 4096, 4096, landed.buffer, 0).await.unwrap();
+    assert_eq!(
+        mrs() - before,
+        1,
+        "an open, a buffer, a zero-copy fetch and put: only the caller's buffer is registered"
+    );
+    // a fetch through staging buffers registers one per slot in flight (cfg: depth 8)
+    let mut out = Vec::new();
+    c.fetch(&r, 0, 4096, &mut out, false, &mut |_| {})
+        .await
+        .unwrap();
+    assert_eq!(mrs() - before, 1 + 8);
+    drop(landed);
     c.bye().await.unwrap();
     s.stop().await;
 }

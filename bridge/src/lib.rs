@@ -25,7 +25,7 @@ pub mod token;
 
 pub use client::{
     BatchRange, Client, ClientConfig, Landed, LocalBuffer, OpenRegion, Stranded, TransferReport,
-    Transport,
+    Transport, DEFAULT_INLINE,
 };
 pub use error::{Error, Result};
 pub use qp_path::QpPath;

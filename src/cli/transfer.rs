@@ -17,6 +17,7 @@ pub(crate) fn client_config(addr: String, a: &ClientArgs) -> anyhow::Result<brid
     cfg.server_nic = a.server_nic.clone();
     cfg.chunk = usize::try_from(a.chunk).context("--chunk is too large")?;
     cfg.depth = a.depth;
+    cfg.inline = a.inline;
     cfg.timeout = Duration::from_secs(a.timeout.max(1));
     cfg.qp_path = a.path.qp_path();
     cfg.transport = match a.transport {
@@ -188,6 +189,12 @@ pub(crate) struct ClientArgs {
     /// Work requests in flight (capped by the server).
     #[arg(long, default_value_t = 16)]
     pub(crate) depth: usize,
+    /// A put piece of at most BYTES into memory the server serves directly travels inline, in
+    /// the work request itself, instead of being fetched by the NIC from a registered buffer
+    /// (0: never). A device with less inline room gets a QP without, said with -v.
+    #[arg(long, value_name = "BYTES", default_value_t = bridge::DEFAULT_INLINE,
+          value_parser = clap::value_parser!(u32).range(0..=4096))]
+    pub(crate) inline: u32,
     /// Seconds to wait for the server at each step.
     #[arg(long, default_value_t = 30)]
     pub(crate) timeout: u64,

@@ -48,6 +48,11 @@ pub struct ClientConfig {
     /// The server device for our QP, on a server that serves from several (None: the one
     /// that serves the first region opened).
     pub server_nic: Option<String>,
+    /// Puts of at most this many bytes into a direct extent go inline: the bytes travel in
+    /// the work request itself (`IBV_SEND_INLINE`), so the device does not fetch them from a
+    /// registered buffer. 0: never. A device that refuses a QP with this much inline room
+    /// gets one without, said in the log.
+    pub inline: u32,
 }
 
 /// How a client's bytes travel.
@@ -64,7 +69,8 @@ pub enum Transport {
 }
 
 impl ClientConfig {
-    /// Defaults: 1 MiB chunks, 16 in flight, 30 s timeout.
+    /// Defaults: 1 MiB chunks, 16 in flight, 30 s timeout, puts of up to 220 bytes inline
+    /// (perftest's default for write latency).
     pub fn new(addr: impl Into<String>, token: impl Into<crate::Token>) -> ClientConfig {
         ClientConfig {
             addr: addr.into(),
@@ -76,9 +82,14 @@ impl ClientConfig {
             qp_path: crate::QpPath::default(),
             transport: Transport::Auto,
             server_nic: None,
+            inline: DEFAULT_INLINE,
         }
     }
 }
+
+/// Inline room asked for our QP by default: what most devices give (perftest asks the same for
+/// its write-latency test).
+pub const DEFAULT_INLINE: u32 = 220;
 
 /// How often a long transfer tells the server the client is still there (well under the
 /// server's idle timeout).
@@ -184,6 +195,8 @@ struct Rdma {
     // drop order: staging buffers, then the QP (which holds the PD)
     pools: Pools,
     qp: QueuePair,
+    /// The QP's inline room: puts of at most this many bytes into a direct extent go inline.
+    inline: u32,
 }
 
 impl Rdma {
@@ -312,6 +325,14 @@ impl Client {
     /// The control address this client connected to (`HOST:PORT`, as configured).
     pub fn addr(&self) -> &str {
         &self.cfg.addr
+    }
+
+    /// The inline room of this client's QP: puts of at most this many bytes into a direct
+    /// extent travel in the work request. None before the first RDMA transfer creates the QP
+    /// (and over TCP); 0 when the device refused the room asked for
+    /// ([`ClientConfig::inline`]).
+    pub fn inline_room(&self) -> Option<u32> {
+        self.rdma.as_ref().map(|r| r.inline)
     }
 
     async fn request(&mut self, m: &Msg, want: &'static str) -> Result<Msg> {
@@ -485,30 +506,43 @@ impl Client {
 
     /// Take the RDMA state out of `self` so that it and the control connection can be used
     /// together ([`Client::put_back`] returns it). The first call creates our QP and has the
-    /// server connect its own to it; every call makes sure there is one staging buffer per slot
-    /// in flight (an earlier transfer that stalled or failed may have left some with the CQ).
-    /// `region`: what is about to be opened (on a server with several devices, the QP goes to
-    /// the one that serves it).
+    /// server connect its own to it. `region`: what is about to be opened (on a server with
+    /// several devices, the QP goes to the one that serves it). No staging buffer is
+    /// registered here: a client that moves bytes only from and into its own registered
+    /// buffers (zero-copy) never pins any.
     async fn take_rdma(&mut self, region: Option<&str>) -> Result<Rdma> {
         let depth = self.depth();
-        let mut rdma = match self.rdma.take() {
+        let rdma = match self.rdma.take() {
             Some(r) => r,
             None => {
                 let nic = self.nic_for(region).await?;
                 let (ctx, local_ip) = self.local_side(nic.as_deref())?;
                 let pd = ProtectionDomain::new(&ctx)?;
-                let qp = QueuePair::new(
-                    &pd,
+                let opts = |inline| {
                     self.cfg.qp_path.apply(
                         QpOptions {
                             max_send_wr: depth as u32,
                             max_recv_wr: 1,
                             max_rd_atomic: depth.min(255) as u8,
+                            max_inline_data: inline,
                             ..QpOptions::default()
                         },
                         local_ip,
-                    ),
-                )?;
+                    )
+                };
+                let (qp, inline) = match QueuePair::new(&pd, opts(self.cfg.inline)) {
+                    Ok(qp) => (qp, self.cfg.inline),
+                    Err(e) if self.cfg.inline > 0 => {
+                        tracing::info!(
+                            inline = self.cfg.inline,
+                            error = %e,
+                            "the device refused a QP with inline room; small puts go from \
+                             registered buffers"
+                        );
+                        (QueuePair::new(&pd, opts(0))?, 0)
+                    }
+                    Err(e) => return Err(e.into()),
+                };
                 let ep = qp.endpoint();
                 let m = Msg::Connect {
                     endpoint: ep.into(),
@@ -525,12 +559,23 @@ impl Client {
                 Rdma {
                     pools: Pools::default(),
                     qp,
+                    inline,
                 }
             }
         };
-        // the direct path's buffers are ready before a transfer starts; the bounce path's
-        // (remotely writable or readable, see crate::staging) are registered when first needed
-        if let Err(e) = rdma.pools.prefill(rdma.qp.pd(), self.cfg.chunk, depth) {
+        Ok(rdma)
+    }
+
+    /// [`Client::take_rdma`] for a transfer through staging buffers (`fetch`, `put`): one
+    /// direct-path buffer per slot in flight, ready before the transfer starts (an earlier
+    /// transfer that stalled or failed may have left some with the CQ); the bounce path's
+    /// (remotely writable or readable, see crate::staging) are registered when first needed.
+    async fn take_staged_rdma(&mut self) -> Result<Rdma> {
+        let mut rdma = self.take_rdma(None).await?;
+        if let Err(e) = rdma
+            .pools
+            .prefill(rdma.qp.pd(), self.cfg.chunk, self.depth())
+        {
             self.rdma = Some(rdma);
             return Err(e);
         }
@@ -576,7 +621,7 @@ impl Client {
         let depth = self.depth();
         let stall = self.cfg.timeout;
         // QP and staging buffers are set up once per client: not part of the transfer's time
-        let mut rdma = self.take_rdma(None).await?;
+        let mut rdma = self.take_staged_rdma().await?;
         let start = Instant::now();
         let mut window: VecDeque<Slot> = VecDeque::with_capacity(depth);
         let mut next = 0u64;
@@ -598,7 +643,7 @@ impl Client {
                     // a staged chunk lands by our own READ: a buffer without remote access
                     let path = if pull { DataPath::Direct } else { p.path };
                     let buf = rdma.take(path, false, chunk as usize)?;
-                    window.push_back(issue(&rdma.qp, &mut self.conn, r, p, buf, false).await?);
+                    window.push_back(issue(&mut rdma, &mut self.conn, r, p, buf, false).await?);
                     next += p.len;
                 }
                 if window.iter().any(|s| matches!(s, Slot::Stage(..))) {
@@ -682,7 +727,7 @@ impl Client {
         let depth = self.depth();
         let stall = self.cfg.timeout;
         // QP and staging buffers are set up once per client: not part of the transfer's time
-        let mut rdma = self.take_rdma(None).await?;
+        let mut rdma = self.take_staged_rdma().await?;
         let start = Instant::now();
         let mut window: VecDeque<Slot> = VecDeque::with_capacity(depth);
         let mut posted = 0u64;
@@ -721,7 +766,7 @@ impl Client {
                     }
                     crc = crc32c::crc32c_append(crc, &buf.as_slice()[..n]);
                     p.len = n as u64;
-                    window.push_back(issue(&rdma.qp, &mut self.conn, r, p, buf, true).await?);
+                    window.push_back(issue(&mut rdma, &mut self.conn, r, p, buf, true).await?);
                     posted += n as u64;
                 }
                 if !eof && posted >= max && limit.is_none() {

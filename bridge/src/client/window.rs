@@ -7,7 +7,7 @@ use std::collections::VecDeque;
 use std::io::Read;
 use std::time::Duration;
 
-use verbs::{Local, Pending, QueuePair, RegisteredBuffer, RemoteSlice, SendOp, SendWr};
+use verbs::{Local, Pending, RegisteredBuffer, RemoteSlice, SendOp, SendWr};
 
 use super::{reply_err, OpenRegion, Rdma, TransferReport};
 use crate::conn::Conn;
@@ -88,9 +88,11 @@ pub(super) fn piece(
 }
 
 /// Start moving `buf[..p.len]` to (`to_region`) or from the region at `p.pos`: a one-sided RDMA
-/// WRITE or READ on a direct extent, a bounce request on a bounce extent.
+/// WRITE or READ on a direct extent (a WRITE within the QP's inline room carries its bytes in
+/// the work request, and `buf` goes straight back to the pool), a bounce request on a bounce
+/// extent.
 pub(super) async fn issue(
-    qp: &QueuePair,
+    rdma: &mut Rdma,
     conn: &mut Conn,
     r: &OpenRegion,
     p: Piece,
@@ -99,15 +101,24 @@ pub(super) async fn issue(
 ) -> Result<Slot> {
     if p.path == DataPath::Direct {
         let remote = r.remote_at(p.pos, p.len)?;
-        let wr = SendWr {
-            op: if to_region {
-                SendOp::Write(remote)
-            } else {
-                SendOp::Read(remote)
-            },
-            local: Local::owned_range(buf, 0..p.len as usize)?,
+        let wr = if to_region && p.len <= u64::from(rdma.inline) {
+            let wr = SendWr {
+                op: SendOp::Write(remote),
+                local: Local::inline(&buf.as_slice()[..p.len as usize]),
+            };
+            rdma.pools.give(buf);
+            wr
+        } else {
+            SendWr {
+                op: if to_region {
+                    SendOp::Write(remote)
+                } else {
+                    SendOp::Read(remote)
+                },
+                local: Local::owned_range(buf, 0..p.len as usize)?,
+            }
         };
-        return Ok(Slot::Rdma(qp.post_send(vec![wr])?, p.len));
+        return Ok(Slot::Rdma(rdma.qp.post_send(vec![wr])?, p.len));
     }
     if staged(r, &p, to_region) {
         conn.send(&Msg::Stage {

@@ -159,9 +159,15 @@ impl Client {
                 )?;
                 let src = r.at + done as usize..r.at + (done + p.len) as usize;
                 if p.path == DataPath::Direct {
+                    // a piece within the QP's inline room travels in the work request
+                    let local = if p.len <= u64::from(rdma.inline) {
+                        Local::inline(&shared.as_slice()[src])
+                    } else {
+                        Local::shared(Arc::clone(shared), src)?
+                    };
                     let wr = SendWr {
                         op: SendOp::Write(r.region.remote_at(p.pos, p.len)?),
-                        local: Local::shared(Arc::clone(shared), src)?,
+                        local,
                     };
                     window.push_back(Flight::Direct(rdma.qp.post_send(vec![wr])?, p.pos));
                     direct_by_range[i] += p.len;
