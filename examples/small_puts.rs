@@ -7,7 +7,11 @@
 //! - `put+flush`: the first, followed by an explicit `flush` (what every put did before puts into
 //!   memory that does not persist stopped asking for one).
 //!
-//! Connections, opens and staging buffers are set up first.
+//! The three take turns being first in each round of puts.
+//!
+//! Connections, opens and staging buffers are set up first: the inline one first, or with
+//! `SMALL_PUTS_SWAP` set the other one first (a check that the order of the two connections is
+//! not what differs).
 //!
 //! ```text
 //! cargo run --example small_puts -- ADDR TOKEN_FILE N SIZE REGION [REGION...]
@@ -33,8 +37,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let token = std::fs::read_to_string(&args[1])?.trim().to_string();
     let cfg = ClientConfig::new(args[0].clone(), token);
-    let mut c = Client::connect(cfg.clone()).await?;
-    let mut plain = Client::connect(ClientConfig { inline: 0, ..cfg }).await?;
+    let plain_cfg = ClientConfig {
+        inline: 0,
+        ..cfg.clone()
+    };
+    let (mut c, mut plain) = if std::env::var_os("SMALL_PUTS_SWAP").is_some() {
+        let plain = Client::connect(plain_cfg).await?;
+        (Client::connect(cfg).await?, plain)
+    } else {
+        (
+            Client::connect(cfg).await?,
+            Client::connect(plain_cfg).await?,
+        )
+    };
     // (the handle opened on each connection, for each region)
     let mut regions: Vec<[OpenRegion; 2]> = Vec::new();
     for name in &args[4..] {
@@ -54,7 +69,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     for i in 0..n {
         for (k, [r, p]) in regions.iter().enumerate() {
             let at = (i * size) as u64 % (r.info.size - size as u64 + 1);
-            for (mode, m) in times[k].iter_mut().enumerate() {
+            // the modes take turns being first: none always follows the same one
+            for j in 0..MODES.len() {
+                let mode = (i + j) % MODES.len();
                 let t = Instant::now();
                 let (client, handle) = if mode == 1 {
                     (&mut plain, p)
@@ -74,7 +91,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 if mode == 2 {
                     client.flush(handle, at, size as u64).await?;
                 }
-                m.push(t.elapsed().as_secs_f64() * 1e6);
+                times[k][mode].push(t.elapsed().as_secs_f64() * 1e6);
             }
         }
     }
