@@ -236,9 +236,12 @@ impl RegionSpec {
 /// policy applied). Returns the table and the devices.
 pub(super) async fn build_regions(cfg: &ServerConfig) -> Result<(RegionTable, Nics)> {
     let providers = open_providers(cfg)?;
+    // read-only memory that would be registered (it has a CPU mapping or a dma-buf) cannot
+    // take an MW_BIND registration; memory that never is (a namespace, read by direct I/O into
+    // staging) leaves the devices their windows
     let read_only = providers
         .iter()
-        .find(|p| !p.1.writable())
+        .find(|p| !p.1.writable() && (p.1.mapping().is_some() || p.1.dmabuf().is_some()))
         .map(|p| p.0.as_str());
     let nics = Nics::open(&cfg.device_names(), read_only).await?;
     let table = RegionTable::default();
