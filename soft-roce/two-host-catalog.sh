@@ -1,8 +1,8 @@
 # The cluster catalog across the two lab hosts (sourced by two-host-test on host b, 10.88.0.2).
 # An etcd member runs here on 10.88.0.2:2379, reachable from both guests (its warnings, e.g.
 # "apply request took too long", in $OUT/etcd.log). Host a's server
-# (node "a") publishes its regions, among them `rep`, a read-only file with the same bytes on
-# both hosts; this host serves `rep` too (node "b"), so `rep` has two replicas. Checks: the
+# (node "a") publishes its regions, among them `rep`, a file with the same bytes on
+# both hosts; this host serves `rep` too (node "b", read-only), so `rep` has two replicas. Checks: the
 # cluster listing, fetch by name, a node killed with SIGKILL (its entries go within the lease
 # TTL; fetches go to the other replica), etcd down (open transfers and known addresses keep
 # working, new resolves fail naming the endpoints) and back with its data lost (the server

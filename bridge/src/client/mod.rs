@@ -533,13 +533,15 @@ impl Client {
                 let (qp, inline) = match QueuePair::new(&pd, opts(self.cfg.inline)) {
                     Ok(qp) => (qp, self.cfg.inline),
                     Err(e) if self.cfg.inline > 0 => {
+                        // a QP without inline room that works shows the room was the cause
+                        let qp = QueuePair::new(&pd, opts(0))?;
                         tracing::info!(
                             inline = self.cfg.inline,
                             error = %e,
                             "the device refused a QP with inline room; small puts go from \
                              registered buffers"
                         );
-                        (QueuePair::new(&pd, opts(0))?, 0)
+                        (qp, 0)
                     }
                     Err(e) => return Err(e.into()),
                 };
