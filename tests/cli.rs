@@ -262,6 +262,16 @@ fn exit_2_for_bad_input_names_what_is_wrong() {
         (
             vec![
                 "serve".into(),
+                "--sharing".into(),
+                "windows".into(),
+                "--region".into(),
+                "r=host:1M".into(),
+            ],
+            "want auto or per-connection",
+        ),
+        (
+            vec![
+                "serve".into(),
                 "--config".into(),
                 bad_cfg.into(),
                 "--region".into(),

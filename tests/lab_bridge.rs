@@ -243,8 +243,12 @@ async fn lab_bridge_bad_input_gets_clear_errors_and_the_server_keeps_serving() {
         .write_all(&data(100_000, 3))
         .unwrap();
     let ro_spec = format!("ro=file:{}:ro", ro.display());
+    // registrations per connection: the read-only file goes direct, so a forged write meets
+    // the NIC (with windows it would go through bounce buffers and meet the server's refusal,
+    // lab_storage_node covers that)
     let s = start(&["ram=host:1M", &ro_spec], |c| {
-        c.hello_timeout = Duration::from_secs(2)
+        c.hello_timeout = Duration::from_secs(2);
+        c.sharing = p2p_rdma::bridge::SharingPolicy::PerConnection;
     })
     .await;
     let mut c = Client::connect(cfg(s.addr)).await.unwrap();

@@ -553,9 +553,73 @@ async fn lab_a_region_over_one_mrs_size_limit_goes_direct_as_several_mrs() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "lab"]
+async fn lab_a_read_only_file_at_start_goes_through_bounce_and_the_rest_keeps_its_windows() {
+    // the default sharing: a read-only file cannot carry a window, so it alone goes through
+    // bounce buffers (staged, read through a window over the staging slot), and a writable
+    // region beside it is still registered once
+    let path = std::env::temp_dir().join(format!("p2p-ro-{}.bin", std::process::id()));
+    let bytes = data(3 << 20, 11);
+    std::fs::write(&path, &bytes).unwrap();
+    let ro = format!("ro=file:{}:ro", path.display());
+    let server = bind(&["ram=host:4M", ro.as_str()], |_| {}).await.unwrap();
+    assert!(server.memory_windows(), "{}", server.registration());
+    let s = run(server);
+    let info = served(&s, "ro");
+    assert_eq!(info.path, DataPath::Bounce, "{info:?}");
+    assert!(
+        info.reason.contains("region 'ro' is read-only memory")
+            && info.reason.contains("--sharing per-connection"),
+        "{}",
+        info.reason
+    );
+    let ram = served(&s, "ram");
+    assert_eq!(ram.path, DataPath::Direct, "{ram:?}");
+    assert!(ram.reason.contains("registered once"), "{}", ram.reason);
+    let mut c = Client::connect(ClientConfig::new(s.addr.to_string(), TOKEN))
+        .await
+        .unwrap();
+    let r = c.open("ro", false).await.unwrap();
+    let mut back = Vec::new();
+    let rep = c
+        .fetch(&r, 0, bytes.len() as u64, &mut back, true, &mut |_| {})
+        .await
+        .unwrap();
+    assert!(back == bytes, "the read-only file came back changed");
+    assert_eq!(rep.direct_bytes, 0, "{rep:?}");
+    // its bounce chunks are staged (copied, then read by the client), not written by the
+    // server: the server timed copies and no RDMA of its own
+    let m = s.handle.metrics().encode();
+    let count = |stage: &str| {
+        let key = format!(
+            "p2p_rdma_bounce_stage_duration_seconds_count{{direction=\"fetch\",stage=\"{stage}\"}} "
+        );
+        m.lines()
+            .find_map(|l| l.strip_prefix(key.as_str()))
+            .map_or(0.0, |v| v.trim().parse::<f64>().unwrap())
+    };
+    assert!(count("copy") >= 3.0, "{m}");
+    assert_eq!(count("rdma"), 0.0, "{m}");
+    // a put into it is refused by the server, and the file is untouched
+    let e = c.open("ro", true).await.unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::ReadOnly), "{e}");
+    let mut src: &[u8] = &[1, 2, 3];
+    let e = c
+        .put(&r, 0, &mut src, Some(3), false, &mut |_| {})
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::ReadOnly), "{e}");
+    assert!(std::fs::read(&path).unwrap() == bytes, "the file changed");
+    c.close(&r).await.unwrap();
+    c.bye().await.unwrap();
+    s.stop().await;
+    let _ = std::fs::remove_file(&path);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
 async fn lab_a_read_only_file_over_one_mrs_size_limit_is_registered_per_connection_in_segments() {
-    // read-only memory: no memory windows (an MW_BIND MR is pinned for writing), so each
-    // connection registers what it opens, one MR per segment as well
+    // read-only memory cannot carry memory windows (an MW_BIND MR is pinned for writing):
+    // served direct, each connection registers what it opens, one MR per segment as well
     use std::os::unix::fs::FileExt as _;
     let path = std::env::temp_dir().join(format!("p2p-huge-{}.bin", std::process::id()));
     let data = pattern(0xc3);
@@ -565,7 +629,17 @@ async fn lab_a_read_only_file_over_one_mrs_size_limit_is_registered_per_connecti
         f.write_all_at(&data, GIB - (4 << 20)).unwrap();
     }
     let spec = format!("huge=file:{}:ro", path.display());
-    let s = start(&[spec.as_str()], |_| {}).await;
+    let server = bind(&[spec.as_str()], |c| {
+        c.sharing = p2p_rdma::bridge::SharingPolicy::PerConnection
+    })
+    .await
+    .unwrap();
+    assert!(
+        !server.memory_windows(),
+        "--sharing per-connection binds no windows: {}",
+        server.registration()
+    );
+    let s = run(server);
     let info = served(&s, "huge");
     let extents = direct_extents(&info);
     let mut c = Client::connect(small_client(s.addr)).await.unwrap();

@@ -31,6 +31,6 @@ pub use error::{Error, Result};
 pub use qp_path::QpPath;
 pub use server::{
     MemoryRegionSpec, PutNotice, RegionOptions, RegionSource, RegionSpec, Removal, Server,
-    ServerConfig, ServerHandle, PUT_NOTICE_BACKLOG,
+    ServerConfig, ServerHandle, SharingPolicy, PUT_NOTICE_BACKLOG,
 };
 pub use token::{Grant, Scope, Token};

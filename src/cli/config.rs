@@ -24,6 +24,8 @@ pub(crate) struct ServeFile {
     pub(crate) p2p: Option<Spanned<String>>,
     /// auto | pinned | odp | dmabuf.
     pub(crate) reg: Option<Spanned<String>>,
+    /// auto | per-connection.
+    pub(crate) sharing: Option<Spanned<String>>,
     /// Metrics address (`/metrics`, `/healthz`, `/readyz`).
     pub(crate) metrics: Option<Spanned<String>>,
     /// Seconds a shutdown waits for open handles to finish.
@@ -84,6 +86,7 @@ pub(crate) struct ServeConfig {
     pub(crate) token_file: Option<PathBuf>,
     pub(crate) p2p: Option<peermem::plan::P2pPolicy>,
     pub(crate) reg: Option<peermem::plan::RegChoice>,
+    pub(crate) sharing: Option<bridge::server::SharingPolicy>,
     pub(crate) metrics: Option<SocketAddr>,
     pub(crate) drain_timeout_secs: Option<u64>,
     pub(crate) max_connections: Option<usize>,
@@ -189,6 +192,13 @@ pub(crate) fn parse(file: &Path, text: &str) -> Result<ServeConfig, Usage> {
                 .map_err(|e| bad(file, text, r.span().start, "reg", e))?,
         );
     }
+    if let Some(r) = &raw.sharing {
+        c.sharing = Some(
+            r.get_ref()
+                .parse()
+                .map_err(|e| bad(file, text, r.span().start, "sharing", e))?,
+        );
+    }
     if let Some(ch) = &raw.bounce.chunk {
         let n = bridge::size::parse_size(ch.get_ref())
             .map_err(|e| bad(file, text, ch.span().start, "bounce.chunk", e))?;
@@ -265,6 +275,7 @@ listen = "0.0.0.0:7471"
 token_file = "/etc/p2p-rdma/token"
 metrics = "127.0.0.1:9471"
 p2p = "preferred"
+sharing = "per-connection"
 drain_timeout_secs = 30
 
 [limits]
@@ -302,6 +313,10 @@ advertise = ["10.0.0.7:7471"]
         assert_eq!(c.metrics, Some("127.0.0.1:9471".parse().unwrap()));
         assert_eq!(c.bounce_chunk, Some(2 << 20));
         assert_eq!(c.bounce_depth, Some(4));
+        assert_eq!(
+            c.sharing,
+            Some(bridge::server::SharingPolicy::PerConnection)
+        );
         assert_eq!(c.max_connections, Some(128));
         assert_eq!(c.drain_timeout_secs, Some(30));
         assert_eq!(c.regions.len(), 3);
@@ -337,6 +352,7 @@ advertise = ["10.0.0.7:7471"]
             ("[[region]]\nname = \"r\"\nmemory = \"disk:1M\"\n", "line 3: key 'region.memory'"),
             ("[[region]]\nname = \"r\"\nmemory = \"host:1M\"\n[[region]]\nname = \"r\"\nmemory = \"host:1M\"\n", "given twice"),
             ("p2p = \"maybe\"\n", "line 1: key 'p2p'"),
+            ("\nsharing = \"windows\"\n", "line 2: key 'sharing': 'windows': want auto"),
             ("[[region]]\nname = \"r\"\n", "memory"),
             ("[catalog]\nurl = \"http://x\"\n", "key 'catalog.url'"),
             ("[catalog]\nttl_secs = 1\n", "key 'catalog.ttl_secs'"),

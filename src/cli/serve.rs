@@ -49,6 +49,14 @@ pub(crate) struct ServeArgs {
     /// force one (the canary still runs) [default: auto].
     #[arg(long = "reg", value_name = "STRATEGY")]
     reg: Option<peermem::plan::RegChoice>,
+    /// How clients reach the regions' direct parts: auto (one registration per region and a
+    /// memory window per open, where the device proves windows; read-only memory then goes
+    /// through bounce buffers, since an MW_BIND registration is pinned for writing) or
+    /// per-connection (each connection registers what it opens: read-only memory goes direct,
+    /// but every open pins the region and bounce fetches are written by the server)
+    /// [default: auto].
+    #[arg(long, value_name = "POLICY")]
+    sharing: Option<bridge::server::SharingPolicy>,
     /// Bytes per bounce staging buffer, the largest bounce request [default: 1M].
     #[arg(long, value_parser = super::parse_size_arg, value_name = "SIZE")]
     bounce_chunk: Option<u64>,
@@ -124,6 +132,7 @@ Config file (--config, TOML; keys as the flags):\n\
   listen = \"0.0.0.0:7471\"          token_file = \"/etc/p2p-rdma/token\"\n\
   metrics = \"127.0.0.1:9471\"       device = \"mlx5_0\"    p2p = \"preferred\"    reg = \"auto\"\n\
   drain_timeout_secs = 30            (several devices: device = \"mlx5_0,mlx5_2\" or \"all\")\n\
+  sharing = \"auto\"\n\
   [limits]  max_connections = 64  max_outstanding = 16  max_open_per_connection = 64\n\
             max_unauthenticated = 256  hello_timeout_secs = 10  idle_timeout_secs = 600\n\
             send_timeout_secs = 30\n\
@@ -206,6 +215,7 @@ pub(crate) async fn run(a: ServeArgs) -> anyhow::Result<()> {
     cfg.qp_path = a.path.qp_path();
     cfg.p2p = a.p2p.or(file.p2p).unwrap_or(cfg.p2p);
     cfg.reg = a.reg.or(file.reg).unwrap_or(cfg.reg);
+    cfg.sharing = a.sharing.or(file.sharing).unwrap_or(cfg.sharing);
     cfg.max_connections = a
         .max_connections
         .or(file.max_connections)

@@ -49,6 +49,43 @@ impl MemoryRegionSpec {
     }
 }
 
+/// How clients get access to the regions' direct parts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum SharingPolicy {
+    /// One registration per region and a memory window per open, where the device proves
+    /// windows at start (else per connection, said in the log). Read-only memory that would be
+    /// registered (a `file:...:ro` mapping, a read-only dma-buf) cannot carry windows (an
+    /// `MW_BIND` MR is pinned for writing), so such a region goes through bounce buffers and
+    /// every other region keeps its windows.
+    #[default]
+    Auto,
+    /// Each connection registers what it opens, in a protection domain of its own: read-only
+    /// memory goes direct too, but every open pins and registers (its cost grows with the
+    /// region's size) and bounce fetches are written by the server instead of staged.
+    PerConnection,
+}
+
+impl std::str::FromStr for SharingPolicy {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "auto" => Ok(SharingPolicy::Auto),
+            "per-connection" => Ok(SharingPolicy::PerConnection),
+            _ => Err(format!("'{s}': want auto or per-connection")),
+        }
+    }
+}
+
+impl std::fmt::Display for SharingPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            SharingPolicy::Auto => "auto",
+            SharingPolicy::PerConnection => "per-connection",
+        })
+    }
+}
+
 /// Server settings.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -97,6 +134,8 @@ pub struct ServerConfig {
     pub p2p: P2pPolicy,
     /// Registration strategies for regions that do not set their own.
     pub reg: RegChoice,
+    /// Memory windows over one registration per region, or a registration per connection.
+    pub sharing: SharingPolicy,
     /// Bytes per staging buffer of the bounce path (the largest bounce request).
     pub bounce_chunk: usize,
     /// Staging buffers per connection (bounce copies and RDMA in flight at once).
@@ -146,6 +185,7 @@ impl ServerConfig {
             max_staging_bytes: 1 << 30,
             p2p: P2pPolicy::Preferred,
             reg: RegChoice::Auto,
+            sharing: SharingPolicy::Auto,
             bounce_chunk: 1 << 20,
             bounce_depth: 8,
             cache: Limits::default(),

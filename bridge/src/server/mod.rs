@@ -56,7 +56,7 @@ pub(crate) mod testkit;
 mod windows;
 
 pub use crate::spec::{RegionOptions, RegionSource, RegionSpec};
-pub use config::{MemoryRegionSpec, ServerConfig};
+pub use config::{MemoryRegionSpec, ServerConfig, SharingPolicy};
 pub use notices::{PutNotice, PUT_NOTICE_BACKLOG};
 use regions::RegionTable;
 pub use regions::{crc_of, RegionReport, Removal};
@@ -204,8 +204,8 @@ impl Server {
 
     /// How clients reach the regions' direct parts, and why: one registration per region and a
     /// memory window per open, or a registration per connection (with the reason windows are
-    /// not used: the device has none, or the server serves read-only memory). Devices that
-    /// differ are named.
+    /// not used: the device has none, or `--sharing per-connection`). Devices that differ are
+    /// named.
     pub fn registration(&self) -> String {
         let n = &self.shared.nics;
         let first = n.primary().sharing.describe();

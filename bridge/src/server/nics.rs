@@ -16,6 +16,7 @@ use peermem::topology::{Extra, Sysfs, Topology};
 use peermem::Provider;
 use verbs::{Context, ProtectionDomain};
 
+use super::config::SharingPolicy;
 use super::session::Refusal;
 use super::windows::{self, Sharing};
 use crate::error::{Error, Result};
@@ -49,9 +50,9 @@ pub(super) struct Nics(Vec<Nic>);
 
 impl Nics {
     /// Open `names` (none: the first device with an active port), each with its protection
-    /// domain, and probe memory windows on each. `read_only`: a region of read-only memory is
-    /// served (no device then uses windows, see [`windows::read_only_reason`]).
-    pub(super) async fn open(names: &[String], read_only: Option<&str>) -> Result<Nics> {
+    /// domain, and probe memory windows on each (unless `policy` asks for registrations per
+    /// connection).
+    pub(super) async fn open(names: &[String], policy: SharingPolicy) -> Result<Nics> {
         let mut out: Vec<Nic> = Vec::new();
         let wanted: Vec<Option<&str>> = if names.is_empty() {
             vec![None]
@@ -67,10 +68,12 @@ impl Nics {
                 )));
             }
             let pd = ProtectionDomain::new(&ctx)?;
-            let mut sharing = windows::probe(&pd).await;
-            if let (Some(region), true) = (read_only, sharing.windows()) {
-                sharing = Sharing::PerConnection(windows::read_only_reason(region));
-            }
+            let sharing = match policy {
+                SharingPolicy::Auto => windows::probe(&pd).await,
+                SharingPolicy::PerConnection => {
+                    Sharing::PerConnection("--sharing per-connection".into())
+                }
+            };
             let addr = ctx.info().preferred_gid().and_then(|(_, g)| g.ipv4);
             tracing::info!(
                 device = ctx.name(),

@@ -236,14 +236,7 @@ impl RegionSpec {
 /// policy applied). Returns the table and the devices.
 pub(super) async fn build_regions(cfg: &ServerConfig) -> Result<(RegionTable, Nics)> {
     let providers = open_providers(cfg)?;
-    // read-only memory that would be registered (it has a CPU mapping or a dma-buf) cannot
-    // take an MW_BIND registration; memory that never is (a namespace, read by direct I/O into
-    // staging) leaves the devices their windows
-    let read_only = providers
-        .iter()
-        .find(|p| !p.1.writable() && (p.1.mapping().is_some() || p.1.dmabuf().is_some()))
-        .map(|p| p.0.as_str());
-    let nics = Nics::open(&cfg.device_names(), read_only).await?;
+    let nics = Nics::open(&cfg.device_names(), cfg.sharing).await?;
     let table = RegionTable::default();
     for (name, provider, read_only, opts) in providers {
         let r = build_region(cfg, &nics, name, provider, read_only, opts).await?;
@@ -351,7 +344,8 @@ pub(super) async fn build_region(
                         format!(
                             "; the {mode} registration works, but {why}: this server isolates \
                              clients with memory windows, so the region goes through bounce \
-                             buffers"
+                             buffers (serve --sharing per-connection registers it per \
+                             connection instead, direct, and gives up the windows)"
                         ),
                     )
                 }
