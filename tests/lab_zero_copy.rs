@@ -88,12 +88,20 @@ async fn lab_zero_copy_a_client_of_its_own_buffers_registers_no_staging() {
         1,
         "an open, a buffer, a zero-copy fetch and put: only the caller's buffer is registered"
     );
-    // a fetch through staging buffers registers one per slot in flight (cfg: depth 8)
+    // a fetch through staging buffers registers one per slot it can have in flight: a 4 KiB
+    // fetch one, a fetch of 3 chunks of 256 KiB three (the first one's reused), a fetch of 4
+    // MiB (16 chunks) as many as the depth (cfg: 8)
     let mut out = Vec::new();
-    c.fetch(&r, 0, 4096, &mut out, false, &mut |_| {})
-        .await
-        .unwrap();
-    assert_eq!(mrs() - before, 1 + 8);
+    let mut staged = Vec::new();
+    for len in [4096, 3 * (256 << 10), 4 << 20] {
+        out.clear();
+        c.fetch(&r, 0, len, &mut out, false, &mut |_| {})
+            .await
+            .unwrap();
+        assert_eq!(out.len() as u64, len);
+        staged.push(mrs() - before - 1);
+    }
+    assert_eq!(staged, [1, 3, 8], "staging buffers after each fetch");
     drop(landed);
     c.bye().await.unwrap();
     s.stop().await;

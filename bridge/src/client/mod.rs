@@ -24,7 +24,7 @@ mod zero_copy_put;
 pub use config::{ClientConfig, Transport, DEFAULT_INLINE};
 use window::{
     await_or_stall, bounce_reply, issue, land, more_input, overflow_error, piece, pulls, read_full,
-    report, settle, staged, start_pulls, Arrived, Slot,
+    report, settle, staged_piece, start_pulls, Arrived, Slot,
 };
 pub use zero_copy::{BatchRange, Landed, LocalBuffer, Stranded};
 
@@ -505,16 +505,18 @@ impl Client {
         Ok(rdma)
     }
 
-    /// [`Client::take_rdma`] for a transfer through staging buffers (`fetch`, `put`): one
-    /// direct-path buffer per slot in flight, ready before the transfer starts (an earlier
+    /// [`Client::take_rdma`] for a transfer of `len` bytes through staging buffers (`fetch`,
+    /// `put`): one direct-path buffer per slot the transfer can have in flight (its chunks, at
+    /// most the depth), ready before the transfer starts (an earlier
     /// transfer that stalled or failed may have left some with the CQ); the bounce path's
     /// (remotely writable or readable, see crate::staging) are registered when first needed.
-    async fn take_staged_rdma(&mut self) -> Result<Rdma> {
+    async fn take_staged_rdma(&mut self, len: u64) -> Result<Rdma> {
         let mut rdma = self.take_rdma(None).await?;
-        if let Err(e) = rdma
-            .pools
-            .prefill(rdma.qp.pd(), self.cfg.chunk, self.depth())
-        {
+        // no more than the transfer can use at once: 32 clients of 2 MiB fetches each in a
+        // 1 GiB host must not pin 16 MiB apiece
+        let chunk = self.cfg.chunk.max(1) as u64;
+        let n = len.div_ceil(chunk).min(self.depth() as u64) as usize;
+        if let Err(e) = rdma.pools.prefill(rdma.qp.pd(), self.cfg.chunk, n) {
             self.rdma = Some(rdma);
             return Err(e);
         }
@@ -560,7 +562,7 @@ impl Client {
         let depth = self.depth();
         let stall = self.cfg.timeout;
         // QP and staging buffers are set up once per client: not part of the transfer's time
-        let mut rdma = self.take_staged_rdma().await?;
+        let mut rdma = self.take_staged_rdma(len).await?;
         let start = Instant::now();
         let mut window: VecDeque<Slot> = VecDeque::with_capacity(depth);
         let mut next = 0u64;
@@ -574,7 +576,7 @@ impl Client {
             loop {
                 while window.len() < depth && next < len {
                     let p = piece(&extents, offset + next, len - next, chunk, r.bounce_chunk)?;
-                    let pull = staged(r, &p, false);
+                    let pull = staged_piece(r, &p, next == 0 && p.len == len);
                     if pull && pulls(&window) >= r.pull_depth as usize {
                         // the server holds no more staged chunks for us: read one first
                         break;
@@ -582,7 +584,8 @@ impl Client {
                     // a staged chunk lands by our own READ: a buffer without remote access
                     let path = if pull { DataPath::Direct } else { p.path };
                     let buf = rdma.take(path, false, chunk as usize)?;
-                    window.push_back(issue(&mut rdma, &mut self.conn, r, p, buf, false).await?);
+                    window
+                        .push_back(issue(&mut rdma, &mut self.conn, r, p, buf, false, pull).await?);
                     next += p.len;
                 }
                 if window.iter().any(|s| matches!(s, Slot::Stage(..))) {
@@ -666,7 +669,7 @@ impl Client {
         let depth = self.depth();
         let stall = self.cfg.timeout;
         // QP and staging buffers are set up once per client: not part of the transfer's time
-        let mut rdma = self.take_staged_rdma().await?;
+        let mut rdma = self.take_staged_rdma(max).await?;
         let start = Instant::now();
         let mut window: VecDeque<Slot> = VecDeque::with_capacity(depth);
         let mut posted = 0u64;
@@ -705,7 +708,8 @@ impl Client {
                     }
                     crc = crc32c::crc32c_append(crc, &buf.as_slice()[..n]);
                     p.len = n as u64;
-                    window.push_back(issue(&mut rdma, &mut self.conn, r, p, buf, true).await?);
+                    window
+                        .push_back(issue(&mut rdma, &mut self.conn, r, p, buf, true, false).await?);
                     posted += n as u64;
                 }
                 if !eof && posted >= max && limit.is_none() {
