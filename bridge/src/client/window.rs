@@ -43,16 +43,6 @@ pub(super) fn staged(r: &OpenRegion, p: &Piece, to_region: bool) -> bool {
     !to_region && p.path != DataPath::Direct && r.pull_depth > 0
 }
 
-/// Whether a piece of a fetch through staging buffers is staged (the server copies it into a
-/// slot and we READ it through a window) rather than written into our buffer by the server.
-/// A fetch that is one bounce piece has nothing to overlap: staging costs it a window bind
-/// and a round trip more than the server's WRITE (1 MiB bounce fetches between the lab's
-/// hosts: 0.59x a direct fetch staged, 0.90x written), so the server writes it. Longer
-/// fetches stage, which pipelines better (16 MiB: 1.15x against 0.37x written).
-pub(super) fn staged_piece(r: &OpenRegion, p: &Piece, whole: bool) -> bool {
-    staged(r, p, false) && !whole
-}
-
 /// Staged fetches in the window (requested or being read): at most the handle's `pull_depth`.
 pub(super) fn pulls(window: &VecDeque<Slot>) -> usize {
     window
@@ -100,7 +90,7 @@ pub(super) fn piece(
 /// Start moving `buf[..p.len]` to (`to_region`) or from the region at `p.pos`: a one-sided RDMA
 /// WRITE or READ on a direct extent (a WRITE within the QP's inline room carries its bytes in
 /// the work request, and `buf` goes straight back to the pool), a bounce request on a bounce
-/// extent (`stage`: a staged fetch, see [`staged_piece`]).
+/// extent (`stage`: a staged fetch, see [`staged`]).
 pub(super) async fn issue(
     rdma: &mut Rdma,
     conn: &mut Conn,
