@@ -172,7 +172,14 @@ async fn lab_bad_bounce_requests_get_clear_errors_in_order() {
     let ro = dir.join("ro.bin");
     std::fs::write(&ro, data(300_000, 4)).unwrap();
     let ro_spec = format!("ro=file:{}:ro,p2p=disabled", ro.display());
-    let s = start(&["mixed=host:1M,window=64K", &ro_spec], small_bounce).await;
+    // registrations per connection: an open before any QP gets the direct part's key, so the
+    // first request meets the direct-part check (with windows, a handle opened without a QP
+    // has no window and no direct part, and every request would meet the missing QP first)
+    let s = start(&["mixed=host:1M,window=64K", &ro_spec], |c| {
+        small_bounce(c);
+        c.sharing = p2p_rdma::bridge::SharingPolicy::PerConnection;
+    })
+    .await;
     let bounce = |handle, offset, len, to_region| Msg::Bounce {
         handle,
         offset,
@@ -233,6 +240,37 @@ async fn lab_bad_bounce_requests_get_clear_errors_in_order() {
         assert_eq!(*code, wcode, "{msg}");
         assert!(msg.contains(wtext), "{msg} (wanted '{wtext}')");
     }
+    s.stop().await;
+
+    // with windows (the default), an open before any QP gets no window: no direct part, no
+    // key, and a bounce request over the first bytes meets the missing QP instead
+    let s = start(&["mixed=host:1M,window=64K"], small_bounce).await;
+    let mut bytes = Vec::new();
+    for m in [
+        Msg::Hello {
+            version: VERSION,
+            token: TOKEN.into(),
+            client: "raw".into(),
+        },
+        Msg::Open {
+            region: "mixed".into(),
+            write: false,
+        },
+        bounce(0, 0, 100, false),
+        Msg::Bye,
+    ] {
+        bytes.extend(encode(&m));
+    }
+    let replies = raw(s.addr, &bytes).await;
+    assert_eq!(replies.len(), 3, "{replies:?}");
+    assert!(
+        matches!(replies[1], Msg::Opened { rkey: 0, .. }),
+        "{replies:?}"
+    );
+    assert!(
+        matches!(&replies[2], Msg::Error { code: ErrorCode::BadRequest, message } if message.contains("connect a QP")),
+        "{replies:?}"
+    );
     s.stop().await;
 }
 
