@@ -318,10 +318,16 @@ pub(super) async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem)
                             _ => SendOp::Send,
                         };
                         let n = n.min(source.len());
-                        // small pongs go inline, as the client's pings
-                        let local = if n <= inline { Local::inline(&source.as_slice()[..n]) } else { Local::shared(Arc::clone(&source), 0..n)? };
-                        let wr = SendWr { op, local };
-                        qp.post_send(vec![wr])?.wait().await?;
+                        // small pongs go inline, as the client's pings, and ask for no
+                        // completion (a later signaled one retires them); a larger one's
+                        // buffer is shared and awaited
+                        if n <= inline {
+                            let wr = SendWr { op, local: Local::inline(&source.as_slice()[..n]) };
+                            let _retired_later = qp.post_send_deferred(vec![wr])?;
+                        } else {
+                            let wr = SendWr { op, local: Local::shared(Arc::clone(&source), 0..n)? };
+                            qp.post_send(vec![wr])?.wait().await?;
+                        }
                     } else if validate
                         && op == BenchOp::Send
                         && local.bytes().map(|b| &b[..n]) != Some(&pat[..n])

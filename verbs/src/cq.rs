@@ -72,6 +72,9 @@ pub(crate) struct CqState {
     next_generation: u32,
     pub(crate) send_outstanding: usize,
     pub(crate) recv_outstanding: usize,
+    /// Send work requests posted without a completion of their own and not yet covered by a
+    /// later signaled one (see [`crate::QueuePair::post_send_deferred`]).
+    pub(crate) uncovered: Vec<u64>,
 }
 
 impl CqState {

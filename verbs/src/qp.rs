@@ -24,7 +24,9 @@ use crate::error::{Call, Error, Result};
 use crate::local::Local;
 use crate::mr::{ProtectionDomain, RemoteSlice};
 pub use crate::pending::{Pending, PendingRecv};
-use crate::wr::{signal_plan, validate, RawData, RawSendWr, RecvInfo, SendOp, SendWr};
+use crate::wr::{
+    deferred_plan, signal_plan, validate, RawData, RawSendWr, RecvInfo, SendOp, SendWr,
+};
 
 /// QP state, as reported by `ibv_query_qp`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -484,6 +486,18 @@ impl QueuePair {
         self.post_send_every(wrs, every.max(1))
     }
 
+    /// Post send work requests that ask for no completion of their own, as perftest's latency
+    /// tests do: the device then writes no completion entry for them, and nothing waits for
+    /// one. Each completes (and gives its buffer back) when a later signaled work request on
+    /// this QP does, posted by any call; awaiting the returned [`Pending`] before one is posted
+    /// waits until then. So that the send queue cannot fill with work requests nothing
+    /// retires, the last of a call is signaled anyway once half the queue is taken. Meant for
+    /// inline data, whose bytes are copied at the post.
+    pub fn post_send_deferred(&self, wrs: Vec<SendWr>) -> Result<Pending> {
+        self.post_send_every(wrs, 0)
+    }
+
+    /// `every`: signal every `every`-th work request and the last; 0: none (deferred).
     fn post_send_every(&self, wrs: Vec<SendWr>, every: usize) -> Result<Pending> {
         for wr in &wrs {
             validate(wr, self.inner.opts.max_inline_data)?;
@@ -510,12 +524,21 @@ impl QueuePair {
             ids.push(id);
             rxs.push((id, rx, wr.op.name()));
         }
-        let signaled = signal_plan(ids.len(), every);
+        let signaled = if every == 0 {
+            deferred_plan(
+                ids.len(),
+                state.send_outstanding,
+                self.inner.opts.max_send_wr as usize,
+            )
+        } else {
+            signal_plan(ids.len(), every)
+        };
         if let Err(e) = self.post_locked(&ids, &raw, &signaled) {
             state.unregister(&ids);
             return Err(e);
         }
-        let mut covered = Vec::new();
+        // the deferred ones of earlier calls are covered by this call's first signaled one
+        let mut covered = std::mem::take(&mut state.uncovered);
         for (i, &id) in ids.iter().enumerate() {
             if signaled[i] {
                 state.cover(id, std::mem::take(&mut covered));
@@ -523,6 +546,8 @@ impl QueuePair {
                 covered.push(id);
             }
         }
+        // (only a deferred call leaves any: the others signal their last)
+        state.uncovered = covered;
         drop(state);
         Ok(Pending {
             qp: self.clone(),

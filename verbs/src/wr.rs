@@ -120,9 +120,27 @@ pub(crate) fn signal_plan(n: usize, every: usize) -> Vec<bool> {
     (0..n).map(|i| (i + 1) % every == 0 || i + 1 == n).collect()
 }
 
+/// Which of `n` deferred work requests ask for a completion: none, unless the send queue
+/// (`outstanding` work requests with these, of `capacity`) is half full, when the last does, so
+/// that a queue of deferred work requests is always retired before it fills.
+pub(crate) fn deferred_plan(n: usize, outstanding: usize, capacity: usize) -> Vec<bool> {
+    let half = (capacity / 2).max(1);
+    (0..n).map(|i| i + 1 == n && outstanding >= half).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn deferred_work_requests_are_signaled_only_once_half_the_queue_is_taken() {
+        assert_eq!(deferred_plan(1, 1, 16), vec![false]);
+        assert_eq!(deferred_plan(2, 7, 16), vec![false, false]);
+        assert_eq!(deferred_plan(3, 8, 16), vec![false, false, true]);
+        assert_eq!(deferred_plan(1, 1, 1), vec![true]);
+        assert_eq!(deferred_plan(1, 1, 2), vec![true]);
+        assert!(deferred_plan(0, 9, 16).is_empty());
+    }
 
     #[test]
     fn moderation_signals_every_nth_and_the_last() {
