@@ -32,11 +32,15 @@ catalog_etcd_kill() {
     wait "$CAT_ETCD_PID" 2>/dev/null || true
 }
 
-# the nodes the catalog lists for region $1, sorted, comma-separated
+# the nodes the catalog lists for region $1, sorted, comma-separated (nothing while `ls` cannot
+# answer, e.g. with etcd down: cat_wait then polls again)
 cat_nodes() {
     "$bin" ls "$CAT" --json 2>/dev/null | python3 -c '
 import json, sys
-l = json.load(sys.stdin)
+try:
+    l = json.load(sys.stdin)
+except ValueError:
+    sys.exit(0)
 print(",".join(sorted(r["node"] for r in l["regions"] if r["region"] == sys.argv[1])))' "$1"
 }
 
