@@ -188,13 +188,15 @@ async fn lab_bad_bounce_requests_get_clear_errors_in_order() {
         addr: 0x1000,
         rkey: 1,
     };
-    let mut bytes = Vec::new();
-    for m in [
-        Msg::Hello {
-            version: VERSION,
-            token: TOKEN.into(),
-            client: "raw".into(),
-        },
+    let hello = || Msg::Hello {
+        version: VERSION,
+        token: TOKEN.into(),
+        client: "raw".into(),
+    };
+    // the frames of a raw client that sends everything at once
+    let frames = |msgs: &[Msg]| msgs.iter().flat_map(encode).collect::<Vec<u8>>();
+    let bytes = frames(&[
+        hello(),
         Msg::Open {
             region: "mixed".into(),
             write: true,
@@ -213,9 +215,7 @@ async fn lab_bad_bounce_requests_get_clear_errors_in_order() {
         bounce(1, 0, 100, false),
         bounce(9, 0, 100, false),
         Msg::Bye,
-    ] {
-        bytes.extend(encode(&m));
-    }
+    ]);
     let replies = raw(s.addr, &bytes).await;
     let errors: Vec<(ErrorCode, String)> = replies
         .iter()
@@ -245,22 +245,15 @@ async fn lab_bad_bounce_requests_get_clear_errors_in_order() {
     // with windows (the default), an open before any QP gets no window: no direct part, no
     // key, and a bounce request over the first bytes meets the missing QP instead
     let s = start(&["mixed=host:1M,window=64K"], small_bounce).await;
-    let mut bytes = Vec::new();
-    for m in [
-        Msg::Hello {
-            version: VERSION,
-            token: TOKEN.into(),
-            client: "raw".into(),
-        },
+    let bytes = frames(&[
+        hello(),
         Msg::Open {
             region: "mixed".into(),
             write: false,
         },
         bounce(0, 0, 100, false),
         Msg::Bye,
-    ] {
-        bytes.extend(encode(&m));
-    }
+    ]);
     let replies = raw(s.addr, &bytes).await;
     assert_eq!(replies.len(), 3, "{replies:?}");
     assert!(

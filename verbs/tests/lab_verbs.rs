@@ -257,8 +257,9 @@ async fn lab_deferred_sends_are_delivered_and_retired_by_a_signaled_one_or_a_hal
         d.wait().await.unwrap();
     }
     assert_eq!(p.a.outstanding().0, 0);
-    // eight more deferred sends on a queue of eight: every fourth asks for a completion by
-    // itself, so the queue never fills and empties with no signaled post of the caller's
+    // eight more deferred sends on a queue of eight: once half the queue is taken, each asks
+    // for a completion by itself, so the queue never fills and empties with no signaled post
+    // of the caller's
     for k in 0..8u8 {
         let _ = p.a.post_send_deferred(vec![inline(10 + k)]).unwrap();
     }
