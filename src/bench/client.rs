@@ -1,6 +1,7 @@
 //! The benchmark's client side: bandwidth lanes and latency ping-pong.
 
 use std::collections::VecDeque;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -10,6 +11,8 @@ use verbs::{
     RemoteSlice, SendOp, SendWr, SinkBuffer,
 };
 
+use super::lat::lat_loop;
+use super::settle::{self, Settle};
 use super::*;
 
 #[derive(Clone)]
@@ -362,7 +365,17 @@ pub async fn run_client(
             return Err(BenchError::Control("expected go".into()));
         };
         let res = if p.lat {
-            let times = lat_loop(&qps[0], p.op, &src, keys, n, p).await?;
+            let times = if p.poll {
+                let (qp, src, p2) = (qps[0].clone(), Arc::clone(&src), p.clone());
+                settle::on_own_thread(async move {
+                    let never = AtomicBool::new(false);
+                    let how = Settle::Spin { stop: &never };
+                    lat_loop(&qp, p2.op, &src, keys, n, &p2, how).await
+                })
+                .await?
+            } else {
+                lat_loop(&qps[0], p.op, &src, keys, n, p, Settle::Events).await?
+            };
             c.send(&Msg::Done { size }).await?;
             let Msg::Stats { .. } = c.recv().await? else {
                 return Err(BenchError::Control("expected stats".into()));
@@ -422,75 +435,4 @@ pub async fn run_client(
         let _ = q.set_error();
     }
     Ok(out)
-}
-
-pub(super) async fn lat_loop(
-    qp: &QueuePair,
-    op: BenchOp,
-    src: &Arc<RegisteredBuffer>,
-    keys: Keys,
-    n: usize,
-    p: &BenchParams,
-) -> Result<Vec<f64>> {
-    let rounds = p.iters.unwrap_or(u64::MAX);
-    let deadline = p
-        .duration
-        .map(|d| Instant::now() + Duration::from_secs_f64(d));
-    let mut times = Vec::new();
-    let pd = qp.pd().clone();
-    let mut rbuf = Some(pd.register(
-        HostBuffer::new(n.max(1))?,
-        Access::LOCAL_WRITE,
-        RegMode::Pinned,
-    )?);
-    let mut dst = Some(pd.register(
-        HostBuffer::new(n.max(1))?,
-        Access::LOCAL_WRITE,
-        RegMode::Pinned,
-    )?);
-    while (times.len() as u64) < rounds && deadline.is_none_or(|d| Instant::now() < d) {
-        let t = Instant::now();
-        match op {
-            BenchOp::Read => {
-                let d = dst.take().expect("buffer back");
-                let l = qp
-                    .read(Local::owned_range(d, 0..n)?, keys.slice(n as u64))
-                    .await?;
-                dst = l.into_owned();
-                times.push(t.elapsed().as_secs_f64() * 1e6);
-            }
-            BenchOp::Write | BenchOp::Send => {
-                let r = rbuf.take().expect("buffer back");
-                let pong = qp.post_recv(vec![Local::owned(r)])?;
-                let sop = if op == BenchOp::Write {
-                    SendOp::WriteImm(keys.slice(n as u64), 0)
-                } else {
-                    SendOp::Send
-                };
-                // small pings go inline, as perftest's (no DMA read of a buffer), and ask for no
-                // completion of their own: a later signaled one retires them (the bytes were
-                // copied at the post). A larger ping's buffer is awaited after the pong.
-                let ping = if p.goes_inline(n) {
-                    let local = Local::inline(&src.as_slice()[..n]);
-                    let _retired_later = qp.post_send_deferred(vec![SendWr { op: sop, local }])?;
-                    None
-                } else {
-                    let local = Local::shared(Arc::clone(src), 0..n)?;
-                    Some(qp.post_send(vec![SendWr { op: sop, local }])?)
-                };
-                // a round trip ends when the pong lands, as perftest counts it (the ping's own
-                // completion, the NIC's acknowledgement, is not part of it)
-                let mut back = pong.wait().await?;
-                times.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
-                let (l, _) = back
-                    .pop()
-                    .ok_or_else(|| BenchError::Control("no pong".into()))?;
-                rbuf = l.into_owned();
-                if let Some(ping) = ping {
-                    ping.wait().await?;
-                }
-            }
-        }
-    }
-    Ok(times)
 }

@@ -18,8 +18,10 @@ use verbs::{CqMode, QpOptions};
 
 mod client;
 mod control;
+mod lat;
 mod report;
 mod server;
+mod settle;
 mod window;
 
 use client::*;

@@ -15,6 +15,7 @@ use verbs::{
     SendOp, SendWr, SinkBuffer,
 };
 
+use super::settle::{self, Settle};
 use super::*;
 
 /// The server's target memory: host RAM, or a provider's memory proved direct.
@@ -277,6 +278,9 @@ pub(super) async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem)
 
     // Receivers (SEND runs, and ping-pong partners of latency runs).
     let stop = Arc::new(AtomicBool::new(false));
+    // however this session ends (an error returned early included), its receivers stop: a
+    // spinning latency partner is a thread the runtime cannot abort
+    let _stop_on_exit = StopOnDrop(Arc::clone(&stop));
     let received = Arc::new(AtomicU64::new(0));
     let bad = Arc::new(AtomicU64::new(0));
     let mut receivers = tokio::task::JoinSet::new();
@@ -302,14 +306,29 @@ pub(super) async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem)
             );
             let (lat, validate, op) = (p.lat, p.validate, p.op);
             let inline = p.inline_size() as usize;
-            receivers.spawn(async move {
+            // a polled latency partner spins on a thread of its own, as the client's pings do
+            let spin = lat && p.poll;
+            let receiver = async move {
                 while let Some(front) = slots.pop_front() {
-                    let got = tokio::select! {
-                        r = front.wait() => r,
-                        _ = async { while !stop.load(Ordering::Relaxed) { tokio::time::sleep(Duration::from_millis(20)).await } } => break,
+                    let got = if spin {
+                        match (Settle::Spin { stop: &stop }).settle(front).await {
+                            Ok(Some(got)) => Ok(got),
+                            Ok(None) => break,
+                            Err(e) => {
+                                tracing::debug!(error = %e, "latency partner stops");
+                                break;
+                            }
+                        }
+                    } else {
+                        tokio::select! {
+                            r = front.wait() => r,
+                            _ = async { while !stop.load(Ordering::Relaxed) { tokio::time::sleep(Duration::from_millis(20)).await } } => break,
+                        }
                     };
                     let Ok(mut got) = got else { break };
-                    let Some((local, info)) = got.pop() else { break };
+                    let Some((local, info)) = got.pop() else {
+                        break;
+                    };
                     let n = info.byte_len as usize;
                     if lat {
                         // pong: the same size back
@@ -322,10 +341,16 @@ pub(super) async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem)
                         // completion (a later signaled one retires them); a larger one's
                         // buffer is shared and awaited
                         if n <= inline {
-                            let wr = SendWr { op, local: Local::inline(&source.as_slice()[..n]) };
+                            let wr = SendWr {
+                                op,
+                                local: Local::inline(&source.as_slice()[..n]),
+                            };
                             let _retired_later = qp.post_send_deferred(vec![wr])?;
                         } else {
-                            let wr = SendWr { op, local: Local::shared(Arc::clone(&source), 0..n)? };
+                            let wr = SendWr {
+                                op,
+                                local: Local::shared(Arc::clone(&source), 0..n)?,
+                            };
                             qp.post_send(vec![wr])?.wait().await?;
                         }
                     } else if validate
@@ -338,8 +363,13 @@ pub(super) async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem)
                     let Some(buf) = local.into_owned() else { break };
                     slots.push_back(qp.post_recv(vec![Local::owned(buf)])?);
                 }
-                Ok::<(), verbs::Error>(())
-            });
+                Ok::<(), BenchError>(())
+            };
+            if spin {
+                receivers.spawn(settle::on_own_thread(receiver));
+            } else {
+                receivers.spawn(receiver);
+            }
         }
     }
 
@@ -554,4 +584,13 @@ pub(super) async fn serve_bounce(
 pub(super) fn bounce_span(size: u64, depth: u32, region: u64) -> u64 {
     let msgs = (u64::from(depth.max(1))).min(region / size.max(1)).max(1);
     msgs * size
+}
+
+/// Sets the flag when dropped.
+struct StopOnDrop(Arc<AtomicBool>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
 }

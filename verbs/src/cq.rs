@@ -104,6 +104,13 @@ impl CqState {
         (wr_id, rx)
     }
 
+    /// Give a registered work request its buffer (held until its completion).
+    pub(crate) fn attach(&mut self, wr_id: u64, local: Local) {
+        if let Some(key) = self.key(wr_id) {
+            self.pending[key].p.local = Some(local);
+        }
+    }
+
     /// Work request `signaled` is the only signaled one of `covered` and itself: on a send queue
     /// of an RC QP work requests complete in order, so its successful completion completes them
     /// too. (A failure produces a completion for each work request, signaled or not.)
@@ -261,27 +268,26 @@ impl Cq {
     pub(crate) fn drain(&self) -> Result<usize> {
         let mut state = self.lock();
         let mut n = 0;
-        let mut batch = Vec::with_capacity(32);
         loop {
-            batch.clear();
             // SAFETY: the CQ lives as long as `self`, and the state lock held here serialises
             // every poller of this CQ.
-            let got = unsafe { crate::ffi::poll_cq(self.cq.cq(), 32, &mut batch) }
-                .map_err(|e| Error::verbs(Call::PollCq, self.device.clone(), e))?;
-            n += got;
-            for wc in batch.drain(..) {
-                state.complete(
-                    wc.wr_id,
-                    Done {
-                        status: WcStatus(wc.status),
-                        vendor_err: wc.vendor_err,
-                        byte_len: wc.byte_len,
-                        imm: wc.imm,
-                        local: None,
-                    },
-                );
+            let got = unsafe {
+                crate::ffi::poll_cq(self.cq.cq(), |wc| {
+                    state.complete(
+                        wc.wr_id,
+                        Done {
+                            status: WcStatus(wc.status),
+                            vendor_err: wc.vendor_err,
+                            byte_len: wc.byte_len,
+                            imm: wc.imm,
+                            local: None,
+                        },
+                    )
+                })
             }
-            if got < 32 {
+            .map_err(|e| Error::verbs(Call::PollCq, self.device.clone(), e))?;
+            n += got;
+            if got < crate::ffi::POLL_BATCH {
                 return Ok(n);
             }
         }
@@ -337,7 +343,7 @@ fn lost() -> Error {
     Error::InvalidArgument("internal: a work request's completion was lost".into())
 }
 
-fn try_take(rx: &mut oneshot::Receiver<Done>) -> Result<Option<Done>> {
+pub(crate) fn try_take(rx: &mut oneshot::Receiver<Done>) -> Result<Option<Done>> {
     match rx.try_recv() {
         Ok(d) => Ok(Some(d)),
         Err(oneshot::error::TryRecvError::Empty) => Ok(None),

@@ -390,34 +390,35 @@ pub(crate) struct RawWc {
     pub(crate) imm: Option<u32>,
 }
 
-/// `ibv_poll_cq` for up to `max` completions, appended to `out`. Returns how many.
+/// Completions polled by one call of [`poll_cq`] at most.
+pub(crate) const POLL_BATCH: usize = 32;
+
+/// `ibv_poll_cq` for up to [`POLL_BATCH`] completions, each handed to `each`. Returns how
+/// many. Nothing is allocated: busy-polling callers call this in a tight loop.
 ///
 /// # Safety
 /// `cq` must be a live CQ that no other thread polls concurrently.
 pub(crate) unsafe fn poll_cq(
     cq: NonNull<ibv_cq>,
-    max: usize,
-    out: &mut Vec<RawWc>,
+    mut each: impl FnMut(RawWc),
 ) -> io::Result<usize> {
     const IBV_WC_WITH_IMM: u32 = 1 << 1;
-    let mut wcs: Vec<MaybeUninit<rdma_mummy_sys::ibv_wc>> = Vec::with_capacity(max);
-    // SAFETY: `wcs` has room for `max` entries; the CQ is live and not polled concurrently
-    // (caller).
+    let mut wcs = [const { MaybeUninit::<rdma_mummy_sys::ibv_wc>::uninit() }; POLL_BATCH];
+    // SAFETY: `wcs` has room for POLL_BATCH entries; the CQ is live and not polled
+    // concurrently (caller).
     let n = unsafe {
         rdma_mummy_sys::ibv_poll_cq(
             cq.as_ptr(),
-            max as i32,
+            POLL_BATCH as i32,
             wcs.as_mut_ptr().cast::<rdma_mummy_sys::ibv_wc>(),
         )
     };
     if n < 0 {
         return Err(io::Error::from_raw_os_error(-n));
     }
-    let n = n as usize;
-    // SAFETY: ibv_poll_cq initialised the first `n` entries.
-    unsafe { wcs.set_len(n) };
-    for wc in &wcs {
-        // SAFETY: initialised (above); `ibv_wc` is plain old data.
+    let n = (n as usize).min(POLL_BATCH);
+    for wc in &wcs[..n] {
+        // SAFETY: ibv_poll_cq initialised the first `n` entries; `ibv_wc` is plain old data.
         let wc = unsafe { wc.assume_init_ref() };
         let imm = if wc.wc_flags & IBV_WC_WITH_IMM != 0 {
             // SAFETY: with IBV_WC_WITH_IMM the union holds the immediate data (network order).
@@ -427,7 +428,7 @@ pub(crate) unsafe fn poll_cq(
         } else {
             None
         };
-        out.push(RawWc {
+        each(RawWc {
             wr_id: wc.wr_id,
             status: wc.status,
             vendor_err: wc.vendor_err,

@@ -67,6 +67,25 @@ impl Pending {
     }
 }
 
+impl Pending {
+    /// Poll the CQ once, without waiting or yielding: whether every work request has completed
+    /// (then [`Pending::into_ready`] returns their results at once). For latency-critical
+    /// loops that busy-poll on a thread of their own, as perftest does, and keep their own
+    /// deadline; async callers await [`Pending::wait`] instead.
+    pub fn poll_ready(&self) -> Result<bool> {
+        self.qp.poll_ready(&self.rxs)
+    }
+
+    /// The buffers back once [`Pending::poll_ready`] said true; the first failure as in
+    /// [`Pending::wait`]. An `InvalidArgument` error if some work request has not completed
+    /// (its buffer then stays with the CQ until the device is done with it).
+    pub fn into_ready(self) -> Result<Vec<Local>> {
+        let _span = self.qp.span().entered();
+        let done = self.qp.collect_ready(self.rxs)?;
+        Ok(done.into_iter().filter_map(|d| d.local).collect())
+    }
+}
+
 impl std::future::IntoFuture for Pending {
     type Output = Result<Vec<Local>>;
     type IntoFuture = std::pin::Pin<Box<dyn Future<Output = Result<Vec<Local>>> + Send>>;
@@ -95,16 +114,34 @@ impl PendingRecv {
     /// Wait for every receive.
     pub async fn wait(self) -> Result<Vec<(Local, RecvInfo)>> {
         let done = self.qp.collect(self.rxs).await?;
-        Ok(done
-            .into_iter()
-            .filter_map(|d| {
-                let info = RecvInfo {
-                    byte_len: d.byte_len,
-                    imm: d.imm,
-                };
-                d.local.map(|l| (l, info))
-            })
-            .collect())
+        Ok(received(done))
+    }
+}
+
+fn received(done: Vec<Done>) -> Vec<(Local, RecvInfo)> {
+    done.into_iter()
+        .filter_map(|d| {
+            let info = RecvInfo {
+                byte_len: d.byte_len,
+                imm: d.imm,
+            };
+            d.local.map(|l| (l, info))
+        })
+        .collect()
+}
+
+impl PendingRecv {
+    /// Poll the CQ once, without waiting or yielding: whether every receive has completed (see
+    /// [`Pending::poll_ready`]).
+    pub fn poll_ready(&self) -> Result<bool> {
+        self.qp.poll_ready(&self.rxs)
+    }
+
+    /// The receives' buffers and results once [`PendingRecv::poll_ready`] said true.
+    pub fn into_ready(self) -> Result<Vec<(Local, RecvInfo)>> {
+        let _span = self.qp.span().entered();
+        let done = self.qp.collect_ready(self.rxs)?;
+        Ok(received(done))
     }
 }
 

@@ -24,9 +24,8 @@ use crate::error::{Call, Error, Result};
 use crate::local::Local;
 use crate::mr::{ProtectionDomain, RemoteSlice};
 pub use crate::pending::{Pending, PendingRecv};
-use crate::wr::{
-    deferred_plan, signal_plan, validate, RawData, RawSendWr, RecvInfo, SendOp, SendWr,
-};
+use crate::wr::{validate, RawData, RawSendWr, RecvInfo, SendOp, SendWr, Signal};
+use smallvec::SmallVec;
 
 /// QP state, as reported by `ibv_query_qp`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -498,14 +497,18 @@ impl QueuePair {
     }
 
     /// `every`: signal every `every`-th work request and the last; 0: none (deferred).
+    ///
+    /// This is the hot path of every transfer and of latency loops, which post the next work
+    /// request as soon as the previous completion is seen: it allocates only the returned
+    /// [`Pending`]'s list and each work request's result channel.
     fn post_send_every(&self, wrs: Vec<SendWr>, every: usize) -> Result<Pending> {
         for wr in &wrs {
             validate(wr, self.inner.opts.max_inline_data)?;
         }
-        let mut raw = Vec::with_capacity(wrs.len());
+        let mut raw: SmallVec<[RawSendWr<'_>; 4]> = SmallVec::with_capacity(wrs.len());
         for wr in &wrs {
             let data = match &wr.local {
-                Local::Inline(b) => RawData::Inline(b.clone()),
+                Local::Inline(b) => RawData::Inline(b),
                 l => {
                     let (lkey, addr, len) = l.sge()?;
                     RawData::Sge(lkey, addr, len)
@@ -515,35 +518,40 @@ impl QueuePair {
         }
         let mut state = self.inner.cq.lock();
         self.check_send_room(&state, wrs.len())?;
-        let mut ids = Vec::with_capacity(wrs.len());
+        let signal = if every == 0 {
+            Signal::Deferred {
+                outstanding: state.send_outstanding + wrs.len(),
+                capacity: self.inner.opts.max_send_wr as usize,
+            }
+        } else {
+            Signal::Every(every)
+        };
+        // the entries are registered before the post (a completion may be polled as soon as
+        // the doorbell rings) and take their buffers once the post has succeeded
         let mut rxs = Vec::with_capacity(wrs.len());
-        for wr in wrs {
-            // (inline bytes are copied at the post; they are kept only so that every work
-            // request's local comes back, in order, as for the others)
-            let (id, rx) = state.register(Some(wr.local), Queue::Send);
-            ids.push(id);
+        for wr in &wrs {
+            let (id, rx) = state.register(None, Queue::Send);
             rxs.push((id, rx, wr.op.name()));
         }
-        let signaled = if every == 0 {
-            deferred_plan(
-                ids.len(),
-                state.send_outstanding,
-                self.inner.opts.max_send_wr as usize,
-            )
-        } else {
-            signal_plan(ids.len(), every)
-        };
-        if let Err(e) = self.post_locked(&ids, &raw, &signaled) {
+        if let Err(e) = self.post_locked(&rxs, &raw, signal) {
+            let ids: SmallVec<[u64; 4]> = rxs.iter().map(|r| r.0).collect();
             state.unregister(&ids);
             return Err(e);
         }
+        drop(raw);
+        let n = wrs.len();
+        for ((id, ..), wr) in rxs.iter().zip(wrs) {
+            // (inline bytes were copied at the post; they are kept only so that every work
+            // request's local comes back, in order, as for the others)
+            state.attach(*id, wr.local);
+        }
         // the deferred ones of earlier calls are covered by this call's first signaled one
         let mut covered = std::mem::take(&mut state.uncovered);
-        for (i, &id) in ids.iter().enumerate() {
-            if signaled[i] {
-                state.cover(id, std::mem::take(&mut covered));
+        for (i, (id, ..)) in rxs.iter().enumerate() {
+            if signal.at(i, n) {
+                state.cover(*id, std::mem::take(&mut covered));
             } else {
-                covered.push(id);
+                covered.push(*id);
             }
         }
         // (only a deferred call leaves any: the others signal their last)
@@ -555,11 +563,17 @@ impl QueuePair {
         })
     }
 
-    fn post_locked(&self, ids: &[u64], wrs: &[RawSendWr], signaled: &[bool]) -> Result<()> {
+    fn post_locked(
+        &self,
+        rxs: &[(u64, oneshot::Receiver<Done>, &'static str)],
+        wrs: &[RawSendWr<'_>],
+        signal: Signal,
+    ) -> Result<()> {
         let mut qp = self.lock_qp();
         let mut guard = qp.start_post_send();
-        for ((id, wr), &sig) in ids.iter().zip(wrs).zip(signaled) {
-            let mut flags = if sig {
+        let n = wrs.len();
+        for (i, ((id, ..), wr)) in rxs.iter().zip(wrs).enumerate() {
+            let mut flags = if signal.at(i, n) {
                 WorkRequestFlags::Signaled
             } else {
                 WorkRequestFlags::none()
@@ -713,21 +727,56 @@ impl QueuePair {
         Ok(v.pop().expect("one work request posted"))
     }
 
-    /// Wait for every work request of a batch; the first failure is returned, but only after
-    /// all of them completed (so no buffer is still in use when this returns).
     /// The QP's tracing span (completions are awaited inside it).
     pub(crate) fn span(&self) -> tracing::Span {
         self.inner.span.clone()
     }
 
+    /// Wait for every work request of a batch; the first failure is returned, but only after
+    /// all of them completed (so no buffer is still in use when this returns).
     pub(crate) async fn collect(
         &self,
         rxs: Vec<(u64, oneshot::Receiver<Done>, &'static str)>,
     ) -> Result<Vec<Done>> {
         let mut out = Vec::with_capacity(rxs.len());
-        let mut first_err = None;
         for (wr_id, rx, opcode) in rxs {
-            let done = self.inner.cq.wait(rx).await?;
+            out.push((wr_id, opcode, self.inner.cq.wait(rx).await?));
+        }
+        self.judge(out)
+    }
+
+    /// Poll the CQ once, without waiting: whether every one of `rxs` has its result.
+    pub(crate) fn poll_ready(
+        &self,
+        rxs: &[(u64, oneshot::Receiver<Done>, &'static str)],
+    ) -> Result<bool> {
+        self.inner.cq.drain()?;
+        Ok(rxs.iter().all(|(_, rx, _)| !rx.is_empty()))
+    }
+
+    /// The results of `rxs`, every one of which has completed ([`QueuePair::poll_ready`]).
+    pub(crate) fn collect_ready(
+        &self,
+        rxs: Vec<(u64, oneshot::Receiver<Done>, &'static str)>,
+    ) -> Result<Vec<Done>> {
+        let mut out = Vec::with_capacity(rxs.len());
+        for (wr_id, mut rx, opcode) in rxs {
+            let done = crate::cq::try_take(&mut rx)?.ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "{opcode} (wr_id {wr_id}) has not completed yet; take the results only \
+                     after poll_ready says true"
+                ))
+            })?;
+            out.push((wr_id, opcode, done));
+        }
+        self.judge(out)
+    }
+
+    /// The first failure among completed work requests, else their results.
+    fn judge(&self, done: Vec<(u64, &'static str, Done)>) -> Result<Vec<Done>> {
+        let mut first_err = None;
+        let mut out = Vec::with_capacity(done.len());
+        for (wr_id, opcode, done) in done {
             if !done.status.is_success() && first_err.is_none() {
                 first_err = Some(self.wc_error(wr_id, opcode, &done));
             }

@@ -54,23 +54,6 @@ pub struct SendWr {
     pub local: Local,
 }
 
-/// One send work request as posted: the safe API built it from a [`Local`] it owns.
-#[derive(Debug, Clone)]
-pub(crate) struct RawSendWr {
-    pub(crate) op: SendOp,
-    /// Where the local bytes are.
-    pub(crate) data: RawData,
-}
-
-/// The local bytes of a posted work request.
-#[derive(Debug, Clone)]
-pub(crate) enum RawData {
-    /// A registered range: lkey of the MR covering it, address, length.
-    Sge(u32, u64, u32),
-    /// Copied into the work request when it is posted.
-    Inline(Box<[u8]>),
-}
-
 /// What a completed RECV reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RecvInfo {
@@ -115,22 +98,63 @@ pub(crate) fn validate(wr: &SendWr, max_inline: u32) -> Result<()> {
     Ok(())
 }
 
-/// Which of `n` work requests ask for a completion: every `every`-th, and the last.
-pub(crate) fn signal_plan(n: usize, every: usize) -> Vec<bool> {
-    (0..n).map(|i| (i + 1) % every == 0 || i + 1 == n).collect()
+/// Which work requests of a post ask the device for a completion.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Signal {
+    /// Every `n`-th, and the last.
+    Every(usize),
+    /// None, unless the send queue (`outstanding` work requests with these, of `capacity`) is
+    /// half full, when the last does, so that a queue of deferred work requests is always
+    /// retired before it fills.
+    Deferred { outstanding: usize, capacity: usize },
 }
 
-/// Which of `n` deferred work requests ask for a completion: none, unless the send queue
-/// (`outstanding` work requests with these, of `capacity`) is half full, when the last does, so
-/// that a queue of deferred work requests is always retired before it fills.
-pub(crate) fn deferred_plan(n: usize, outstanding: usize, capacity: usize) -> Vec<bool> {
-    let half = (capacity / 2).max(1);
-    (0..n).map(|i| i + 1 == n && outstanding >= half).collect()
+impl Signal {
+    /// Whether work request `i` of `n` asks for a completion.
+    pub(crate) fn at(self, i: usize, n: usize) -> bool {
+        let last = i + 1 == n;
+        match self {
+            Signal::Every(every) => (i + 1) % every.max(1) == 0 || last,
+            Signal::Deferred {
+                outstanding,
+                capacity,
+            } => last && outstanding >= (capacity / 2).max(1),
+        }
+    }
+}
+
+/// The lifetime-bound view of a work request's local bytes, for posting.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RawSendWr<'a> {
+    pub(crate) op: SendOp,
+    /// Where the local bytes are.
+    pub(crate) data: RawData<'a>,
+}
+
+/// The local bytes of a work request being posted.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum RawData<'a> {
+    /// A registered range: lkey of the MR covering it, address, length.
+    Sge(u32, u64, u32),
+    /// Copied into the work request when it is posted.
+    Inline(&'a [u8]),
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn signal_plan(n: usize, every: usize) -> Vec<bool> {
+        (0..n).map(|i| Signal::Every(every).at(i, n)).collect()
+    }
+
+    fn deferred_plan(n: usize, outstanding: usize, capacity: usize) -> Vec<bool> {
+        let s = Signal::Deferred {
+            outstanding,
+            capacity,
+        };
+        (0..n).map(|i| s.at(i, n)).collect()
+    }
 
     #[test]
     fn deferred_work_requests_are_signaled_only_once_half_the_queue_is_taken() {

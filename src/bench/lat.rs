@@ -1,0 +1,161 @@
+//! The latency loop of the client: one RDMA READ at a time, or a ping-pong of WRITEs with
+//! immediate data or SENDs, timed the way perftest's `ib_*_lat` time it.
+//!
+//! A sample is the time from one post to the next (halved for a ping-pong, whose round trip is
+//! two messages), and the next post follows the detection of the previous completion at once:
+//! the bookkeeping of a round (buffers back, receives re-posted, the sample stored) is done
+//! while the next message is on the wire. The turnaround matters beyond its own cost on
+//! soft-RoCE: rxe runs a QP's protocol work on a kernel worker, and a doorbell rung while that
+//! worker is still busy with the previous message is taken up by it, while one rung later
+//! wakes another worker.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use verbs::{
+    Access, HostBuffer, Local, Pending, QueuePair, RegMode, RegisteredBuffer, SendOp, SendWr,
+};
+
+use super::control::Keys;
+use super::settle::Settle;
+use super::{BenchError, BenchOp, BenchParams, Result};
+
+/// Round trips of `n` bytes until `p`'s iteration count or duration; one sample per round trip,
+/// in µs (one way for a ping-pong, as perftest reports it).
+pub(super) async fn lat_loop(
+    qp: &QueuePair,
+    op: BenchOp,
+    src: &Arc<RegisteredBuffer>,
+    keys: Keys,
+    n: usize,
+    p: &BenchParams,
+    how: Settle<'_>,
+) -> Result<Vec<f64>> {
+    let rounds = p.iters.unwrap_or(u64::MAX);
+    let deadline = p
+        .duration
+        .map(|d| Instant::now() + Duration::from_secs_f64(d));
+    let more =
+        |done: usize, now: Instant| (done as u64) < rounds && deadline.is_none_or(|d| now < d);
+    let pd = qp.pd().clone();
+    let buffer = || -> Result<RegisteredBuffer> {
+        Ok(pd.register(
+            HostBuffer::new(n.max(1))?,
+            Access::LOCAL_WRITE,
+            RegMode::Pinned,
+        )?)
+    };
+    let mut times = Vec::new();
+    if !more(0, Instant::now()) {
+        return Ok(times);
+    }
+    match op {
+        BenchOp::Read => {
+            // two destinations: the next read goes out while the last one's buffer comes back
+            let mut spare = Some(buffer()?);
+            let read = |buf: RegisteredBuffer| -> Result<Pending> {
+                let wr = SendWr {
+                    op: SendOp::Read(keys.slice(n as u64)),
+                    local: Local::owned_range(buf, 0..n)?,
+                };
+                Ok(qp.post_send(vec![wr])?)
+            };
+            let mut posted = Instant::now();
+            let mut inflight = read(buffer()?)?;
+            loop {
+                // the next read goes out as soon as this one is seen complete
+                let mut next_buf = spare.take();
+                let (done, (sample, now, next)) = how
+                    .then(inflight, |now| {
+                        let next = if more(times.len() + 1, now) {
+                            Some(read(next_buf.take().ok_or_else(lost)?)?)
+                        } else {
+                            None
+                        };
+                        Ok((micros(now - posted), now, next))
+                    })
+                    .await?
+                    .ok_or_else(lost)?;
+                times.push(sample);
+                posted = now;
+                spare = done.into_iter().next().and_then(Local::into_owned);
+                match next {
+                    Some(n) => inflight = n,
+                    None => return Ok(times),
+                }
+            }
+        }
+        BenchOp::Write | BenchOp::Send => {
+            let ping = || -> Result<Option<Pending>> {
+                let sop = if op == BenchOp::Write {
+                    SendOp::WriteImm(keys.slice(n as u64), 0)
+                } else {
+                    SendOp::Send
+                };
+                // small pings go inline, as perftest's (no DMA read of a buffer), and ask for
+                // no completion of their own: a later signaled one retires them (the bytes
+                // were copied at the post). A larger ping's buffer is awaited later.
+                if p.goes_inline(n) {
+                    let local = Local::inline(&src.as_slice()[..n]);
+                    let _retired_later = qp.post_send_deferred(vec![SendWr { op: sop, local }])?;
+                    Ok(None)
+                } else {
+                    let local = Local::shared(Arc::clone(src), 0..n)?;
+                    Ok(Some(qp.post_send(vec![SendWr { op: sop, local }])?))
+                }
+            };
+            // two receives posted ahead: the pong of the next round always has one waiting,
+            // and the last round's buffer is re-posted after the next ping went out
+            let mut pongs = VecDeque::new();
+            for _ in 0..2 {
+                pongs.push_back(qp.post_recv(vec![Local::owned(buffer()?)])?);
+            }
+            let mut posted = Instant::now();
+            let mut last_ping = ping()?;
+            loop {
+                // the next ping goes out as soon as this pong is seen: a round trip ends when
+                // the pong lands, as perftest counts it (the ping's own completion, the NIC's
+                // acknowledgement, is not part of it)
+                let pong = pongs.pop_front().ok_or_else(lost)?;
+                let (back, (sample, now, next)) = how
+                    .then(pong, |now| {
+                        let next = if more(times.len() + 1, now) {
+                            Some(ping()?)
+                        } else {
+                            None
+                        };
+                        Ok((micros(now - posted) / 2.0, now, next))
+                    })
+                    .await?
+                    .ok_or_else(lost)?;
+                times.push(sample);
+                posted = now;
+                let go_on = next.is_some();
+                let previous = match next {
+                    Some(ping) => std::mem::replace(&mut last_ping, ping),
+                    None => last_ping.take(),
+                };
+                let (l, _) = back.into_iter().next().ok_or_else(lost)?;
+                if go_on {
+                    let buf = l.into_owned().ok_or_else(lost)?;
+                    pongs.push_back(qp.post_recv(vec![Local::owned(buf)])?);
+                }
+                if let Some(previous) = previous {
+                    how.settle(previous).await?;
+                }
+                if !go_on {
+                    return Ok(times);
+                }
+            }
+        }
+    }
+}
+
+fn micros(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
+}
+
+fn lost() -> BenchError {
+    BenchError::Control("a latency round's buffer did not come back".into())
+}
