@@ -200,6 +200,24 @@ fn lab_bench_latency_reports_percentiles() {
         assert!(f("t_min_us") <= f("t_median_us") && f("t_median_us") <= f("t_p99_us"));
         assert!(f("t_p99_us") <= f("t_p999_us") && f("t_p999_us") <= f("t_max_us"));
     }
+    // polled: both sides spin on threads of their own and prepare each next message while
+    // the last is in flight; a sweep changes the size under a prepared pong and crosses the
+    // inline limit (220 and 236 bytes)
+    for (i, op) in ["write", "read", "send"].into_iter().enumerate() {
+        let rows = run(
+            op,
+            19125 + i as u16,
+            &[],
+            &["--lat", "--poll", "--all", "--iters", "20"],
+        );
+        assert_eq!(rows.len(), 23, "2 B to 8 MiB: {rows:?}");
+        for (k, r) in rows.iter().enumerate() {
+            assert_eq!(r["bytes"], 2u64 << k, "{r}");
+            assert_eq!(r["iterations"], 20, "{r}");
+            assert_eq!(r["cq"], "polling", "{r}");
+            assert!(r["t_median_us"].as_f64().unwrap() > 0.0, "{r}");
+        }
+    }
 }
 
 #[test]

@@ -358,6 +358,8 @@ pub async fn run_client(
     for (qp, &ep) in qps.iter().zip(&endpoints) {
         qp.connect(&ep.into())?;
     }
+    // a latency ping-pong's receives, kept from one size to the next
+    let mut pongs = VecDeque::new();
     for &size in &p.sizes {
         let n = size as usize;
         c.send(&Msg::Run { size }).await?;
@@ -367,14 +369,19 @@ pub async fn run_client(
         let res = if p.lat {
             let times = if p.poll {
                 let (qp, src, p2) = (qps[0].clone(), Arc::clone(&src), p.clone());
-                settle::on_own_thread(async move {
+                let mut mine = std::mem::take(&mut pongs);
+                let (times, back) = settle::on_own_thread(async move {
                     let never = AtomicBool::new(false);
                     let how = Settle::Spin { stop: &never };
-                    lat_loop(&qp, p2.op, &src, keys, n, &p2, how).await
+                    let t = lat_loop(&qp, &src, keys, n, &p2, how, &mut mine).await?;
+                    Ok((t, mine))
                 })
-                .await?
+                .await?;
+                pongs = back;
+                times
             } else {
-                lat_loop(&qps[0], p.op, &src, keys, n, p, Settle::Events).await?
+                let how = Settle::Events;
+                lat_loop(&qps[0], &src, keys, n, p, how, &mut pongs).await?
             };
             c.send(&Msg::Done { size }).await?;
             let Msg::Stats { .. } = c.recv().await? else {

@@ -3,18 +3,21 @@
 //!
 //! A sample is the time from one post to the next (halved for a ping-pong, whose round trip is
 //! two messages), and the next post follows the detection of the previous completion at once:
+//! the next message is written into the send queue while the last one is in flight
+//! ([`verbs::PreparedSend`]), so that seeing a completion leaves only a doorbell to ring, and
 //! the bookkeeping of a round (buffers back, receives re-posted, the sample stored) is done
 //! while the next message is on the wire. The turnaround matters beyond its own cost on
 //! soft-RoCE: rxe runs a QP's protocol work on a kernel worker, and a doorbell rung while that
 //! worker is still busy with the previous message is taken up by it, while one rung later
-//! wakes another worker.
+//! queues the work and wakes a worker.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use verbs::{
-    Access, HostBuffer, Local, Pending, QueuePair, RegMode, RegisteredBuffer, SendOp, SendWr,
+    Access, HostBuffer, Local, Pending, PendingRecv, PreparedSend, QueuePair, RegMode,
+    RegisteredBuffer, SendOp, SendWr,
 };
 
 use super::control::Keys;
@@ -22,16 +25,18 @@ use super::settle::Settle;
 use super::{BenchError, BenchOp, BenchParams, Result};
 
 /// Round trips of `n` bytes until `p`'s iteration count or duration; one sample per round trip,
-/// in µs (one way for a ping-pong, as perftest reports it).
+/// in µs (one way for a ping-pong, as perftest reports it). `pongs`: the receives of a
+/// ping-pong, kept by the caller from one size to the next (two stay posted).
 pub(super) async fn lat_loop(
     qp: &QueuePair,
-    op: BenchOp,
     src: &Arc<RegisteredBuffer>,
     keys: Keys,
     n: usize,
     p: &BenchParams,
     how: Settle<'_>,
+    pongs: &mut VecDeque<PendingRecv>,
 ) -> Result<Vec<f64>> {
+    let op = p.op;
     let rounds = p.iters.unwrap_or(u64::MAX);
     let deadline = p
         .duration
@@ -52,24 +57,25 @@ pub(super) async fn lat_loop(
     }
     match op {
         BenchOp::Read => {
-            // two destinations: the next read goes out while the last one's buffer comes back
+            // two destinations: the next read is written into the send queue while the last
+            // one is in flight, and its buffer comes back while the next one is
             let mut spare = Some(buffer()?);
-            let read = |buf: RegisteredBuffer| -> Result<Pending> {
+            let read = |buf: RegisteredBuffer| -> Result<PreparedSend> {
                 let wr = SendWr {
                     op: SendOp::Read(keys.slice(n as u64)),
                     local: Local::owned_range(buf, 0..n)?,
                 };
-                Ok(qp.post_send(vec![wr])?)
+                Ok(qp.prepare_send(vec![wr])?)
             };
             let mut posted = Instant::now();
-            let mut inflight = read(buffer()?)?;
+            let mut inflight = read(buffer()?)?.post()?;
             loop {
-                // the next read goes out as soon as this one is seen complete
-                let mut next_buf = spare.take();
+                // seeing this read complete leaves only the next one's doorbell to ring
+                let prepared = read(spare.take().ok_or_else(lost)?)?;
                 let (done, (sample, now, next)) = how
                     .then(inflight, |now| {
                         let next = if more(times.len() + 1, now) {
-                            Some(read(next_buf.take().ok_or_else(lost)?)?)
+                            Some(prepared.post()?)
                         } else {
                             None
                         };
@@ -87,7 +93,9 @@ pub(super) async fn lat_loop(
             }
         }
         BenchOp::Write | BenchOp::Send => {
-            let ping = || -> Result<Option<Pending>> {
+            // the next ping is written into the send queue while the pong is awaited, so
+            // that seeing the pong leaves only its doorbell to ring
+            let ping = || -> Result<(PreparedSend, bool)> {
                 let sop = if op == BenchOp::Write {
                     SendOp::WriteImm(keys.slice(n as u64), 0)
                 } else {
@@ -95,33 +103,46 @@ pub(super) async fn lat_loop(
                 };
                 // small pings go inline, as perftest's (no DMA read of a buffer), and ask for
                 // no completion of their own: a later signaled one retires them (the bytes
-                // were copied at the post). A larger ping's buffer is awaited later.
-                if p.goes_inline(n) {
+                // were copied into the work request). A larger ping's buffer is awaited later.
+                Ok(if p.goes_inline(n) {
                     let local = Local::inline(&src.as_slice()[..n]);
-                    let _retired_later = qp.post_send_deferred(vec![SendWr { op: sop, local }])?;
-                    Ok(None)
+                    (
+                        qp.prepare_send_deferred(vec![SendWr { op: sop, local }])?,
+                        false,
+                    )
                 } else {
                     let local = Local::shared(Arc::clone(src), 0..n)?;
-                    Ok(Some(qp.post_send(vec![SendWr { op: sop, local }])?))
-                }
+                    (qp.prepare_send(vec![SendWr { op: sop, local }])?, true)
+                })
+            };
+            let post = |(prepared, awaited): (PreparedSend, bool)| -> Result<Option<Pending>> {
+                let pending = prepared.post()?;
+                Ok(awaited.then_some(pending))
             };
             // two receives posted ahead: the pong of the next round always has one waiting,
-            // and the last round's buffer is re-posted after the next ping went out
-            let mut pongs = VecDeque::new();
-            for _ in 0..2 {
-                pongs.push_back(qp.post_recv(vec![Local::owned(buffer()?)])?);
+            // and the last round's buffer is re-posted after the next ping went out. They
+            // outlive a size (the caller keeps them for the next one, whose first pong lands
+            // in the one left over), so they hold the largest message.
+            while pongs.len() < 2 {
+                let buf = pd.register(
+                    HostBuffer::new(p.max_size().max(1))?,
+                    Access::LOCAL_WRITE,
+                    RegMode::Pinned,
+                )?;
+                pongs.push_back(qp.post_recv(vec![Local::owned(buf)])?);
             }
             let mut posted = Instant::now();
-            let mut last_ping = ping()?;
+            let mut last_ping = post(ping()?)?;
             loop {
                 // the next ping goes out as soon as this pong is seen: a round trip ends when
                 // the pong lands, as perftest counts it (the ping's own completion, the NIC's
                 // acknowledgement, is not part of it)
                 let pong = pongs.pop_front().ok_or_else(lost)?;
+                let prepared = ping()?;
                 let (back, (sample, now, next)) = how
                     .then(pong, |now| {
                         let next = if more(times.len() + 1, now) {
-                            Some(ping()?)
+                            Some(post(prepared)?)
                         } else {
                             None
                         };
@@ -137,10 +158,8 @@ pub(super) async fn lat_loop(
                     None => last_ping.take(),
                 };
                 let (l, _) = back.into_iter().next().ok_or_else(lost)?;
-                if go_on {
-                    let buf = l.into_owned().ok_or_else(lost)?;
-                    pongs.push_back(qp.post_recv(vec![Local::owned(buf)])?);
-                }
+                let buf = l.into_owned().ok_or_else(lost)?;
+                pongs.push_back(qp.post_recv(vec![Local::owned(buf)])?);
                 if let Some(previous) = previous {
                     how.settle(previous).await?;
                 }

@@ -11,8 +11,8 @@ use peermem::plan::{P2pPolicy, PathKind, RegChoice};
 use peermem::Provider;
 use tokio::net::TcpListener;
 use verbs::{
-    Access, Context, HostBuffer, Local, ProtectionDomain, QueuePair, RegMode, RegisteredBuffer,
-    SendOp, SendWr, SinkBuffer,
+    Access, Context, HostBuffer, Local, PreparedSend, ProtectionDomain, QueuePair, RegMode,
+    RegisteredBuffer, SendOp, SendWr, SinkBuffer,
 };
 
 use super::settle::{self, Settle};
@@ -308,7 +308,23 @@ pub(super) async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem)
             let inline = p.inline_size() as usize;
             // a polled latency partner spins on a thread of its own, as the client's pings do
             let spin = lat && p.poll;
+            // small pongs go inline, as the client's pings, and ask for no completion
+            let pong_max = source.len();
+            let make_pong = move |qp: &QueuePair, n: usize| -> verbs::Result<PreparedSend> {
+                let op = match op {
+                    BenchOp::Write => SendOp::WriteImm(client_keys.slice(n as u64), 0),
+                    _ => SendOp::Send,
+                };
+                if n <= inline {
+                    let local = Local::inline(&source.as_slice()[..n]);
+                    qp.prepare_send_deferred(vec![SendWr { op, local }])
+                } else {
+                    let local = Local::shared(Arc::clone(&source), 0..n)?;
+                    qp.prepare_send(vec![SendWr { op, local }])
+                }
+            };
             let receiver = async move {
+                let mut prepared: Option<(usize, PreparedSend)> = None;
                 while let Some(front) = slots.pop_front() {
                     let got = if spin {
                         match (Settle::Spin { stop: &stop }).settle(front).await {
@@ -331,27 +347,28 @@ pub(super) async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem)
                     };
                     let n = info.byte_len as usize;
                     if lat {
-                        // pong: the same size back
-                        let op = match op {
-                            BenchOp::Write => SendOp::WriteImm(client_keys.slice(n as u64), 0),
-                            _ => SendOp::Send,
+                        // pong: the same size back. The next one is written into the send
+                        // queue as soon as this one is out, so that the next ping (of the
+                        // same size, but for the first of a run) leaves only its doorbell
+                        let n = n.min(pong_max);
+                        let ready = match prepared.take() {
+                            Some((m, r)) if m == n => Some(r),
+                            stale => {
+                                drop(stale);
+                                None
+                            }
                         };
-                        let n = n.min(source.len());
-                        // small pongs go inline, as the client's pings, and ask for no
-                        // completion (a later signaled one retires them); a larger one's
-                        // buffer is shared and awaited
-                        if n <= inline {
-                            let wr = SendWr {
-                                op,
-                                local: Local::inline(&source.as_slice()[..n]),
-                            };
-                            let _retired_later = qp.post_send_deferred(vec![wr])?;
-                        } else {
-                            let wr = SendWr {
-                                op,
-                                local: Local::shared(Arc::clone(&source), 0..n)?,
-                            };
-                            qp.post_send(vec![wr])?.wait().await?;
+                        let pong = match ready {
+                            Some(r) => r,
+                            None => make_pong(&qp, n)?,
+                        };
+                        let sent = pong.post()?;
+                        prepared = Some((n, make_pong(&qp, n)?));
+                        if n > inline {
+                            // a larger pong's buffer is shared: awaited (a small one is
+                            // inline and asked for no completion: a later signaled one
+                            // retires it)
+                            sent.wait().await?;
                         }
                     } else if validate
                         && op == BenchOp::Send

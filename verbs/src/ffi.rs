@@ -438,3 +438,38 @@ pub(crate) unsafe fn poll_cq(
     }
     Ok(n)
 }
+
+/// `ibv_wr_complete`: hand the work requests started on `qp` (with `ibv_wr_start`) to the
+/// device.
+///
+/// # Safety
+/// `qp` must be a live QP created by `ibv_create_qp_ex` on which `ibv_wr_start` was called and
+/// neither `ibv_wr_complete` nor `ibv_wr_abort` since, and no other thread may post on its send
+/// queue meanwhile.
+pub(crate) unsafe fn wr_complete(qp: NonNull<rdma_mummy_sys::ibv_qp>) -> io::Result<()> {
+    // SAFETY: a QP created by ibv_create_qp_ex is embedded in an ibv_qp_ex (caller), which
+    // ibv_qp_to_qp_ex returns.
+    let qpx = unsafe { rdma_mummy_sys::ibv_qp_to_qp_ex(qp.as_ptr()) };
+    if qpx.is_null() {
+        return Err(io::Error::from_raw_os_error(libc::EINVAL));
+    }
+    // SAFETY: `qpx` is live with started work requests (caller); ibv_wr_complete is set for
+    // every QP created with send_ops_flags, as ours are.
+    match unsafe { rdma_mummy_sys::ibv_wr_complete(qpx) } {
+        0 => Ok(()),
+        err => Err(io::Error::from_raw_os_error(err)),
+    }
+}
+
+/// `ibv_wr_abort`: drop the work requests started on `qp` and not completed.
+///
+/// # Safety
+/// As for [`wr_complete`].
+pub(crate) unsafe fn wr_abort(qp: NonNull<rdma_mummy_sys::ibv_qp>) {
+    // SAFETY: as in `wr_complete`.
+    let qpx = unsafe { rdma_mummy_sys::ibv_qp_to_qp_ex(qp.as_ptr()) };
+    if !qpx.is_null() {
+        // SAFETY: `qpx` is live with started work requests (caller).
+        unsafe { rdma_mummy_sys::ibv_wr_abort(qpx) };
+    }
+}

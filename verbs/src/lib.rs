@@ -9,7 +9,7 @@
 //! - [`MemoryWindow`]: type 2 windows bound on one QP over a shared registration (one MR per
 //!   region, one window per peer);
 //!
-//! Unsafe code is confined to the FFI-facing modules (`ffi`, `mr`, `mw`, `cq`, `qp`), each block with
+//! Unsafe code is confined to the FFI-facing modules (`ffi`, `mr`, `mw`, `cq`, `qp`, `post`), each block with
 //! a `// SAFETY:` argument.
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
@@ -24,6 +24,7 @@ mod memory;
 mod mr;
 mod mw;
 mod pending;
+mod post;
 mod qp;
 mod wr;
 
@@ -41,5 +42,6 @@ pub use mr::{
     SharedRegion,
 };
 pub use mw::MemoryWindow;
+pub use post::PreparedSend;
 pub use qp::{PathInfo, Pending, PendingRecv, QpOptions, QpState, QueuePair};
 pub use wr::{RecvInfo, SendOp, SendWr};

@@ -231,6 +231,7 @@ impl QueuePair {
         let (addr, len, access, rkey) = (inner.addr, inner.len, inner.access, inner.rkey);
         let holder: Arc<dyn RegionRef> = inner.clone();
         let mut state = self.cq().lock();
+        self.check_not_prepared()?;
         self.check_send_room(&state, 1)?;
         // the pending table holds the window (and so the region) until the bind completes
         let (id, rx) = state.register(Some(Local::Region(holder, 0..0)), Queue::Send);

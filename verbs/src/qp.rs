@@ -10,9 +10,8 @@ use std::sync::{Arc, Mutex};
 
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
 use sideway::ibverbs::queue_pair::{
-    ExtendedQueuePair, PostSendGuard as _, QueuePair as _, QueuePairAttribute,
-    QueuePairAttributeMask, QueuePairState, SendOperationFlags, SetInlineData as _,
-    SetScatterGatherEntry as _, WorkRequestFlags,
+    ExtendedQueuePair, QueuePair as _, QueuePairAttribute, QueuePairAttributeMask, QueuePairState,
+    SendOperationFlags, SetScatterGatherEntry as _,
 };
 use sideway::ibverbs::AccessFlags;
 use tokio::sync::oneshot;
@@ -24,8 +23,7 @@ use crate::error::{Call, Error, Result};
 use crate::local::Local;
 use crate::mr::{ProtectionDomain, RemoteSlice};
 pub use crate::pending::{Pending, PendingRecv};
-use crate::wr::{validate, RawData, RawSendWr, RecvInfo, SendOp, SendWr, Signal};
-use smallvec::SmallVec;
+use crate::wr::{RecvInfo, SendOp, SendWr};
 
 /// QP state, as reported by `ibv_query_qp`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -119,19 +117,21 @@ impl Default for QpOptions {
     }
 }
 
-struct QpInner {
+pub(crate) struct QpInner {
     // drop order: the QP is destroyed before its CQ (which may still hold buffers of work
     // requests that never completed; after destroy the device no longer touches them)
     qp: Mutex<ExtendedQueuePair>,
     cq: Cq,
     pd: ProtectionDomain,
-    qpn: u32,
+    pub(crate) qpn: u32,
     port: u8,
     gid: GidInfo,
     psn: u32,
     mtu: u32,
-    opts: QpOptions,
+    pub(crate) opts: QpOptions,
     span: tracing::Span,
+    /// A [`crate::PreparedSend`] holds the send queue (see [`QueuePair::prepare_send`]).
+    pub(crate) prepared: std::sync::atomic::AtomicBool,
 }
 
 /// A reliable-connected queue pair with its own CQ. Cheap to clone.
@@ -140,7 +140,7 @@ struct QpInner {
 /// can outlive what it depends on (an MR is made only by `ProtectionDomain::register*`).
 #[derive(Clone)]
 pub struct QueuePair {
-    inner: Arc<QpInner>,
+    pub(crate) inner: Arc<QpInner>,
 }
 
 impl fmt::Debug for QueuePair {
@@ -262,6 +262,7 @@ impl QueuePair {
                 mtu: port_info.active_mtu,
                 opts,
                 span,
+                prepared: std::sync::atomic::AtomicBool::new(false),
             }),
         })
     }
@@ -468,146 +469,6 @@ impl QueuePair {
             });
         }
         Ok(())
-    }
-
-    /// Post a batch of send work requests (one doorbell). The buffers are owned by the returned
-    /// [`Pending`] until each completes; they come back in order.
-    pub fn post_send(&self, wrs: Vec<SendWr>) -> Result<Pending> {
-        self.post_send_every(wrs, 1)
-    }
-
-    /// Like [`QueuePair::post_send`], but only every `every`-th work request (and the last) asks
-    /// the device for a completion; the ones between complete when the next signaled one does
-    /// (an RC send queue completes in order). Fewer completions mean less work for the device
-    /// (for rxe: the kernel's completer) and fewer wake-ups per byte, as perftest's `--cq-mod`.
-    /// Each work request still owns its buffer until it is known to be complete.
-    pub fn post_send_moderated(&self, wrs: Vec<SendWr>, every: usize) -> Result<Pending> {
-        self.post_send_every(wrs, every.max(1))
-    }
-
-    /// Post send work requests that ask for no completion of their own, as perftest's latency
-    /// tests do: the device then writes no completion entry for them, and nothing waits for
-    /// one. Each completes (and gives its buffer back) when a later signaled work request on
-    /// this QP does, posted by any call; awaiting the returned [`Pending`] before one is posted
-    /// waits until then. So that the send queue cannot fill with work requests nothing
-    /// retires, the last of a call is signaled anyway once half the queue is taken. Meant for
-    /// inline data, whose bytes are copied at the post.
-    pub fn post_send_deferred(&self, wrs: Vec<SendWr>) -> Result<Pending> {
-        self.post_send_every(wrs, 0)
-    }
-
-    /// `every`: signal every `every`-th work request and the last; 0: none (deferred).
-    ///
-    /// This is the hot path of every transfer and of latency loops, which post the next work
-    /// request as soon as the previous completion is seen: it allocates only the returned
-    /// [`Pending`]'s list and each work request's result channel.
-    fn post_send_every(&self, wrs: Vec<SendWr>, every: usize) -> Result<Pending> {
-        for wr in &wrs {
-            validate(wr, self.inner.opts.max_inline_data)?;
-        }
-        let mut raw: SmallVec<[RawSendWr<'_>; 4]> = SmallVec::with_capacity(wrs.len());
-        for wr in &wrs {
-            let data = match &wr.local {
-                Local::Inline(b) => RawData::Inline(b),
-                l => {
-                    let (lkey, addr, len) = l.sge()?;
-                    RawData::Sge(lkey, addr, len)
-                }
-            };
-            raw.push(RawSendWr { op: wr.op, data });
-        }
-        let mut state = self.inner.cq.lock();
-        self.check_send_room(&state, wrs.len())?;
-        let signal = if every == 0 {
-            Signal::Deferred {
-                outstanding: state.send_outstanding + wrs.len(),
-                capacity: self.inner.opts.max_send_wr as usize,
-            }
-        } else {
-            Signal::Every(every)
-        };
-        // the entries are registered before the post (a completion may be polled as soon as
-        // the doorbell rings) and take their buffers once the post has succeeded
-        let mut rxs = Vec::with_capacity(wrs.len());
-        for wr in &wrs {
-            let (id, rx) = state.register(None, Queue::Send);
-            rxs.push((id, rx, wr.op.name()));
-        }
-        if let Err(e) = self.post_locked(&rxs, &raw, signal) {
-            let ids: SmallVec<[u64; 4]> = rxs.iter().map(|r| r.0).collect();
-            state.unregister(&ids);
-            return Err(e);
-        }
-        drop(raw);
-        let n = wrs.len();
-        for ((id, ..), wr) in rxs.iter().zip(wrs) {
-            // (inline bytes were copied at the post; they are kept only so that every work
-            // request's local comes back, in order, as for the others)
-            state.attach(*id, wr.local);
-        }
-        // the deferred ones of earlier calls are covered by this call's first signaled one
-        let mut covered = std::mem::take(&mut state.uncovered);
-        for (i, (id, ..)) in rxs.iter().enumerate() {
-            if signal.at(i, n) {
-                state.cover(*id, std::mem::take(&mut covered));
-            } else {
-                covered.push(*id);
-            }
-        }
-        // (only a deferred call leaves any: the others signal their last)
-        state.uncovered = covered;
-        drop(state);
-        Ok(Pending {
-            qp: self.clone(),
-            rxs,
-        })
-    }
-
-    fn post_locked(
-        &self,
-        rxs: &[(u64, oneshot::Receiver<Done>, &'static str)],
-        wrs: &[RawSendWr<'_>],
-        signal: Signal,
-    ) -> Result<()> {
-        let mut qp = self.lock_qp();
-        let mut guard = qp.start_post_send();
-        let n = wrs.len();
-        for (i, ((id, ..), wr)) in rxs.iter().zip(wrs).enumerate() {
-            let mut flags = if signal.at(i, n) {
-                WorkRequestFlags::Signaled
-            } else {
-                WorkRequestFlags::none()
-            };
-            if matches!(wr.data, RawData::Inline(_)) {
-                // rxe's provider copies the bytes in ibv_wr_set_inline_data but takes them
-                // from there only when the work request's flags say inline
-                flags |= WorkRequestFlags::Inline;
-            }
-            let h = guard.construct_wr(*id, flags);
-            let h = match wr.op {
-                SendOp::Write(r) => h.setup_write(r.rkey, r.addr),
-                SendOp::WriteImm(r, imm) => h.setup_write_imm(r.rkey, r.addr, imm.to_be()),
-                SendOp::Read(r) => h.setup_read(r.rkey, r.addr),
-                SendOp::Send => h.setup_send(),
-                SendOp::SendImm(imm) => h.setup_send_imm(imm.to_be()),
-            };
-            match &wr.data {
-                // the provider copies the bytes into the work request during this call
-                // (checked against the QP's max_inline_data by `validate`)
-                RawData::Inline(b) => h.setup_inline_data(b),
-                // SAFETY: for the safe API the range was checked against the registered buffer
-                // (or the device's memory region, for `Local::Region`) that the pending table
-                // now owns until the completion.
-                RawData::Sge(lkey, addr, len) => unsafe { h.setup_sge(*lkey, *addr, *len) },
-            }
-        }
-        guard.post().map_err(|e| {
-            Error::verbs(
-                Call::PostSend,
-                format!("QP {}: {} work requests", self.inner.qpn, wrs.len()),
-                io_of(&e),
-            )
-        })
     }
 
     /// Post receive buffers (owned: the device writes them).

@@ -281,6 +281,67 @@ async fn lab_deferred_sends_are_delivered_and_retired_by_a_signaled_one_or_a_hal
 
 #[tokio::test]
 #[ignore = "lab"]
+async fn lab_prepared_sends_wait_for_their_doorbell_hold_the_queue_and_undo_when_dropped() {
+    let p = pair_with(QpOptions {
+        max_send_wr: 8,
+        max_inline_data: 64,
+        ..QpOptions::default()
+    });
+    let mut recvs = std::collections::VecDeque::new();
+    for _ in 0..4 {
+        recvs.push_back(p.b.post_recv(vec![Local::owned(local(&p.pd, 64))]).unwrap());
+    }
+    let inline = |k: u8| SendWr {
+        op: SendOp::Send,
+        local: Local::inline(&[k; 16]),
+    };
+    // written into the queue, but not sent before its doorbell
+    let prepared = p.a.prepare_send(vec![inline(1)]).unwrap();
+    let first = recvs.pop_front().unwrap();
+    let mut first = Box::pin(first.wait());
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), &mut first)
+            .await
+            .is_err(),
+        "a prepared send goes out only when posted"
+    );
+    // it holds the send queue: another send is refused, not blocked
+    let err = p.a.post_send(vec![inline(9)]).unwrap_err().to_string();
+    assert!(err.contains("prepared send holds the send queue"), "{err}");
+    // receives are not affected
+    recvs.push_back(p.b.post_recv(vec![Local::owned(local(&p.pd, 64))]).unwrap());
+    prepared.post().unwrap().wait().await.unwrap();
+    let (l, _) = first.await.unwrap().pop().unwrap();
+    assert_eq!(l.bytes().unwrap()[..16], [1; 16]);
+
+    // a deferred send, then a prepared signaled one that would retire it, dropped: nothing of
+    // the prepared one is sent, and the deferred one waits for the next signaled send
+    let deferred = p.a.post_send_deferred(vec![inline(2)]).unwrap();
+    let (l, _) = recvs.pop_front().unwrap().await.unwrap().pop().unwrap();
+    assert_eq!(l.bytes().unwrap()[0], 2);
+    drop(p.a.prepare_send(vec![inline(3)]).unwrap());
+    assert_eq!(
+        p.a.outstanding().0,
+        1,
+        "only the deferred send is outstanding"
+    );
+    p.a.post_send(vec![inline(4)])
+        .unwrap()
+        .wait()
+        .await
+        .unwrap();
+    deferred.wait().await.unwrap();
+    let (l, _) = recvs.pop_front().unwrap().await.unwrap().pop().unwrap();
+    assert_eq!(
+        l.bytes().unwrap()[0],
+        4,
+        "the dropped prepared send never went out"
+    );
+    assert_eq!(p.a.outstanding().0, 0);
+}
+
+#[tokio::test]
+#[ignore = "lab"]
 async fn lab_many_outstanding_work_requests_in_batches() {
     let p = pair_with(QpOptions {
         max_send_wr: 256,
