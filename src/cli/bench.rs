@@ -49,7 +49,9 @@ pub(crate) struct BenchArgs {
     pub(crate) cq_mod: Option<u32>,
     /// Busy-poll the completion queues on both sides, as perftest does by default, instead
     /// of sleeping on completion events (perftest's --use_event): no interrupt and wake-up
-    /// per completion, but one core spins on each host while a run lasts.
+    /// per completion, but one core spins on each host while a run lasts. A latency run
+    /// (--lat) then spins on a thread of its own on each side and writes each next message
+    /// into the send queue before the last one completes, so that only the doorbell is left.
     #[arg(long)]
     pub(crate) poll: bool,
     /// Queue pairs.
