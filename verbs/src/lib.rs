@@ -6,6 +6,8 @@
 //! - [`QueuePair`]: RC QPs with their own tokio-driven CQ, the INIT→RTR→RTS state machine and
 //!   posting of WRITE/READ/SEND/RECV (with immediate data, in batches). The safe API owns the
 //!   buffers until completion, even when the future is dropped;
+//! - [`PreparedSend`]: send work requests written into the send queue ahead of time and handed
+//!   to the device later with one call (the doorbell), for latency-critical loops;
 //! - [`MemoryWindow`]: type 2 windows bound on one QP over a shared registration (one MR per
 //!   region, one window per peer);
 //!
