@@ -44,9 +44,9 @@ pub(super) async fn lat_loop(
     let more =
         |done: usize, now: Instant| (done as u64) < rounds && deadline.is_none_or(|d| now < d);
     let pd = qp.pd().clone();
-    let buffer = || -> Result<RegisteredBuffer> {
+    let buffer = |len: usize| -> Result<RegisteredBuffer> {
         Ok(pd.register(
-            HostBuffer::new(n.max(1))?,
+            HostBuffer::new(len.max(1))?,
             Access::LOCAL_WRITE,
             RegMode::Pinned,
         )?)
@@ -59,7 +59,7 @@ pub(super) async fn lat_loop(
         BenchOp::Read => {
             // two destinations: the next read is written into the send queue while the last
             // one is in flight, and its buffer comes back while the next one is
-            let mut spare = Some(buffer()?);
+            let mut spare = Some(buffer(n)?);
             let read = |buf: RegisteredBuffer| -> Result<PreparedSend> {
                 let wr = SendWr {
                     op: SendOp::Read(keys.slice(n as u64)),
@@ -68,7 +68,7 @@ pub(super) async fn lat_loop(
                 Ok(qp.prepare_send(vec![wr])?)
             };
             let mut posted = Instant::now();
-            let mut inflight = read(buffer()?)?.post()?;
+            let mut inflight = read(buffer(n)?)?.post()?;
             loop {
                 // seeing this read complete leaves only the next one's doorbell to ring
                 let prepared = read(spare.take().ok_or_else(lost)?)?;
@@ -124,12 +124,7 @@ pub(super) async fn lat_loop(
             // outlive a size (the caller keeps them for the next one, whose first pong lands
             // in the one left over), so they hold the largest message.
             while pongs.len() < 2 {
-                let buf = pd.register(
-                    HostBuffer::new(p.max_size().max(1))?,
-                    Access::LOCAL_WRITE,
-                    RegMode::Pinned,
-                )?;
-                pongs.push_back(qp.post_recv(vec![Local::owned(buf)])?);
+                pongs.push_back(qp.post_recv(vec![Local::owned(buffer(p.max_size())?)])?);
             }
             let mut posted = Instant::now();
             let mut last_ping = post(ping()?)?;
@@ -154,7 +149,7 @@ pub(super) async fn lat_loop(
                 posted = now;
                 let go_on = next.is_some();
                 let previous = match next {
-                    Some(ping) => std::mem::replace(&mut last_ping, ping),
+                    Some(sent) => std::mem::replace(&mut last_ping, sent),
                     None => last_ping.take(),
                 };
                 let (l, _) = back.into_iter().next().ok_or_else(lost)?;

@@ -13,7 +13,7 @@ use verbs::{Local, Pending, PendingRecv, RecvInfo};
 use super::{BenchError, Result};
 
 /// How long a latency run waits for a completion before it gives up on the peer.
-pub(super) const QUIET_LIMIT: Duration = Duration::from_secs(10);
+const QUIET_LIMIT: Duration = Duration::from_secs(10);
 
 /// Polls between two reads of the clock and the stop flag (a clock read is a syscall under
 /// some emulators).
@@ -69,16 +69,7 @@ impl Waitable for PendingRecv {
 impl Settle<'_> {
     /// The results, or `None` once the stop flag is set.
     pub(super) async fn settle<W: Waitable>(self, w: W) -> Result<Option<W::Out>> {
-        match self {
-            Settle::Events => Ok(Some(bounded(w.wait()).await??)),
-            Settle::Spin { stop } => {
-                if spin(|| w.poll_ready(), stop)? {
-                    Ok(Some(w.into_ready()?))
-                } else {
-                    Ok(None)
-                }
-            }
-        }
+        Ok(self.then(w, |_| Ok(())).await?.map(|(out, ())| out))
     }
 
     /// Wait for `w`, then call `next` with the time its completion was seen, and return both

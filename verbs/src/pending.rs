@@ -61,7 +61,7 @@ impl Pending {
         let span = self.qp.span();
         async move {
             let done = self.qp.collect(self.rxs).await?;
-            Ok(done.into_iter().filter_map(|d| d.local).collect())
+            Ok(locals(done))
         }
         .instrument(span)
     }
@@ -82,7 +82,7 @@ impl Pending {
     pub fn into_ready(self) -> Result<Vec<Local>> {
         let _span = self.qp.span().entered();
         let done = self.qp.collect_ready(self.rxs)?;
-        Ok(done.into_iter().filter_map(|d| d.local).collect())
+        Ok(locals(done))
     }
 }
 
@@ -116,6 +116,10 @@ impl PendingRecv {
         let done = self.qp.collect(self.rxs).await?;
         Ok(received(done))
     }
+}
+
+fn locals(done: Vec<Done>) -> Vec<Local> {
+    done.into_iter().filter_map(|d| d.local).collect()
 }
 
 fn received(done: Vec<Done>) -> Vec<(Local, RecvInfo)> {

@@ -273,21 +273,33 @@ impl PreparedSend {
             // `prepared` flag, checked under the CQ state lock by every send path).
             unsafe { crate::ffi::wr_complete(qp.qp()) }
         };
-        self.qp.inner.prepared.store(false, Ordering::Release);
         match ret {
-            Ok(()) => Ok(self.qp.pending(rxs)),
+            Ok(()) => {
+                self.qp.inner.prepared.store(false, Ordering::Release);
+                Ok(self.qp.pending(rxs))
+            }
             Err(e) => {
-                let ids: SmallVec<[u64; 4]> = rxs.iter().map(|r| r.0).collect();
-                let mut state = self.qp.cq().lock();
-                state.unregister(&ids);
-                give_back(&mut state, &ids, std::mem::take(&mut self.taken));
+                let n = rxs.len();
+                self.undo(rxs);
                 Err(Error::verbs(
                     Call::PostSend,
-                    format!("QP {}: {} prepared work requests", self.qp.qpn(), ids.len()),
+                    format!("QP {}: {n} prepared work requests", self.qp.qpn()),
                     e,
                 ))
             }
         }
+    }
+
+    /// Forget work requests that never reached the device: their entries leave the pending
+    /// table, the deferred ones they had covered are uncovered again, and the send queue is
+    /// free for other posts once that is done.
+    fn undo(&mut self, rxs: Rxs) {
+        let ids: SmallVec<[u64; 4]> = rxs.iter().map(|r| r.0).collect();
+        let mut state = self.qp.cq().lock();
+        state.unregister(&ids);
+        give_back(&mut state, &ids, std::mem::take(&mut self.taken));
+        drop(state);
+        self.qp.inner.prepared.store(false, Ordering::Release);
     }
 }
 
@@ -301,12 +313,7 @@ impl Drop for PreparedSend {
             // as it was before `stage`.
             unsafe { crate::ffi::wr_abort(qp.qp()) };
         }
-        let ids: SmallVec<[u64; 4]> = rxs.iter().map(|r| r.0).collect();
-        let mut state = self.qp.cq().lock();
-        state.unregister(&ids);
-        give_back(&mut state, &ids, std::mem::take(&mut self.taken));
-        drop(state);
-        self.qp.inner.prepared.store(false, Ordering::Release);
+        self.undo(rxs);
     }
 }
 
