@@ -2,7 +2,9 @@
 //! immediate data or SENDs, timed the way perftest's `ib_*_lat` time it.
 //!
 //! A sample is the time from one post to the next (halved for a ping-pong, whose round trip is
-//! two messages), and the next post follows the detection of the previous completion at once:
+//! two messages), read just after each doorbell so that no clock read stands between seeing a
+//! completion and the next doorbell (the deadline of a timed run is checked against the last
+//! post's time), and the next post follows the detection of the previous completion at once:
 //! the next message is written into the send queue while the last one is in flight
 //! ([`verbs::PreparedSend`]), so that seeing a completion leaves only a doorbell to ring, and
 //! the bookkeeping of a round (buffers back, receives re-posted, the sample stored) is done
@@ -67,18 +69,19 @@ pub(super) async fn lat_loop(
                 };
                 Ok(qp.prepare_send(vec![wr])?)
             };
-            let mut posted = Instant::now();
             let mut inflight = read(buffer(n)?)?.post()?;
+            let mut posted = Instant::now();
             loop {
                 // seeing this read complete leaves only the next one's doorbell to ring
                 let prepared = read(spare.take().ok_or_else(lost)?)?;
                 let (done, (sample, now, next)) = how
-                    .then(inflight, |now| {
-                        let next = if more(times.len() + 1, now) {
+                    .then(inflight, || {
+                        let next = if more(times.len() + 1, posted) {
                             Some(prepared.post()?)
                         } else {
                             None
                         };
+                        let now = Instant::now();
                         Ok((micros(now - posted), now, next))
                     })
                     .await?
@@ -126,8 +129,8 @@ pub(super) async fn lat_loop(
             while pongs.len() < 2 {
                 pongs.push_back(qp.post_recv(vec![Local::owned(buffer(p.max_size())?)])?);
             }
-            let mut posted = Instant::now();
             let mut last_ping = post(ping()?)?;
+            let mut posted = Instant::now();
             loop {
                 // the next ping goes out as soon as this pong is seen: a round trip ends when
                 // the pong lands, as perftest counts it (the ping's own completion, the NIC's
@@ -135,12 +138,13 @@ pub(super) async fn lat_loop(
                 let pong = pongs.pop_front().ok_or_else(lost)?;
                 let prepared = ping()?;
                 let (back, (sample, now, next)) = how
-                    .then(pong, |now| {
-                        let next = if more(times.len() + 1, now) {
+                    .then(pong, || {
+                        let next = if more(times.len() + 1, posted) {
                             Some(post(prepared)?)
                         } else {
                             None
                         };
+                        let now = Instant::now();
                         Ok((micros(now - posted) / 2.0, now, next))
                     })
                     .await?

@@ -69,29 +69,29 @@ impl Waitable for PendingRecv {
 impl Settle<'_> {
     /// The results, or `None` once the stop flag is set.
     pub(super) async fn settle<W: Waitable>(self, w: W) -> Result<Option<W::Out>> {
-        Ok(self.then(w, |_| Ok(())).await?.map(|(out, ())| out))
+        Ok(self.then(w, || Ok(())).await?.map(|(out, ())| out))
     }
 
-    /// Wait for `w`, then call `next` with the time its completion was seen, and return both
-    /// results. When spinning, `next` runs as soon as the completion is seen and before its
-    /// results are taken (the next post goes out first, the bookkeeping follows). `None`
-    /// once the stop flag is set (then `next` is not called).
+    /// Wait for `w`, then call `next`, and return both results. When spinning, `next` runs as
+    /// soon as the completion is seen and before its results are taken (the next post goes
+    /// out first, the bookkeeping follows). `None` once the stop flag is set (then `next` is
+    /// not called).
     pub(super) async fn then<W: Waitable, N>(
         self,
         w: W,
-        next: impl FnOnce(Instant) -> Result<N>,
+        next: impl FnOnce() -> Result<N>,
     ) -> Result<Option<(W::Out, N)>> {
         match self {
             Settle::Events => {
                 let out = bounded(w.wait()).await??;
-                let n = next(Instant::now())?;
+                let n = next()?;
                 Ok(Some((out, n)))
             }
             Settle::Spin { stop } => {
                 if !spin(|| w.poll_ready(), stop)? {
                     return Ok(None);
                 }
-                let n = next(Instant::now())?;
+                let n = next()?;
                 Ok(Some((w.into_ready()?, n)))
             }
         }
