@@ -51,15 +51,16 @@ pub fn merge(reports: &[TransferReport], seconds: f64) -> Option<TransferReport>
         bounce_bytes: 0,
         zero_copy_bytes: 0,
         tcp_bytes: 0,
-        crc32c: 0,
+        crc32c: None,
         verified: true,
         ..first.clone()
     };
     for (i, r) in reports.iter().enumerate() {
-        m.crc32c = if i == 0 {
-            r.crc32c
-        } else {
-            crc32c::crc32c_combine(m.crc32c, r.crc32c, r.bytes as usize)
+        // a range's CRC only when every stripe was summed
+        m.crc32c = match (i, m.crc32c, r.crc32c) {
+            (0, _, c) => c,
+            (_, Some(a), Some(b)) => Some(crc32c::crc32c_combine(a, b, r.bytes as usize)),
+            _ => None,
         };
         m.bytes += r.bytes;
         m.direct_bytes += r.direct_bytes;
@@ -94,7 +95,7 @@ mod tests {
             bounce_bytes: 0,
             zero_copy_bytes: 0,
             tcp_bytes: 0,
-            crc32c: crc32c::crc32c(data),
+            crc32c: verified.then(|| crc32c::crc32c(data)),
             verified,
         }
     }
@@ -121,14 +122,17 @@ mod tests {
             .map(|s| report(s.offset, &data[s.offset as usize..][..s.len as usize], true))
             .collect();
         let m = merge(&reps, 2.0).unwrap();
-        assert_eq!(m.crc32c, crc32c::crc32c(&data));
         assert_eq!(m.bytes, data.len() as u64);
         assert_eq!(m.offset, 0);
         assert!(m.verified);
         assert!((m.mib_per_sec - data.len() as f64 / 2.0 / 1048576.0).abs() < 1e-9);
+        assert_eq!(m.crc32c, Some(crc32c::crc32c(&data)));
+        // a stripe that was not verified was not summed: the range has no CRC
         let mut one_unverified = reps.clone();
-        one_unverified[1].verified = false;
-        assert!(!merge(&one_unverified, 1.0).unwrap().verified);
+        one_unverified[1] = report(s[1].offset, &[], false);
+        let u = merge(&one_unverified, 1.0).unwrap();
+        assert!(!u.verified);
+        assert_eq!(u.crc32c, None);
         assert!(merge(&[], 1.0).is_none());
     }
 

@@ -25,7 +25,9 @@ pub(crate) struct FetchArgs {
     /// Output file, or - for stdout.
     #[arg(short = 'o', long = "output", value_name = "FILE|-")]
     pub(crate) output: String,
-    /// Compare a CRC-32C of the bytes received with the server's.
+    /// Compare a CRC-32C of the bytes received with the server's (and report it, `crc32c` in
+    /// --json). The sum is a pass of the CPU over every byte, so a fetch without --verify
+    /// does not compute it.
     #[arg(long)]
     pub(crate) verify: bool,
     /// Print a JSON result record.
@@ -51,7 +53,8 @@ pub(crate) struct PutArgs {
     /// Input file, or - for stdin.
     #[arg(short = 'i', long = "input", value_name = "FILE|-")]
     pub(crate) input: String,
-    /// Compare a CRC-32C of the bytes sent with the server's checksum of the range.
+    /// Compare a CRC-32C of the bytes sent with the server's checksum of the range (and report
+    /// it, `crc32c` in --json); a put without --verify does not compute it.
     #[arg(long)]
     pub(crate) verify: bool,
     /// Print a JSON result record.

@@ -93,10 +93,9 @@ pub(crate) fn print_report(r: &bridge::TransferReport, json: bool) -> anyhow::Re
         } else {
             String::new()
         },
-        if r.verified {
-            format!(", CRC-32C {:#010x} verified", r.crc32c)
-        } else {
-            String::new()
+        match (r.verified, r.crc32c) {
+            (true, Some(c)) => format!(", CRC-32C {c:#010x} verified"),
+            _ => String::new(),
         }
     );
     Ok(())

@@ -15,12 +15,14 @@ use crate::error::{Error, Result};
 use crate::protocol::{DataPath, Extent, Msg, RegionInfo, VERSION};
 use crate::staging::{Pools, Use};
 
+mod checksum;
 mod config;
 mod nic;
 mod tcp;
 mod window;
 mod zero_copy;
 mod zero_copy_put;
+use checksum::Checksum;
 pub use config::{ClientConfig, Transport, DEFAULT_INLINE};
 use window::{
     await_or_stall, bounce_reply, issue, land, more_input, overflow_error, piece, pulls, read_full,
@@ -122,8 +124,10 @@ pub struct TransferReport {
     /// or `Transport::Tcp`).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub tcp_bytes: u64,
-    /// CRC-32C of the bytes moved.
-    pub crc32c: u32,
+    /// CRC-32C of the bytes moved, when the transfer was verified (the sum is a pass of the
+    /// CPU over every byte, so an unverified transfer does not compute it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub crc32c: Option<u32>,
     /// Whether the server's checksum of the range was compared and matched.
     pub verified: bool,
 }
@@ -390,15 +394,19 @@ impl Client {
         }
     }
 
-    /// Compare our CRC-32C of what moved with the server's checksum of the range.
+    /// Compare our CRC-32C of what moved with the server's checksum of the range: whether it
+    /// was compared (only a verified transfer sums what it moves).
     async fn verify(
         &mut self,
         r: &OpenRegion,
         op: &str,
         offset: u64,
         len: u64,
-        crc: u32,
+        crc: Checksum,
     ) -> Result<bool> {
+        let Some(crc) = crc.value() else {
+            return Ok(false);
+        };
         let server = self.checksum(r, offset, len).await?;
         if server != crc {
             return Err(Error::Mismatch {
@@ -567,7 +575,7 @@ impl Client {
         let mut window: VecDeque<Slot> = VecDeque::with_capacity(depth);
         let mut next = 0u64;
         let mut done = 0u64;
-        let mut crc = 0u32;
+        let mut crc = Checksum::new(verify);
         let mut by_path = [0u64; 3];
         let mut alive = Instant::now();
         let extents = r.info.extents();
@@ -613,7 +621,7 @@ impl Client {
                 } else {
                     &buf.as_slice()[..n as usize]
                 };
-                crc = crc32c::crc32c_append(crc, bytes);
+                crc.add(bytes);
                 let w = sink.write_all(bytes);
                 rdma.pools.give(buf);
                 w.map_err(|e| Error::io("writing the fetched data", e))?;
@@ -636,9 +644,16 @@ impl Client {
         let seconds = start.elapsed().as_secs_f64();
         self.report_direct(r, offset, by_path[0], false, seconds)
             .await?;
-        let verified = verify && self.verify(r, "fetch", offset, len, crc).await?;
+        let verified = self.verify(r, "fetch", offset, len, crc).await?;
         Ok(report(
-            "fetch", r, offset, done, seconds, crc, verified, by_path,
+            "fetch",
+            r,
+            offset,
+            done,
+            seconds,
+            crc.value(),
+            verified,
+            by_path,
         ))
     }
 
@@ -677,7 +692,7 @@ impl Client {
         let mut window: VecDeque<Slot> = VecDeque::with_capacity(depth);
         let mut posted = 0u64;
         let mut done = 0u64;
-        let mut crc = 0u32;
+        let mut crc = Checksum::new(verify);
         let mut eof = false;
         let mut overflow = false;
         let mut by_path = [0u64; 3];
@@ -709,7 +724,7 @@ impl Client {
                         rdma.pools.give(buf);
                         break;
                     }
-                    crc = crc32c::crc32c_append(crc, &buf.as_slice()[..n]);
+                    crc.add(&buf.as_slice()[..n]);
                     p.len = n as u64;
                     window
                         .push_back(issue(&mut rdma, &mut self.conn, r, p, buf, true, false).await?);
@@ -771,9 +786,16 @@ impl Client {
         let seconds = start.elapsed().as_secs_f64();
         self.report_direct(r, offset, by_path[0], true, seconds)
             .await?;
-        let verified = verify && self.verify(r, "put", offset, done, crc).await?;
+        let verified = self.verify(r, "put", offset, done, crc).await?;
         Ok(report(
-            "put", r, offset, done, seconds, crc, verified, by_path,
+            "put",
+            r,
+            offset,
+            done,
+            seconds,
+            crc.value(),
+            verified,
+            by_path,
         ))
     }
 }

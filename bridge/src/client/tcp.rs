@@ -7,6 +7,7 @@ use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::time::Instant;
 
+use super::checksum::Checksum;
 use super::window::{more_input, overflow_error, read_full, report};
 use super::{reply_err, Client, OpenRegion, TransferReport, Transport};
 use crate::error::{Error, Result};
@@ -91,7 +92,7 @@ impl Client {
         let stall = Some(self.cfg.timeout);
         let start = Instant::now();
         let mut inflight: VecDeque<u64> = VecDeque::with_capacity(depth);
-        let (mut sent, mut done, mut crc) = (0u64, 0u64, 0u32);
+        let (mut sent, mut done, mut crc) = (0u64, 0u64, Checksum::new(verify));
         let result: Result<()> = async {
             while done < len {
                 while inflight.len() < depth && sent < len {
@@ -115,7 +116,7 @@ impl Client {
                 }
                 let data = self.conn.recv_payload(n as usize, stall).await?;
                 inflight.pop_front();
-                crc = crc32c::crc32c_append(crc, &data);
+                crc.add(&data);
                 sink.write_all(&data)
                     .map_err(|e| Error::io("writing the fetched data", e))?;
                 done += n;
@@ -129,8 +130,17 @@ impl Client {
             return Err(e);
         }
         let seconds = start.elapsed().as_secs_f64();
-        let verified = verify && self.verify(r, "fetch", offset, len, crc).await?;
-        let mut rep = report("fetch", r, offset, len, seconds, crc, verified, [0; 3]);
+        let verified = self.verify(r, "fetch", offset, len, crc).await?;
+        let mut rep = report(
+            "fetch",
+            r,
+            offset,
+            len,
+            seconds,
+            crc.value(),
+            verified,
+            [0; 3],
+        );
         rep.tcp_bytes = len;
         Ok(rep)
     }
@@ -152,7 +162,7 @@ impl Client {
         let start = Instant::now();
         let mut buf = vec![0u8; chunk as usize];
         let mut inflight: VecDeque<u64> = VecDeque::with_capacity(depth);
-        let (mut posted, mut done, mut crc) = (0u64, 0u64, 0u32);
+        let (mut posted, mut done, mut crc) = (0u64, 0u64, Checksum::new(verify));
         let mut overflow = false;
         let result: Result<()> = async {
             let mut eof = false;
@@ -167,7 +177,7 @@ impl Client {
                     if n == 0 {
                         break;
                     }
-                    crc = crc32c::crc32c_append(crc, &buf[..n]);
+                    crc.add(&buf[..n]);
                     let m = Msg::TcpWrite {
                         handle: r.handle,
                         offset: offset + posted,
@@ -212,8 +222,17 @@ impl Client {
             self.flush(r, offset, done).await?;
         }
         let seconds = start.elapsed().as_secs_f64();
-        let verified = verify && self.verify(r, "put", offset, done, crc).await?;
-        let mut rep = report("put", r, offset, done, seconds, crc, verified, [0; 3]);
+        let verified = self.verify(r, "put", offset, done, crc).await?;
+        let mut rep = report(
+            "put",
+            r,
+            offset,
+            done,
+            seconds,
+            crc.value(),
+            verified,
+            [0; 3],
+        );
         rep.tcp_bytes = done;
         Ok(rep)
     }

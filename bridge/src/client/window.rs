@@ -364,7 +364,7 @@ pub(super) fn report(
     offset: u64,
     bytes: u64,
     seconds: f64,
-    crc32c: u32,
+    crc32c: Option<u32>,
     verified: bool,
     by_path: [u64; 3],
 ) -> TransferReport {
