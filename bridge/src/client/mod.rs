@@ -646,14 +646,7 @@ impl Client {
             .await?;
         let verified = self.verify(r, "fetch", offset, len, crc).await?;
         Ok(report(
-            "fetch",
-            r,
-            offset,
-            done,
-            seconds,
-            crc.value(),
-            verified,
-            by_path,
+            "fetch", r, offset, done, seconds, crc, verified, by_path,
         ))
     }
 
@@ -788,14 +781,7 @@ impl Client {
             .await?;
         let verified = self.verify(r, "put", offset, done, crc).await?;
         Ok(report(
-            "put",
-            r,
-            offset,
-            done,
-            seconds,
-            crc.value(),
-            verified,
-            by_path,
+            "put", r, offset, done, seconds, crc, verified, by_path,
         ))
     }
 }

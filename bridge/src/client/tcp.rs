@@ -131,16 +131,7 @@ impl Client {
         }
         let seconds = start.elapsed().as_secs_f64();
         let verified = self.verify(r, "fetch", offset, len, crc).await?;
-        let mut rep = report(
-            "fetch",
-            r,
-            offset,
-            len,
-            seconds,
-            crc.value(),
-            verified,
-            [0; 3],
-        );
+        let mut rep = report("fetch", r, offset, len, seconds, crc, verified, [0; 3]);
         rep.tcp_bytes = len;
         Ok(rep)
     }
@@ -223,16 +214,7 @@ impl Client {
         }
         let seconds = start.elapsed().as_secs_f64();
         let verified = self.verify(r, "put", offset, done, crc).await?;
-        let mut rep = report(
-            "put",
-            r,
-            offset,
-            done,
-            seconds,
-            crc.value(),
-            verified,
-            [0; 3],
-        );
+        let mut rep = report("put", r, offset, done, seconds, crc, verified, [0; 3]);
         rep.tcp_bytes = done;
         Ok(rep)
     }

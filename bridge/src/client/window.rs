@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use verbs::{Local, Pending, RegisteredBuffer, RemoteSlice, SendOp, SendWr};
 
+use super::checksum::Checksum;
 use super::{reply_err, OpenRegion, Rdma, TransferReport};
 use crate::conn::Conn;
 use crate::error::{Error, Result};
@@ -364,7 +365,7 @@ pub(super) fn report(
     offset: u64,
     bytes: u64,
     seconds: f64,
-    crc32c: Option<u32>,
+    sum: Checksum,
     verified: bool,
     by_path: [u64; 3],
 ) -> TransferReport {
@@ -379,7 +380,7 @@ pub(super) fn report(
         bounce_bytes: by_path[1],
         zero_copy_bytes: by_path[2],
         tcp_bytes: 0,
-        crc32c,
+        crc32c: sum.value(),
         verified,
     }
 }
