@@ -351,16 +351,13 @@ pub(super) async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem)
                         // queue as soon as this one is out, so that the next ping (of the
                         // same size, but for the first of a run) leaves only its doorbell
                         let n = n.min(pong_max);
-                        let ready = match prepared.take() {
-                            Some((m, r)) if m == n => Some(r),
+                        let pong = match prepared.take() {
+                            Some((m, r)) if m == n => r,
                             stale => {
+                                // (a prepared pong holds the send queue: gone before the next)
                                 drop(stale);
-                                None
+                                make_pong(&qp, n)?
                             }
-                        };
-                        let pong = match ready {
-                            Some(r) => r,
-                            None => make_pong(&qp, n)?,
                         };
                         let sent = pong.post()?;
                         prepared = Some((n, make_pong(&qp, n)?));
