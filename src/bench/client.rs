@@ -11,7 +11,7 @@ use verbs::{
     RemoteSlice, SendOp, SendWr, SinkBuffer,
 };
 
-use super::lat::lat_loop;
+use super::lat::{lat_in_memory, lat_loop};
 use super::settle::{self, Settle};
 use super::*;
 
@@ -219,8 +219,23 @@ pub async fn run_client(
     // (remotely writable: the CPU only copies it)
     let mut mine = pd.register(HostBuffer::new(max)?, Access::ALL, RegMode::Pinned)?;
     mine.write_at(0, &pat)?;
+    // a polled WRITE ping-pong's pongs land in a buffer of their own, which the loop polls
+    // (the server may answer with WRITEs with immediate instead: they land there too)
+    let mut landing = if p.lat && p.poll && p.op == BenchOp::Write {
+        Some(pd.register(
+            HostBuffer::new(max)?,
+            Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+            RegMode::Pinned,
+        )?)
+    } else {
+        None
+    };
     let mine_keys = {
-        let r = mine.mr().remote(0..max as u64)?;
+        let r = landing
+            .as_ref()
+            .unwrap_or(&mine)
+            .mr()
+            .remote(0..max as u64)?;
         Keys {
             addr: r.addr,
             rkey: r.rkey,
@@ -240,10 +255,16 @@ pub async fn run_client(
         path,
         strategy,
         bridge,
+        polled_memory,
     } = c.recv().await?
     else {
         return Err(BenchError::Control("expected ready".into()));
     };
+    if polled_memory && landing.is_none() {
+        return Err(BenchError::Control(
+            "the server wants a polled WRITE ping-pong, which this run is not".into(),
+        ));
+    }
     let mut out = Vec::new();
     if let Some((port, token)) = bridge {
         let host = o
@@ -370,14 +391,23 @@ pub async fn run_client(
             let times = if p.poll {
                 let (qp, src, p2) = (qps[0].clone(), Arc::clone(&src), p.clone());
                 let mut mine = std::mem::take(&mut pongs);
-                let (times, back) = settle::on_own_thread(async move {
+                let mut pad = landing.take();
+                let (times, back, pad_back) = settle::on_own_thread(async move {
                     let never = AtomicBool::new(false);
-                    let how = Settle::Spin { stop: &never };
-                    let t = lat_loop(&qp, &src, keys, n, &p2, how, &mut mine).await?;
-                    Ok((t, mine))
+                    let t = match pad.as_mut() {
+                        Some(pad) if polled_memory => {
+                            lat_in_memory(&qp, keys, n, &p2, pad, &never).await?
+                        }
+                        _ => {
+                            let how = Settle::Spin { stop: &never };
+                            lat_loop(&qp, &src, keys, n, &p2, how, &mut mine).await?
+                        }
+                    };
+                    Ok((t, mine, pad))
                 })
                 .await?;
                 pongs = back;
+                landing = pad_back;
                 times
             } else {
                 let how = Settle::Events;
@@ -387,7 +417,11 @@ pub async fn run_client(
             let Msg::Stats { .. } = c.recv().await? else {
                 return Err(BenchError::Control("expected stats".into()));
             };
-            lat_result(p, size, &times, &path, &strategy)
+            let mut r = lat_result(p, size, &times, &path, &strategy);
+            if polled_memory {
+                r.cq = "memory".into();
+            }
+            r
         } else {
             let lane = match p.op {
                 BenchOp::Read => Lane::Sink(sink.take().expect("sink is back after each size")),

@@ -44,6 +44,11 @@ pub(super) enum Msg {
         path: String,
         strategy: String,
         bridge: Option<(u16, String)>,
+        /// A polled WRITE latency run goes as perftest's `ib_write_lat`: pings and pongs are
+        /// plain WRITEs into `keys` and the client's memory, and each side busy-reads the last
+        /// byte of the message in its own memory ([`super::pong::answer_in_memory`]).
+        #[serde(default)]
+        polled_memory: bool,
     },
     Run {
         size: u64,

@@ -14,16 +14,18 @@
 //! queues the work and wakes a worker.
 
 use std::collections::VecDeque;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use verbs::{
-    Access, HostBuffer, Local, Pending, PendingRecv, PreparedSend, QueuePair, RegMode,
-    RegisteredBuffer, SendOp, SendWr,
+    Access, HostBuffer, Local, PendingRecv, PreparedSend, QueuePair, RegMode, RegisteredBuffer,
+    SendOp, SendWr,
 };
 
 use super::control::Keys;
-use super::settle::Settle;
+use super::pong::PONG_BYTE;
+use super::settle::{spin, Settle};
 use super::{BenchError, BenchOp, BenchParams, Result};
 
 /// Round trips of `n` bytes until `p`'s iteration count or duration; one sample per round trip,
@@ -39,12 +41,7 @@ pub(super) async fn lat_loop(
     pongs: &mut VecDeque<PendingRecv>,
 ) -> Result<Vec<f64>> {
     let op = p.op;
-    let rounds = p.iters.unwrap_or(u64::MAX);
-    let deadline = p
-        .duration
-        .map(|d| Instant::now() + Duration::from_secs_f64(d));
-    let more =
-        |done: usize, now: Instant| (done as u64) < rounds && deadline.is_none_or(|d| now < d);
+    let more = limit(p);
     let pd = qp.pd().clone();
     let buffer = |len: usize| -> Result<RegisteredBuffer> {
         Ok(pd.register(
@@ -73,20 +70,13 @@ pub(super) async fn lat_loop(
             let mut posted = Instant::now();
             loop {
                 // seeing this read complete leaves only the next one's doorbell to ring
-                let prepared = read(spare.take().ok_or_else(lost)?)?;
-                let (done, (sample, now, next)) = how
-                    .then(inflight, || {
-                        let next = if more(times.len() + 1, posted) {
-                            Some(prepared.post()?)
-                        } else {
-                            None
-                        };
-                        let now = Instant::now();
-                        Ok((micros(now - posted), now, next))
-                    })
-                    .await?
-                    .ok_or_else(lost)?;
-                times.push(sample);
+                let next = if more(times.len() + 1, posted) {
+                    Some(read(spare.take().ok_or_else(lost)?)?)
+                } else {
+                    None
+                };
+                let (done, next, now) = how.then(inflight, next).await?.ok_or_else(lost)?;
+                times.push(micros(now - posted));
                 posted = now;
                 spare = done.into_iter().next().and_then(Local::into_owned);
                 match next {
@@ -118,10 +108,6 @@ pub(super) async fn lat_loop(
                     (qp.prepare_send(vec![SendWr { op: sop, local }])?, true)
                 })
             };
-            let post = |(prepared, awaited): (PreparedSend, bool)| -> Result<Option<Pending>> {
-                let pending = prepared.post()?;
-                Ok(awaited.then_some(pending))
-            };
             // two receives posted ahead: the pong of the next round always has one waiting,
             // and the last round's buffer is re-posted after the next ping went out. They
             // outlive a size (the caller keeps them for the next one, whose first pong lands
@@ -129,34 +115,38 @@ pub(super) async fn lat_loop(
             while pongs.len() < 2 {
                 pongs.push_back(qp.post_recv(vec![Local::owned(buffer(p.max_size())?)])?);
             }
-            let mut last_ping = post(ping()?)?;
+            let (first, awaited) = ping()?;
+            let first = first.post()?;
+            let mut last_ping = awaited.then_some(first);
             let mut posted = Instant::now();
             loop {
                 // the next ping goes out as soon as this pong is seen: a round trip ends when
                 // the pong lands, as perftest counts it (the ping's own completion, the NIC's
                 // acknowledgement, is not part of it)
                 let pong = pongs.pop_front().ok_or_else(lost)?;
-                let prepared = ping()?;
-                let (back, (sample, now, next)) = how
-                    .then(pong, || {
-                        let next = if more(times.len() + 1, posted) {
-                            Some(post(prepared)?)
-                        } else {
-                            None
-                        };
-                        let now = Instant::now();
-                        Ok((micros(now - posted) / 2.0, now, next))
-                    })
-                    .await?
-                    .ok_or_else(lost)?;
-                times.push(sample);
+                let (prepared, awaited) = if more(times.len() + 1, posted) {
+                    let (prepared, awaited) = ping()?;
+                    (Some(prepared), awaited)
+                } else {
+                    (None, false)
+                };
+                let (back, sent, now) = how.then(pong, prepared).await?.ok_or_else(lost)?;
+                times.push(micros(now - posted) / 2.0);
                 posted = now;
+                // a small ping's own completion is not awaited (see `ping`)
+                let next = sent.map(|s| awaited.then_some(s));
                 let go_on = next.is_some();
                 let previous = match next {
                     Some(sent) => std::mem::replace(&mut last_ping, sent),
                     None => last_ping.take(),
                 };
-                let (l, _) = back.into_iter().next().ok_or_else(lost)?;
+                let (l, info) = back.into_iter().next().ok_or_else(lost)?;
+                if info.byte_len as usize != n {
+                    return Err(BenchError::Control(format!(
+                        "the server answered a ping of {n} bytes with a pong of {}",
+                        info.byte_len
+                    )));
+                }
                 let buf = l.into_owned().ok_or_else(lost)?;
                 pongs.push_back(qp.post_recv(vec![Local::owned(buf)])?);
                 if let Some(previous) = previous {
@@ -168,6 +158,98 @@ pub(super) async fn lat_loop(
             }
         }
     }
+}
+
+/// A polled WRITE ping-pong as `ib_write_lat` runs it: plain WRITEs both ways, each side
+/// busy-reading the last byte of the message in its own memory (`landing` here; the server's
+/// side is [`super::pong::answer_in_memory`]). Seeing that byte turn non-zero, the loop clears it
+/// and posts the next ping, prepared while the last was in flight. No receive and no
+/// completion is on that path, as in perftest's.
+pub(super) async fn lat_in_memory(
+    qp: &QueuePair,
+    keys: Keys,
+    n: usize,
+    p: &BenchParams,
+    landing: &mut RegisteredBuffer,
+    stop: &AtomicBool,
+) -> Result<Vec<f64>> {
+    let more = limit(p);
+    let mut times = Vec::new();
+    if n == 0 || !more(0, Instant::now()) {
+        return Ok(times);
+    }
+    // every byte of a ping is non-zero, its last one included
+    let mut src = qp
+        .pd()
+        .register(HostBuffer::new(n)?, Access::LOCAL_WRITE, RegMode::Pinned)?;
+    src.as_mut_slice().fill(PONG_BYTE);
+    let src = Arc::new(src);
+    // (no pong can land before the first ping)
+    landing.write_at(n - 1, &[0])?;
+    let ping = || -> Result<(PreparedSend, bool)> {
+        let op = SendOp::Write(keys.slice(n as u64));
+        // small pings go inline and ask for no completion (see `lat_loop`)
+        Ok(if p.goes_inline(n) {
+            let local = Local::inline(&src.as_slice()[..n]);
+            (qp.prepare_send_deferred(vec![SendWr { op, local }])?, false)
+        } else {
+            let local = Local::shared(Arc::clone(&src), 0..n)?;
+            (qp.prepare_send(vec![SendWr { op, local }])?, true)
+        })
+    };
+    let (first, awaited) = ping()?;
+    let mut last_ping = Some(first.post()?).filter(|_| awaited);
+    let mut posted = Instant::now();
+    loop {
+        let mut next = if more(times.len() + 1, posted) {
+            Some(ping()?)
+        } else {
+            None
+        };
+        let sent = spin(
+            || {
+                if landing.load_byte(n - 1)? == 0 {
+                    return Ok(None);
+                }
+                // cleared before the next ping goes out: its pong cannot land first
+                landing.write_at(n - 1, &[0])?;
+                let sent = match next.take() {
+                    Some((prepared, awaited)) => Some((prepared.post()?, awaited)),
+                    None => None,
+                };
+                Ok(Some(sent))
+            },
+            stop,
+        )?
+        .ok_or_else(lost)?;
+        let now = Instant::now();
+        times.push(micros(now - posted) / 2.0);
+        posted = now;
+        let Some((sent, awaited)) = sent else {
+            if let Some(previous) = last_ping.take() {
+                Settle::Spin { stop }.settle(previous).await?;
+            }
+            return Ok(times);
+        };
+        if awaited {
+            if let Some(previous) = last_ping.replace(sent) {
+                Settle::Spin { stop }.settle(previous).await?;
+            }
+        } else {
+            // an inline ping asked for no completion: this drains the signaled ones that
+            // retire them, so that the send queue never fills
+            sent.poll_ready()?;
+        }
+    }
+}
+
+/// Whether a latency run goes on after `done` round trips, the last posted at `now`.
+fn limit(p: &BenchParams) -> impl Fn(usize, Instant) -> bool {
+    let rounds = p.iters.unwrap_or(u64::MAX);
+    let deadline = p
+        .duration
+        .map(|d| Instant::now() + Duration::from_secs_f64(d));
+    move |done, now| (done as u64) < rounds && deadline.is_none_or(|d| now < d)
 }
 
 fn micros(d: Duration) -> f64 {

@@ -19,6 +19,7 @@ use verbs::{CqMode, QpOptions};
 mod client;
 mod control;
 mod lat;
+mod pong;
 mod report;
 mod server;
 mod settle;
@@ -220,7 +221,9 @@ pub struct SizeResult {
     /// Work requests in flight per QP.
     pub tx_depth: u32,
     /// How completions were waited for: `events` (sleep on the completion channel) or
-    /// `polling` (busy-poll, --poll). The bounce path's pipeline always uses events.
+    /// `polling` (busy-poll, --poll). The bounce path's pipeline always uses events. A
+    /// polled WRITE ping-pong (--lat --poll) reports `memory`: each side polled the last byte
+    /// of the message in its own memory, as ib_write_lat.
     #[serde(default)]
     pub cq: String,
     /// Whether --validate ran and the data matched.

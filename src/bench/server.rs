@@ -12,10 +12,11 @@ use peermem::Provider;
 use tokio::net::TcpListener;
 use verbs::{
     Access, Context, HostBuffer, Local, PreparedSend, ProtectionDomain, QueuePair, RegMode,
-    RegisteredBuffer, SendOp, SendWr, SinkBuffer,
+    RegisteredBuffer, SinkBuffer,
 };
 
-use super::settle::{self, Settle};
+use super::pong::{self, Pongs, RunSize, PONG_BYTE};
+use super::settle;
 use super::*;
 
 /// The server's target memory: host RAM, or a provider's memory proved direct.
@@ -266,13 +267,37 @@ pub(super) async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem)
         qp.connect(&ep.into())?;
         qps.push(qp);
     }
-    let my_keys = target.keys(max as u64)?;
+    // a polled WRITE ping-pong on host memory goes as ib_write_lat: the pings land in a
+    // buffer of the partner's, which it polls (the memory under test keeps its bytes)
+    let polled_memory =
+        p.lat && p.poll && p.op == BenchOp::Write && matches!(target, Target::Host(_));
+    let landing = if polled_memory {
+        Some(pd.register(
+            HostBuffer::new(max)?,
+            Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+            RegMode::Pinned,
+        )?)
+    } else {
+        None
+    };
+    let my_keys = match &landing {
+        Some(l) => {
+            let r = l.mr().remote(0..max as u64)?;
+            Keys {
+                addr: r.addr,
+                rkey: r.rkey,
+                len: r.len,
+            }
+        }
+        None => target.keys(max as u64)?,
+    };
     c.send(&Msg::Ready {
         endpoints: qps.iter().map(|q| q.endpoint().into()).collect(),
         keys: my_keys,
         path: path.clone(),
         strategy: strategy.clone(),
         bridge: None,
+        polled_memory,
     })
     .await?;
 
@@ -284,62 +309,67 @@ pub(super) async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem)
     let received = Arc::new(AtomicU64::new(0));
     let bad = Arc::new(AtomicU64::new(0));
     let mut receivers = tokio::task::JoinSet::new();
+    // the run sizes of polled latency partners (one per QP)
+    let mut runs: Vec<Arc<RunSize>> = Vec::new();
     if p.op == BenchOp::Send || (p.lat && p.op == BenchOp::Write) {
         let pat = Arc::new(pattern(max));
         // local only: no rkey of it is handed out
-        let source =
-            Arc::new(pd.register(HostBuffer::new(max)?, Access::LOCAL_WRITE, RegMode::Pinned)?);
+        let mut source =
+            pd.register(HostBuffer::new(max)?, Access::LOCAL_WRITE, RegMode::Pinned)?;
+        // no zero byte: a polled pong is seen by its last byte turning non-zero
+        source.as_mut_slice().fill(PONG_BYTE);
+        let source = Arc::new(source);
+        let mut landing = landing;
         for qp in &qps {
+            // small pongs go inline, as the client's pings, and ask for no completion
+            let pongs = Arc::new(Pongs {
+                op: p.op,
+                plain_write: landing.is_some(),
+                client: client_keys,
+                source: Arc::clone(&source),
+                inline: p.inline_size() as usize,
+            });
+            if let Some(landing) = landing.take() {
+                let run = Arc::new(RunSize::default());
+                runs.push(Arc::clone(&run));
+                let (qp, stop, received) = (qp.clone(), Arc::clone(&stop), Arc::clone(&received));
+                receivers.spawn(settle::on_own_thread(async move {
+                    pong::answer_in_memory(&qp, landing, &pongs, &run, &stop, &received).await
+                }));
+                continue;
+            }
             let mut slots = VecDeque::new();
             let n = if p.lat { 2 } else { recv };
             for _ in 0..n {
                 let b = pd.register(HostBuffer::new(max)?, Access::LOCAL_WRITE, RegMode::Pinned)?;
                 slots.push_back(qp.post_recv(vec![Local::owned(b)])?);
             }
-            let (qp, stop, received, bad, pat, source) = (
+            if p.lat && p.poll {
+                // a polled latency partner spins on a thread of its own, as the client's
+                // pings do, and is told each run's size before the run starts
+                let run = Arc::new(RunSize::default());
+                runs.push(Arc::clone(&run));
+                let (qp, stop, received) = (qp.clone(), Arc::clone(&stop), Arc::clone(&received));
+                receivers.spawn(settle::on_own_thread(async move {
+                    pong::answer(&qp, slots, &pongs, &run, &stop, &received).await
+                }));
+                continue;
+            }
+            let (qp, stop, received, bad, pat) = (
                 qp.clone(),
                 Arc::clone(&stop),
                 Arc::clone(&received),
                 Arc::clone(&bad),
                 Arc::clone(&pat),
-                Arc::clone(&source),
             );
             let (lat, validate, op) = (p.lat, p.validate, p.op);
-            let inline = p.inline_size() as usize;
-            // a polled latency partner spins on a thread of its own, as the client's pings do
-            let spin = lat && p.poll;
-            // small pongs go inline, as the client's pings, and ask for no completion
             let pong_max = source.len();
-            let make_pong = move |qp: &QueuePair, n: usize| -> verbs::Result<PreparedSend> {
-                let op = match op {
-                    BenchOp::Write => SendOp::WriteImm(client_keys.slice(n as u64), 0),
-                    _ => SendOp::Send,
-                };
-                if n <= inline {
-                    let local = Local::inline(&source.as_slice()[..n]);
-                    qp.prepare_send_deferred(vec![SendWr { op, local }])
-                } else {
-                    let local = Local::shared(Arc::clone(&source), 0..n)?;
-                    qp.prepare_send(vec![SendWr { op, local }])
-                }
-            };
-            let receiver = async move {
+            receivers.spawn(async move {
                 let mut prepared: Option<(usize, PreparedSend)> = None;
                 while let Some(front) = slots.pop_front() {
-                    let got = if spin {
-                        match (Settle::Spin { stop: &stop }).settle(front).await {
-                            Ok(Some(got)) => Ok(got),
-                            Ok(None) => break,
-                            Err(e) => {
-                                tracing::debug!(error = %e, "latency partner stops");
-                                break;
-                            }
-                        }
-                    } else {
-                        tokio::select! {
-                            r = front.wait() => r,
-                            _ = async { while !stop.load(Ordering::Relaxed) { tokio::time::sleep(Duration::from_millis(20)).await } } => break,
-                        }
+                    let got = tokio::select! {
+                        r = front.wait() => r,
+                        _ = async { while !stop.load(Ordering::Relaxed) { tokio::time::sleep(Duration::from_millis(20)).await } } => break,
                     };
                     let Ok(mut got) = got else { break };
                     let Some((local, info)) = got.pop() else {
@@ -356,12 +386,12 @@ pub(super) async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem)
                             stale => {
                                 // (a prepared pong holds the send queue: gone before the next)
                                 drop(stale);
-                                make_pong(&qp, n)?
+                                pongs.prepare(&qp, n)?
                             }
                         };
                         let sent = pong.post()?;
-                        prepared = Some((n, make_pong(&qp, n)?));
-                        if n > inline {
+                        prepared = Some((n, pongs.prepare(&qp, n)?));
+                        if n > pongs.inline {
                             // a larger pong's buffer is shared: awaited (a small one is
                             // inline and asked for no completion: a later signaled one
                             // retires it)
@@ -378,12 +408,7 @@ pub(super) async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem)
                     slots.push_back(qp.post_recv(vec![Local::owned(buf)])?);
                 }
                 Ok::<(), BenchError>(())
-            };
-            if spin {
-                receivers.spawn(settle::on_own_thread(receiver));
-            } else {
-                receivers.spawn(receiver);
-            }
+            });
         }
     }
 
@@ -419,6 +444,9 @@ pub(super) async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem)
                         vec![0; n]
                     };
                     target.fill(&fill)?;
+                }
+                for run in &runs {
+                    run.announce(n).await?;
                 }
                 let before = received.load(Ordering::Relaxed);
                 let bad_before = bad.load(Ordering::Relaxed);
@@ -548,6 +576,7 @@ pub(super) async fn serve_bounce(
         path: "bounce".into(),
         strategy,
         bridge: Some((port, token.expose().to_string())),
+        polled_memory: false,
     })
     .await?;
     let pat = pattern(p.max_size());

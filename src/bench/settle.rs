@@ -8,7 +8,7 @@ use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use verbs::{Local, Pending, PendingRecv, RecvInfo};
+use verbs::{AfterPoll, Local, Pending, PendingRecv, PreparedSend, RecvInfo};
 
 use super::{BenchError, Result};
 
@@ -38,6 +38,8 @@ pub(super) trait Waitable: Sized + Send {
     fn into_ready(self) -> verbs::Result<Self::Out>;
     /// Await the results.
     fn wait(self) -> impl Future<Output = verbs::Result<Self::Out>> + Send;
+    /// Poll once, and post `next` at once if all have completed.
+    fn post_after(&self, next: PreparedSend) -> verbs::Result<AfterPoll>;
 }
 
 impl Waitable for Pending {
@@ -50,6 +52,9 @@ impl Waitable for Pending {
     }
     fn wait(self) -> impl Future<Output = verbs::Result<Self::Out>> + Send {
         Pending::wait(self)
+    }
+    fn post_after(&self, next: PreparedSend) -> verbs::Result<AfterPoll> {
+        next.post_after(self)
     }
 }
 
@@ -64,35 +69,70 @@ impl Waitable for PendingRecv {
     fn wait(self) -> impl Future<Output = verbs::Result<Self::Out>> + Send {
         PendingRecv::wait(self)
     }
+    fn post_after(&self, next: PreparedSend) -> verbs::Result<AfterPoll> {
+        next.post_after_recv(self)
+    }
 }
+
+/// What a wait with a prepared successor gave: the results, the successor's post (when one was
+/// given), and the time just after its doorbell (or just after the completion was seen).
+pub(super) type Settled<O> = (O, Option<Pending>, Instant);
 
 impl Settle<'_> {
     /// The results, or `None` once the stop flag is set.
     pub(super) async fn settle<W: Waitable>(self, w: W) -> Result<Option<W::Out>> {
-        Ok(self.then(w, || Ok(())).await?.map(|(out, ())| out))
+        Ok(self.then(w, None).await?.map(|(out, ..)| out))
     }
 
-    /// Wait for `w`, then call `next`, and return both results. When spinning, `next` runs as
-    /// soon as the completion is seen and before its results are taken (the next post goes
-    /// out first, the bookkeeping follows). `None` once the stop flag is set (then `next` is
-    /// not called).
-    pub(super) async fn then<W: Waitable, N>(
+    /// Wait for `w` and post `next` (when given) as soon as `w` has completed. When spinning,
+    /// only the poll that sees the completion stands before `next`'s doorbell: the completions
+    /// are handed out and `w`'s results taken after it. `None` once the stop flag is set (then
+    /// `next` is dropped, not posted).
+    pub(super) async fn then<W: Waitable>(
         self,
         w: W,
-        next: impl FnOnce() -> Result<N>,
-    ) -> Result<Option<(W::Out, N)>> {
+        next: Option<PreparedSend>,
+    ) -> Result<Option<Settled<W::Out>>> {
         match self {
             Settle::Events => {
                 let out = bounded(w.wait()).await??;
-                let n = next()?;
-                Ok(Some((out, n)))
+                let posted = next.map(PreparedSend::post).transpose()?;
+                Ok(Some((out, posted, Instant::now())))
             }
             Settle::Spin { stop } => {
-                if !spin(|| w.poll_ready(), stop)? {
-                    return Ok(None);
-                }
-                let n = next()?;
-                Ok(Some((w.into_ready()?, n)))
+                let posted = match next {
+                    None => {
+                        let seen = spin(|| Ok(w.poll_ready()?.then_some(())), stop)?;
+                        if seen.is_none() {
+                            return Ok(None);
+                        }
+                        None
+                    }
+                    Some(next) => {
+                        let mut next = Some(next);
+                        let posted = spin(
+                            || {
+                                let p = next.take().ok_or_else(|| {
+                                    verbs::Error::InvalidArgument("a prepared send was lost".into())
+                                })?;
+                                Ok(match w.post_after(p)? {
+                                    AfterPoll::Posted(sent) => Some(sent),
+                                    AfterPoll::NotYet(back) => {
+                                        next = Some(back);
+                                        None
+                                    }
+                                })
+                            },
+                            stop,
+                        )?;
+                        match posted {
+                            Some(sent) => Some(sent),
+                            None => return Ok(None),
+                        }
+                    }
+                };
+                let at = Instant::now();
+                Ok(Some((w.into_ready()?, posted, at)))
             }
         }
     }
@@ -111,18 +151,24 @@ fn quiet() -> BenchError {
     ))
 }
 
-/// Poll until `ready` says true (true returned), `stop` is set (false) or [`QUIET_LIMIT`] passes.
-fn spin(ready: impl Fn() -> verbs::Result<bool>, stop: &AtomicBool) -> Result<bool> {
+/// Call `attempt` until it gives a value (returned), `stop` is set (`None`) or [`QUIET_LIMIT`]
+/// passes.
+pub(super) fn spin<T>(
+    mut attempt: impl FnMut() -> verbs::Result<Option<T>>,
+    stop: &AtomicBool,
+) -> Result<Option<T>> {
     let start = Instant::now();
     loop {
         for _ in 0..POLLS_PER_CHECK {
-            if ready()? {
-                return Ok(true);
+            // no `pause` between polls (perftest's loops have none either): under TCG it
+            // leaves the translated code for QEMU's main loop, a detour that the completion
+            // can land in
+            if let Some(v) = attempt()? {
+                return Ok(Some(v));
             }
-            std::hint::spin_loop();
         }
         if stop.load(Ordering::Relaxed) {
-            return Ok(false);
+            return Ok(None);
         }
         if start.elapsed() > QUIET_LIMIT {
             return Err(quiet());
@@ -154,20 +200,20 @@ mod tests {
         let never = AtomicBool::new(false);
         let ready = || {
             n.set(n.get() + 1);
-            Ok(n.get() == 200)
+            Ok((n.get() == 200).then_some(n.get()))
         };
-        assert!(spin(ready, &never).unwrap());
+        assert_eq!(spin(ready, &never).unwrap(), Some(200));
         assert_eq!(n.get(), 200, "polled until ready, not beyond");
 
         let stopped = AtomicBool::new(true);
-        assert!(!spin(|| Ok(false), &stopped).unwrap());
+        assert!(spin(|| Ok(None::<()>), &stopped).unwrap().is_none());
     }
 
     #[test]
     fn spin_passes_a_poll_error_on() {
         let never = AtomicBool::new(false);
         let err = spin(
-            || Err(verbs::Error::InvalidArgument("cq gone".into())),
+            || Err::<Option<()>, _>(verbs::Error::InvalidArgument("cq gone".into())),
             &never,
         )
         .unwrap_err();

@@ -51,7 +51,10 @@ pub(crate) struct BenchArgs {
     /// of sleeping on completion events (perftest's --use_event): no interrupt and wake-up
     /// per completion, but one core spins on each host while a run lasts. A latency run
     /// (--lat) then spins on a thread of its own on each side and writes each next message
-    /// into the send queue before the last one completes, so that only the doorbell is left.
+    /// into the send queue before the last one completes; the poll that sees the completion
+    /// rings its doorbell. A WRITE ping-pong then goes as ib_write_lat: plain WRITEs, each
+    /// side polling the message's last byte in its own memory (cq "memory" in the report;
+    /// without --poll, WRITEs with immediate data awaited as receive completions).
     #[arg(long)]
     pub(crate) poll: bool,
     /// Queue pairs.

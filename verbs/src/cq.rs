@@ -12,6 +12,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionChannel, CompletionQueue as _};
+use smallvec::SmallVec;
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 use tokio::sync::oneshot;
@@ -266,26 +267,64 @@ impl Cq {
 
     /// Poll every available completion and hand each to its waiter. Returns how many.
     pub(crate) fn drain(&self) -> Result<usize> {
+        self.drain_with(|_| {})
+    }
+
+    /// Poll every available completion, as [`Cq::drain`], and call `first` as soon as a poll
+    /// has made every one of `awaited` complete, before the completions of that poll are handed
+    /// to their waiters (at once when they already are). `first`'s result, or `None` when they
+    /// have not all completed yet. `first` may run under the state lock: it may take the QP's
+    /// lock (the order every send path takes them in) but not this state lock.
+    pub(crate) fn drain_then<R>(
+        &self,
+        awaited: &[(u64, oneshot::Receiver<Done>, &'static str)],
+        first: impl FnOnce() -> R,
+    ) -> Result<Option<R>> {
+        let mut missing: SmallVec<[u64; 4]> = awaited
+            .iter()
+            .filter(|(_, rx, _)| rx.is_empty())
+            .map(|(id, ..)| *id)
+            .collect();
+        if missing.is_empty() {
+            return Ok(Some(first()));
+        }
+        let mut first = Some(first);
+        let mut out = None;
+        self.drain_with(|batch| {
+            if first.is_some() {
+                missing.retain(|id| !batch.iter().any(|wc| wc.wr_id == *id));
+                if missing.is_empty() {
+                    out = first.take().map(|f| f());
+                }
+            }
+        })?;
+        Ok(out)
+    }
+
+    /// Poll every available completion; each polled batch is shown to `before` and then handed
+    /// to the waiters. Returns how many.
+    fn drain_with(&self, mut before: impl FnMut(&[crate::ffi::RawWc])) -> Result<usize> {
         let mut state = self.lock();
         let mut n = 0;
         loop {
+            let mut batch: SmallVec<[crate::ffi::RawWc; crate::ffi::POLL_BATCH]> = SmallVec::new();
             // SAFETY: the CQ lives as long as `self`, and the state lock held here serialises
             // every poller of this CQ.
-            let got = unsafe {
-                crate::ffi::poll_cq(self.cq.cq(), |wc| {
-                    state.complete(
-                        wc.wr_id,
-                        Done {
-                            status: WcStatus(wc.status),
-                            vendor_err: wc.vendor_err,
-                            byte_len: wc.byte_len,
-                            imm: wc.imm,
-                            local: None,
-                        },
-                    )
-                })
+            let got = unsafe { crate::ffi::poll_cq(self.cq.cq(), |wc| batch.push(wc)) }
+                .map_err(|e| Error::verbs(Call::PollCq, self.device.clone(), e))?;
+            before(&batch);
+            for wc in batch {
+                state.complete(
+                    wc.wr_id,
+                    Done {
+                        status: WcStatus(wc.status),
+                        vendor_err: wc.vendor_err,
+                        byte_len: wc.byte_len,
+                        imm: wc.imm,
+                        local: None,
+                    },
+                );
             }
-            .map_err(|e| Error::verbs(Call::PollCq, self.device.clone(), e))?;
             n += got;
             if got < crate::ffi::POLL_BATCH {
                 return Ok(n);

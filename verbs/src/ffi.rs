@@ -238,6 +238,16 @@ impl Mapping {
         self.ptr.as_ptr()
     }
 
+    /// The byte at `offset`, read with a volatile load: a loop that waits for a remote write
+    /// to change it reads memory every time (a plain load may be hoisted out of the loop).
+    pub(crate) fn load_volatile(&self, offset: usize) -> u8 {
+        assert!(offset < self.len, "load_volatile out of bounds");
+        // SAFETY: `offset` is inside the mapping (asserted), which lives as long as `self`; a
+        // single byte is always aligned, and no reference to the mapping is created (a remote
+        // write racing with the load leaves an unspecified byte, as for `copy_out`).
+        unsafe { std::ptr::read_volatile(self.ptr.as_ptr().add(offset)) }
+    }
+
     /// Copy `out.len()` bytes from `offset` without creating a reference to memory that a
     /// remote peer may be writing concurrently.
     pub(crate) fn copy_out(&self, offset: usize, out: &mut [u8]) {

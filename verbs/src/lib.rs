@@ -44,6 +44,6 @@ pub use mr::{
     SharedRegion,
 };
 pub use mw::MemoryWindow;
-pub use post::PreparedSend;
+pub use post::{AfterPoll, PreparedSend};
 pub use qp::{PathInfo, Pending, PendingRecv, QpOptions, QpState, QueuePair};
 pub use wr::{RecvInfo, SendOp, SendWr};

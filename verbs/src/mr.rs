@@ -578,6 +578,13 @@ impl RegisteredBuffer {
         self.mem.map.copy_in(offset, data);
         Ok(())
     }
+    /// The byte at `offset`, read from memory on every call (a volatile load): for loops that
+    /// busy-wait for a remote WRITE to land, as perftest's latency tests wait for a message's
+    /// last byte to change. Works for every buffer.
+    pub fn load_byte(&self, offset: usize) -> Result<u8> {
+        self.check(offset, 1)?;
+        Ok(self.mem.map.load_volatile(offset))
+    }
     /// A copy of the whole buffer.
     pub fn to_vec(&self) -> Vec<u8> {
         let mut v = vec![0; self.len()];

@@ -260,20 +260,65 @@ impl fmt::Debug for PreparedSend {
     }
 }
 
+/// What [`PreparedSend::post_after`] did.
+#[derive(Debug)]
+#[must_use = "a prepared send not yet posted holds its QP's send queue"]
+pub enum AfterPoll {
+    /// The awaited work requests had completed: the prepared ones are posted.
+    Posted(Pending),
+    /// They are still in flight: the prepared send, not posted.
+    NotYet(PreparedSend),
+}
+
 impl PreparedSend {
     /// Hand the work requests to the device (the doorbell): from here on as after
     /// [`QueuePair::post_send`]. If the device refuses them, the error of the post.
-    pub fn post(mut self) -> Result<Pending> {
+    pub fn post(self) -> Result<Pending> {
+        let rung = self.ring();
+        self.finish(rung)
+    }
+
+    /// Post these work requests as soon as `after` has completed: poll `after`'s CQ once, and
+    /// if that completes every work request of `after`, ring this doorbell at once, before the
+    /// polled completions are handed out (or at once, if `after` had already completed). For
+    /// request/response loops that busy-poll: nothing but the poll stands between seeing the
+    /// response and sending the next request. `NotYet` gives this back when `after` is still
+    /// in flight; `after`'s results are then taken as usual ([`Pending::into_ready`]).
+    pub fn post_after(self, after: &Pending) -> Result<AfterPoll> {
+        self.post_after_rxs(&after.qp, &after.rxs)
+    }
+
+    /// [`PreparedSend::post_after`] for receives in flight: the next request goes out as soon
+    /// as the response has landed.
+    pub fn post_after_recv(self, after: &crate::PendingRecv) -> Result<AfterPoll> {
+        self.post_after_rxs(&after.qp, &after.rxs)
+    }
+
+    fn post_after_rxs(self, qp: &QueuePair, after: &Rxs) -> Result<AfterPoll> {
+        // (the doorbell is rung under `after`'s CQ state lock, then the QP's lock: the order
+        // every send path takes them in)
+        match qp.cq().drain_then(after, || self.ring())? {
+            Some(rung) => self.finish(rung).map(AfterPoll::Posted),
+            None => Ok(AfterPoll::NotYet(self)),
+        }
+    }
+
+    /// `ibv_wr_complete`: the doorbell.
+    fn ring(&self) -> std::io::Result<()> {
+        let qp = self.qp.lock_qp();
+        // SAFETY: `qp` was created by ibv_create_qp_ex (`QueuePair::new`) and is live while its
+        // lock is held; work requests were started on it by `stage` (Ring::Later), whose
+        // provider lock is still held, and no other post can start meanwhile (the `prepared`
+        // flag, checked under the CQ state lock by every send path). `ring` is called once:
+        // `finish` consumes the value right after.
+        unsafe { crate::ffi::wr_complete(qp.qp()) }
+    }
+
+    /// After the doorbell: the pending work requests, or (the device refused them) the post's
+    /// error with the work requests forgotten.
+    fn finish(mut self, rung: std::io::Result<()>) -> Result<Pending> {
         let rxs = self.rxs.take().unwrap_or_default();
-        let ret = {
-            let qp = self.qp.lock_qp();
-            // SAFETY: `qp` was created by ibv_create_qp_ex (`QueuePair::new`) and is live while
-            // its lock is held; work requests were started on it by `stage` (Ring::Later),
-            // whose provider lock is still held, and no other post can start meanwhile (the
-            // `prepared` flag, checked under the CQ state lock by every send path).
-            unsafe { crate::ffi::wr_complete(qp.qp()) }
-        };
-        match ret {
+        match rung {
             Ok(()) => {
                 self.qp.inner.prepared.store(false, Ordering::Release);
                 Ok(self.qp.pending(rxs))
