@@ -12,6 +12,7 @@ use verbs::{
 };
 
 use super::lat::{lat_in_memory, lat_loop};
+use super::pong;
 use super::settle::{self, Settle};
 use super::*;
 
@@ -221,27 +222,15 @@ pub async fn run_client(
     mine.write_at(0, &pat)?;
     // a polled WRITE ping-pong's pongs land in a buffer of their own, which the loop polls
     // (the server may answer with WRITEs with immediate instead: they land there too)
-    let mut landing = if p.lat && p.poll && p.op == BenchOp::Write {
-        Some(pd.register(
-            HostBuffer::new(max)?,
-            Access::LOCAL_WRITE | Access::REMOTE_WRITE,
-            RegMode::Pinned,
-        )?)
-    } else {
-        None
-    };
-    let mine_keys = {
-        let r = landing
-            .as_ref()
-            .unwrap_or(&mine)
-            .mr()
-            .remote(0..max as u64)?;
-        Keys {
-            addr: r.addr,
-            rkey: r.rkey,
-            len: r.len,
-        }
-    };
+    let mut landing = (p.lat && p.poll && p.op == BenchOp::Write)
+        .then(|| pong::landing(&pd, max))
+        .transpose()?;
+    let mine_keys: Keys = landing
+        .as_ref()
+        .unwrap_or(&mine)
+        .mr()
+        .remote(0..max as u64)?
+        .into();
     c.send(&Msg::Hello {
         token: o.token.clone(),
         params: p.clone(),

@@ -18,6 +18,16 @@ pub(super) struct Keys {
     pub(super) len: u64,
 }
 
+impl From<RemoteSlice> for Keys {
+    fn from(r: RemoteSlice) -> Keys {
+        Keys {
+            addr: r.addr,
+            rkey: r.rkey,
+            len: r.len,
+        }
+    }
+}
+
 impl Keys {
     pub(super) fn slice(&self, len: u64) -> RemoteSlice {
         RemoteSlice {

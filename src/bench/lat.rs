@@ -24,7 +24,7 @@ use verbs::{
 };
 
 use super::control::Keys;
-use super::pong::PONG_BYTE;
+use super::pong::{prepare_message, PONG_BYTE};
 use super::settle::{spin, Settle};
 use super::{BenchError, BenchOp, BenchParams, Result};
 
@@ -97,16 +97,8 @@ pub(super) async fn lat_loop(
                 // small pings go inline, as perftest's (no DMA read of a buffer), and ask for
                 // no completion of their own: a later signaled one retires them (the bytes
                 // were copied into the work request). A larger ping's buffer is awaited later.
-                Ok(if p.goes_inline(n) {
-                    let local = Local::inline(&src.as_slice()[..n]);
-                    (
-                        qp.prepare_send_deferred(vec![SendWr { op: sop, local }])?,
-                        false,
-                    )
-                } else {
-                    let local = Local::shared(Arc::clone(src), 0..n)?;
-                    (qp.prepare_send(vec![SendWr { op: sop, local }])?, true)
-                })
+                let inline = p.goes_inline(n);
+                Ok((prepare_message(qp, sop, src, n, inline)?, !inline))
             };
             // two receives posted ahead: the pong of the next round always has one waiting,
             // and the last round's buffer is re-posted after the next ping went out. They
@@ -189,13 +181,8 @@ pub(super) async fn lat_in_memory(
     let ping = || -> Result<(PreparedSend, bool)> {
         let op = SendOp::Write(keys.slice(n as u64));
         // small pings go inline and ask for no completion (see `lat_loop`)
-        Ok(if p.goes_inline(n) {
-            let local = Local::inline(&src.as_slice()[..n]);
-            (qp.prepare_send_deferred(vec![SendWr { op, local }])?, false)
-        } else {
-            let local = Local::shared(Arc::clone(&src), 0..n)?;
-            (qp.prepare_send(vec![SendWr { op, local }])?, true)
-        })
+        let inline = p.goes_inline(n);
+        Ok((prepare_message(qp, op, &src, n, inline)?, !inline))
     };
     let (first, awaited) = ping()?;
     let mut last_ping = Some(first.post()?).filter(|_| awaited);

@@ -15,8 +15,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use verbs::{
-    AfterPoll, Local, Pending, PendingRecv, PreparedSend, QueuePair, RegisteredBuffer, SendOp,
-    SendWr,
+    Access, AfterPoll, HostBuffer, Local, Pending, PendingRecv, PreparedSend, ProtectionDomain,
+    QueuePair, RegMode, RegisteredBuffer, SendOp, SendWr,
 };
 
 use super::control::Keys;
@@ -38,6 +38,25 @@ impl RunSize {
     /// pong is prepared with that size).
     pub(super) async fn announce(&self, size: usize) -> Result<()> {
         self.announce_within(size, TAKE_LIMIT).await
+    }
+
+    /// The partner's side: the announced size (at most `max`), with `held` a pong of that size
+    /// whenever it is not 0; the size is marked taken once its pong is prepared.
+    fn hold(
+        &self,
+        held: &mut Option<(usize, PreparedSend)>,
+        max: usize,
+        pongs: &Pongs,
+        qp: &QueuePair,
+    ) -> verbs::Result<usize> {
+        let want = self.announced.load(Ordering::Acquire).min(max);
+        if want != 0 && held.as_ref().map(|(m, _)| *m) != Some(want) {
+            // (a prepared send holds the send queue: gone before the next is made)
+            *held = None;
+            *held = Some((want, pongs.prepare(qp, want)?));
+            self.taken.store(want, Ordering::Release);
+        }
+        Ok(want)
     }
 
     async fn announce_within(&self, size: usize, limit: Duration) -> Result<()> {
@@ -81,19 +100,65 @@ impl Pongs {
             BenchOp::Write => SendOp::WriteImm(self.client.slice(n as u64), 0),
             _ => SendOp::Send,
         };
-        if n <= self.inline {
-            let local = Local::inline(&self.source.as_slice()[..n]);
-            qp.prepare_send_deferred(vec![SendWr { op, local }])
-        } else {
-            let local = Local::shared(Arc::clone(&self.source), 0..n)?;
-            qp.prepare_send(vec![SendWr { op, local }])
-        }
+        prepare_message(qp, op, &self.source, n, n <= self.inline)
+    }
+}
+
+/// The first `n` bytes of `source` as one `op`, written into `qp`'s send queue. Inline, the
+/// bytes are copied into the work request, which asks for no completion of its own (a later
+/// signaled one retires it); otherwise the buffer is shared and the work request signaled.
+pub(super) fn prepare_message(
+    qp: &QueuePair,
+    op: SendOp,
+    source: &Arc<RegisteredBuffer>,
+    n: usize,
+    inline: bool,
+) -> verbs::Result<PreparedSend> {
+    if inline {
+        let local = Local::inline(&source.as_slice()[..n]);
+        qp.prepare_send_deferred(vec![SendWr { op, local }])
+    } else {
+        let local = Local::shared(Arc::clone(source), 0..n)?;
+        qp.prepare_send(vec![SendWr { op, local }])
+    }
+}
+
+/// A buffer a polled WRITE ping-pong's messages land in, read by the side that owns it.
+pub(super) fn landing(pd: &ProtectionDomain, len: usize) -> Result<RegisteredBuffer> {
+    Ok(pd.register(
+        HostBuffer::new(len)?,
+        Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+        RegMode::Pinned,
+    )?)
+}
+
+/// Where a polled partner's pings arrive.
+pub(super) enum Pings {
+    /// Plain WRITEs into this buffer ([`answer_in_memory`]).
+    InMemory(RegisteredBuffer),
+    /// SENDs or WRITEs with immediate data, into these posted receives ([`answer`]).
+    Received(VecDeque<PendingRecv>),
+}
+
+/// Answer pings until `stop` is set (or the client goes quiet), busy-polling on the calling
+/// thread; counts them in `received`.
+pub(super) async fn partner(
+    qp: &QueuePair,
+    pings: Pings,
+    pongs: &Pongs,
+    run: &RunSize,
+    stop: &AtomicBool,
+    received: &AtomicU64,
+) -> Result<()> {
+    match pings {
+        Pings::InMemory(landing) => answer_in_memory(qp, landing, pongs, run, stop, received).await,
+        Pings::Received(slots) => answer(qp, slots, pongs, run, stop, received).await,
     }
 }
 
 /// Answer pings on `qp` until `stop` is set (or the client goes quiet), busy-polling: the
 /// receives in `slots` are re-posted as they are used. Counts the pings in `received`.
-pub(super) async fn answer(
+async fn answer(
     qp: &QueuePair,
     mut slots: VecDeque<PendingRecv>,
     pongs: &Pongs,
@@ -106,13 +171,7 @@ pub(super) async fn answer(
     while let Some(front) = slots.pop_front() {
         let seen = settle::spin(
             || {
-                let want = run.announced.load(Ordering::Acquire).min(pong_max);
-                if want != 0 && held.as_ref().map(|(m, _)| *m) != Some(want) {
-                    // (a prepared send holds the send queue: gone before the next is made)
-                    held = None;
-                    held = Some((want, pongs.prepare(qp, want)?));
-                }
-                run.taken.store(want, Ordering::Release);
+                run.hold(&mut held, pong_max, pongs, qp)?;
                 match held.take() {
                     Some((m, prepared)) => Ok(match prepared.post_after_recv(&front)? {
                         AfterPoll::Posted(sent) => Some(Some((m, sent))),
@@ -165,7 +224,7 @@ pub(super) async fn answer(
 /// size until it turns non-zero, clears it (before the pong goes out, so that the next ping
 /// cannot land first), and posts the pong prepared for the run. No receive and no completion
 /// is on that path; the send completions are drained between rounds.
-pub(super) async fn answer_in_memory(
+async fn answer_in_memory(
     qp: &QueuePair,
     mut landing: RegisteredBuffer,
     pongs: &Pongs,
@@ -182,16 +241,13 @@ pub(super) async fn answer_in_memory(
             || {
                 let want = run.announced.load(Ordering::Acquire).min(max);
                 if want != 0 && want != cleared {
-                    // the client has not started this run: its marker byte is cleared first
+                    // the client has not started this run (the size is not taken yet): its
+                    // marker byte is cleared first
                     landing.write_at(want - 1, &[0])?;
                     cleared = want;
                     tracing::debug!(size = want, "latency partner: run announced");
                 }
-                if want != 0 && held.as_ref().map(|(m, _)| *m) != Some(want) {
-                    held = None;
-                    held = Some((want, pongs.prepare(qp, want)?));
-                }
-                run.taken.store(want, Ordering::Release);
+                run.hold(&mut held, max, pongs, qp)?;
                 let Some((m, _)) = &held else { return Ok(None) };
                 let m = *m;
                 if landing.load_byte(m - 1)? == 0 {

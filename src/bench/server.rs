@@ -15,7 +15,7 @@ use verbs::{
     RegisteredBuffer, SinkBuffer,
 };
 
-use super::pong::{self, Pongs, RunSize, PONG_BYTE};
+use super::pong::{self, Pings, Pongs, RunSize, PONG_BYTE};
 use super::settle;
 use super::*;
 
@@ -27,15 +27,11 @@ pub(super) enum Target {
 
 impl Target {
     pub(super) fn keys(&self, len: u64) -> Result<Keys> {
-        let r = match self {
+        Ok(match self {
             Target::Host(b) => b.mr().remote(0..len)?,
             Target::Device(d) => d.mr().remote(0..len)?,
-        };
-        Ok(Keys {
-            addr: r.addr,
-            rkey: r.rkey,
-            len: r.len,
-        })
+        }
+        .into())
     }
     pub(super) fn fill(&mut self, data: &[u8]) -> Result<()> {
         match self {
@@ -271,24 +267,9 @@ pub(super) async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem)
     // buffer of the partner's, which it polls (the memory under test keeps its bytes)
     let polled_memory =
         p.lat && p.poll && p.op == BenchOp::Write && matches!(target, Target::Host(_));
-    let landing = if polled_memory {
-        Some(pd.register(
-            HostBuffer::new(max)?,
-            Access::LOCAL_WRITE | Access::REMOTE_WRITE,
-            RegMode::Pinned,
-        )?)
-    } else {
-        None
-    };
+    let landing = polled_memory.then(|| pong::landing(&pd, max)).transpose()?;
     let my_keys = match &landing {
-        Some(l) => {
-            let r = l.mr().remote(0..max as u64)?;
-            Keys {
-                addr: r.addr,
-                rkey: r.rkey,
-                len: r.len,
-            }
-        }
+        Some(l) => l.mr().remote(0..max as u64)?.into(),
         None => target.keys(max as u64)?,
     };
     c.send(&Msg::Ready {
@@ -329,29 +310,27 @@ pub(super) async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem)
                 source: Arc::clone(&source),
                 inline: p.inline_size() as usize,
             });
-            if let Some(landing) = landing.take() {
-                let run = Arc::new(RunSize::default());
-                runs.push(Arc::clone(&run));
-                let (qp, stop, received) = (qp.clone(), Arc::clone(&stop), Arc::clone(&received));
-                receivers.spawn(settle::on_own_thread(async move {
-                    pong::answer_in_memory(&qp, landing, &pongs, &run, &stop, &received).await
-                }));
-                continue;
-            }
             let mut slots = VecDeque::new();
-            let n = if p.lat { 2 } else { recv };
-            for _ in 0..n {
-                let b = pd.register(HostBuffer::new(max)?, Access::LOCAL_WRITE, RegMode::Pinned)?;
-                slots.push_back(qp.post_recv(vec![Local::owned(b)])?);
+            if landing.is_none() {
+                let n = if p.lat { 2 } else { recv };
+                for _ in 0..n {
+                    let b =
+                        pd.register(HostBuffer::new(max)?, Access::LOCAL_WRITE, RegMode::Pinned)?;
+                    slots.push_back(qp.post_recv(vec![Local::owned(b)])?);
+                }
             }
             if p.lat && p.poll {
                 // a polled latency partner spins on a thread of its own, as the client's
                 // pings do, and is told each run's size before the run starts
+                let pings = match landing.take() {
+                    Some(landing) => Pings::InMemory(landing),
+                    None => Pings::Received(slots),
+                };
                 let run = Arc::new(RunSize::default());
                 runs.push(Arc::clone(&run));
                 let (qp, stop, received) = (qp.clone(), Arc::clone(&stop), Arc::clone(&received));
                 receivers.spawn(settle::on_own_thread(async move {
-                    pong::answer(&qp, slots, &pongs, &run, &stop, &received).await
+                    pong::partner(&qp, pings, &pongs, &run, &stop, &received).await
                 }));
                 continue;
             }
