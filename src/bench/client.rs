@@ -455,7 +455,11 @@ pub async fn run_client(
             } else {
                 r.peak_mib_s
             };
-            result(p, size, iterations, r.seconds, peak, &path, &strategy, ok)
+            let mut res = result(p, size, iterations, r.seconds, peak, &path, &strategy, ok);
+            if p.op == BenchOp::Read || p.bidir {
+                res.outs = Some(u32::from(qps[0].max_rd_atomic()));
+            }
+            res
         };
         each(&res);
         out.push(res);

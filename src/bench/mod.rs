@@ -97,6 +97,10 @@ pub struct BenchParams {
     /// `--inline_size`); `None`: perftest's defaults (see [`BenchParams::inline_size`]).
     #[serde(default)]
     pub inline: Option<u32>,
+    /// RDMA READs in flight at once per QP (perftest's `--outs`); `None`: as many as the
+    /// device allows, as perftest.
+    #[serde(default)]
+    pub outs: Option<u32>,
 }
 
 impl BenchParams {
@@ -142,6 +146,9 @@ impl BenchParams {
         }
         if self.inline.is_some_and(|n| n > 1024) {
             return Err("--inline-size is at most 1024 bytes (devices carry a few hundred)".into());
+        }
+        if self.outs.is_some_and(|n| n == 0 || n > 255) {
+            return Err("--outs must be 1..=255 (the device may allow fewer)".into());
         }
         if self.bidir && (self.lat || self.op == BenchOp::Send) {
             return Err("--bidir is for write and read bandwidth runs".into());
@@ -220,6 +227,10 @@ pub struct SizeResult {
     pub qps: u32,
     /// Work requests in flight per QP.
     pub tx_depth: u32,
+    /// READ runs: the READs the QPs kept in flight at once (`--outs` within the device's
+    /// limit).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outs: Option<u32>,
     /// How completions were waited for: `events` (sleep on the completion channel) or
     /// `polling` (busy-poll, --poll). The bounce path's pipeline always uses events. A
     /// polled WRITE ping-pong (--lat --poll) reports `memory`: each side polled the last byte
@@ -312,6 +323,8 @@ fn qp_options(side: &Side, p: &BenchParams, recv: u32) -> QpOptions {
         traffic_class: side.path.traffic_class,
         service_level: side.path.service_level,
         max_inline_data: p.inline_size(),
+        // the QP takes the device's limit where it is lower
+        max_rd_atomic: p.outs.map_or(u8::MAX, |n| n.min(255) as u8),
         cq_mode: if p.poll {
             CqMode::Polling
         } else {
@@ -340,6 +353,7 @@ mod tests {
             cq_mod: 0,
             poll: false,
             inline: None,
+            outs: None,
         }
     }
 
@@ -380,6 +394,24 @@ mod tests {
         );
         bad(&|p| p.margin = Some(1.0), "for --duration runs");
         bad(&|p| p.inline = Some(4096), "--inline-size");
+        bad(&|p| p.outs = Some(0), "--outs");
+        bad(&|p| p.outs = Some(256), "--outs");
+        let outs = |n| {
+            qp_options(
+                &Side::default(),
+                &BenchParams {
+                    outs: n,
+                    ..params()
+                },
+                2,
+            )
+        };
+        assert_eq!(
+            outs(None).max_rd_atomic,
+            255,
+            "the device's limit, as perftest"
+        );
+        assert_eq!(outs(Some(16)).max_rd_atomic, 16);
         let lat = |op| BenchParams {
             op,
             lat: true,
@@ -420,6 +452,24 @@ mod tests {
             },
             "one QP",
         );
+    }
+
+    #[test]
+    fn send_runs_keep_perftests_receive_depth_within_memory() {
+        let slots = |size: u64, tx_depth, qps| {
+            server::recv_slots(&BenchParams {
+                op: BenchOp::Send,
+                sizes: vec![size],
+                tx_depth,
+                qps,
+                ..params()
+            })
+        };
+        assert_eq!(slots(65536, 32, 1), 512, "perftest's 512, above the depth");
+        assert_eq!(slots(2, 1024, 1), 1024, "a deeper window gets as many");
+        assert_eq!(slots(1 << 20, 128, 1), 128, "128 MiB of buffers");
+        assert_eq!(slots(65536, 128, 8), 256, "shared by the QPs");
+        assert_eq!(slots(1 << 30, 128, 1), 2, "never fewer than two");
     }
 
     #[test]

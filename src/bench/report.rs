@@ -34,6 +34,7 @@ pub(super) fn result(
         strategy: strategy.into(),
         qps: p.qps,
         tx_depth: p.tx_depth,
+        outs: None,
         cq: if p.poll && path != "bounce" {
             "polling"
         } else {

@@ -65,10 +65,13 @@ impl Target {
     }
 }
 
-/// Receive buffers per QP for SEND runs: enough for the depth, within 256 MiB.
+/// Receive buffers per QP for SEND runs: as perftest's server, 512 (or the depth, where that
+/// is more), so that a sender's window never finds the receive queue empty while the
+/// receiver reposts (each such SEND is refused with an RNR NAK and retried only after the
+/// RNR timer, 0.64 ms); within 128 MiB of buffers for all QPs together.
 pub(super) fn recv_slots(p: &BenchParams) -> u32 {
-    let by_mem = ((256usize << 20) / p.max_size()).max(2) as u32;
-    p.tx_depth.min(by_mem).clamp(2, 512)
+    let by_mem = ((128usize << 20) / p.qps.max(1) as usize / p.max_size()).max(2) as u32;
+    p.tx_depth.max(512).min(by_mem).clamp(2, 4096)
 }
 
 /// Server memory options.

@@ -57,6 +57,11 @@ pub(crate) struct BenchArgs {
     /// without --poll, WRITEs with immediate data awaited as receive completions).
     #[arg(long)]
     pub(crate) poll: bool,
+    /// RDMA READs in flight at once per QP (perftest's --outs); the server accepts as many.
+    /// Default: as many as the device allows (perftest's default too; rxe: 128). Each READ
+    /// in flight holds a responder resource on the server.
+    #[arg(long, short = 'o', value_name = "N")]
+    pub(crate) outs: Option<u32>,
     /// Queue pairs.
     #[arg(long, short = 'q', default_value_t = 1)]
     pub(crate) qps: u32,
@@ -115,6 +120,7 @@ pub(crate) async fn run(a: BenchArgs) -> anyhow::Result<()> {
         tx_depth,
         cq_mod,
         poll,
+        outs,
         qps,
         inline,
         bidir,
@@ -196,6 +202,7 @@ pub(crate) async fn run(a: BenchArgs) -> anyhow::Result<()> {
         },
         poll,
         inline,
+        outs,
     };
     params.check().map_err(|e| anyhow::anyhow!("{e}"))?;
     let token = bridge::Token::new(super::read_token(token_file.as_deref())?);

@@ -424,6 +424,12 @@ impl QueuePair {
         self.inner.opts.max_send_wr
     }
 
+    /// RDMA READs (and atomics) this QP keeps in flight at once as the requester, and
+    /// accepts at once as the responder: the asked `max_rd_atomic` within the device's limits.
+    pub fn max_rd_atomic(&self) -> u8 {
+        self.inner.opts.max_rd_atomic
+    }
+
     /// Work requests posted and not yet completed: (send queue, receive queue).
     pub fn outstanding(&self) -> (usize, usize) {
         let s = self.inner.cq.lock();
