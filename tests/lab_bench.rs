@@ -161,12 +161,19 @@ fn lab_bench_polling_completion_queues_move_validated_data() {
                 "16",
                 "--poll",
                 "--validate",
+                // two lanes (and, for send, two receivers) spin together on one thread
+                "--qps",
+                "2",
             ],
         );
         let r = &rows[0];
         assert_eq!(r["cq"], "polling", "{r}");
-        assert_eq!(r["iterations"], 200, "{r}");
+        assert_eq!(r["iterations"], 400, "200 per QP: {r}");
         assert_eq!(r["validated"], true, "{r}");
+        // READs in flight: the device's limit when not given (rxe allows 128)
+        let outs = r["outs"].as_u64();
+        assert_eq!(outs.is_some(), op == "read", "{r}");
+        assert!(outs.is_none_or(|n| n >= 16), "{r}");
     }
     let rows = run(
         "write",

@@ -37,14 +37,14 @@ pub(super) async fn run_lanes(
     size: usize,
     p: &BenchParams,
 ) -> Result<LaneResult> {
-    let mut set = tokio::task::JoinSet::new();
+    let mut lanes: Vec<settle::SpinTask<LaneResult>> = Vec::new();
     for qp in qps {
         let (qp, local) = (qp.clone(), local.clone());
         let (depth, iters, duration) = (p.tx_depth as usize, p.iters, p.duration);
         let measure = Window::of(p.duration, p.margin);
         let every = p.signal_every(size as u64);
         let inline = p.goes_inline(size);
-        set.spawn(async move {
+        lanes.push(Box::pin(async move {
             bw_loop(
                 &qp,
                 op,
@@ -57,15 +57,29 @@ pub(super) async fn run_lanes(
                 measure,
             )
             .await
-        });
+        }));
     }
+    // busy-polled lanes spin on a thread of their own (see `spin_together`); event-driven ones
+    // sleep on the runtime
+    let results = if p.poll {
+        settle::spin_together(lanes).await?
+    } else {
+        let mut set = tokio::task::JoinSet::new();
+        for lane in lanes {
+            set.spawn(lane);
+        }
+        let mut out = Vec::new();
+        while let Some(r) = set.join_next().await {
+            out.push(r.map_err(|e| BenchError::Control(format!("a QP's loop failed: {e}")))??);
+        }
+        out
+    };
     let mut total = LaneResult {
         iterations: 0,
         seconds: 0.0,
         peak_mib_s: 0.0,
     };
-    while let Some(r) = set.join_next().await {
-        let r = r.map_err(|e| BenchError::Control(format!("a QP's loop failed: {e}")))??;
+    for r in results {
         total.iterations += r.iterations;
         total.seconds = total.seconds.max(r.seconds);
         total.peak_mib_s += r.peak_mib_s;

@@ -293,6 +293,7 @@ pub(super) async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem)
     let received = Arc::new(AtomicU64::new(0));
     let bad = Arc::new(AtomicU64::new(0));
     let mut receivers = tokio::task::JoinSet::new();
+    let mut polled: Vec<settle::SpinTask<()>> = Vec::new();
     // the run sizes of polled latency partners (one per QP)
     let mut runs: Vec<Arc<RunSize>> = Vec::new();
     if p.op == BenchOp::Send || (p.lat && p.op == BenchOp::Write) {
@@ -346,7 +347,7 @@ pub(super) async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem)
             );
             let (lat, validate, op) = (p.lat, p.validate, p.op);
             let pong_max = source.len();
-            receivers.spawn(async move {
+            let receiver: settle::SpinTask<()> = Box::pin(async move {
                 let mut prepared: Option<(usize, PreparedSend)> = None;
                 while let Some(front) = slots.pop_front() {
                     let got = tokio::select! {
@@ -391,7 +392,16 @@ pub(super) async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem)
                 }
                 Ok::<(), BenchError>(())
             });
+            if p.poll {
+                polled.push(receiver);
+            } else {
+                receivers.spawn(receiver);
+            }
         }
+    }
+    // busy-polled receivers spin together on a thread of their own, as the client's lanes
+    if !polled.is_empty() {
+        receivers.spawn(async move { settle::spin_together(polled).await.map(drop) });
     }
 
     let pat = pattern(max);

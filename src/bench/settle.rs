@@ -1,10 +1,13 @@
-//! Waiting for a latency run's work requests: awaited on the runtime (completion events), or,
-//! with `--poll`, busy-polled on a thread of the run's own without yielding, as perftest's
-//! latency tools poll. Yielding to the runtime between polls costs a scheduler pass (and often
-//! an `epoll_wait`) per poll and lets the ping-pong migrate between worker threads; a
-//! dedicated spinning thread does neither.
+//! Waiting for a run's work requests: awaited on the runtime (completion events), or, with
+//! `--poll`, busy-polled off the runtime's workers, as perftest polls. A latency run spins on
+//! a thread of its own without yielding ([`Settle::Spin`]); bandwidth lanes and SEND receivers
+//! spin together on one thread of their own ([`spin_together`]). Yielding to the multi-threaded
+//! runtime between polls costs a scheduler pass (and often an `epoll_wait`) per poll and lets
+//! the loop migrate between worker threads; in one lab guest of two CPUs, where rxe's own work
+//! needs the CPUs too, that halved a polled 64 KiB SEND run against ib_send_bw.
 
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -189,6 +192,38 @@ where
         .map_err(|e| BenchError::Control(format!("the latency thread ended abnormally: {e}")))?
 }
 
+/// A task of [`spin_together`].
+pub(super) type SpinTask<T> = Pin<Box<dyn Future<Output = Result<T>> + Send>>;
+
+/// Run `tasks` together on a thread of their own, on a single-threaded runtime with no I/O
+/// driver: the busy-polled waits inside them (`CqMode::Polling`) yield to one another there
+/// without a syscall and without hopping between worker threads, and one thread spins for all
+/// of them, as perftest polls all its QPs from one thread. Their results, in no set order;
+/// the first error ends the rest.
+pub(super) async fn spin_together<T: Send + 'static>(tasks: Vec<SpinTask<T>>) -> Result<Vec<T>> {
+    tokio::task::spawn_blocking(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .map_err(|e| BenchError::Control(format!("the polling thread's runtime: {e}")))?;
+        rt.block_on(async {
+            let mut set = tokio::task::JoinSet::new();
+            for t in tasks {
+                set.spawn(t);
+            }
+            let mut out = Vec::new();
+            while let Some(r) = set.join_next().await {
+                out.push(r.map_err(|e| {
+                    BenchError::Control(format!("a polled loop ended abnormally: {e}"))
+                })??);
+            }
+            Ok(out)
+        })
+    })
+    .await
+    .map_err(|e| BenchError::Control(format!("the polling thread ended abnormally: {e}")))?
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -207,6 +242,30 @@ mod tests {
 
         let stopped = AtomicBool::new(true);
         assert!(spin(|| Ok(None::<()>), &stopped).unwrap().is_none());
+    }
+
+    #[tokio::test]
+    async fn tasks_spun_together_all_finish_and_errors_pass_on() {
+        // two tasks that can only finish together: each yields until the other has started,
+        // which a single thread can do only if their yields hand over to one another
+        let flags = std::sync::Arc::new([AtomicBool::new(false), AtomicBool::new(false)]);
+        let task = |me: usize| -> SpinTask<usize> {
+            let flags = std::sync::Arc::clone(&flags);
+            Box::pin(async move {
+                flags[me].store(true, Ordering::SeqCst);
+                while !flags[1 - me].load(Ordering::SeqCst) {
+                    tokio::task::yield_now().await;
+                }
+                Ok(me)
+            })
+        };
+        let mut got = spin_together(vec![task(0), task(1)]).await.unwrap();
+        got.sort();
+        assert_eq!(got, [0, 1]);
+        let failing: SpinTask<()> =
+            Box::pin(async { Err(BenchError::Control("lane failed".into())) });
+        let e = spin_together(vec![failing]).await.unwrap_err();
+        assert!(e.to_string().contains("lane failed"), "{e}");
     }
 
     #[test]
