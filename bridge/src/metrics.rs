@@ -83,6 +83,9 @@ pub enum BounceStage {
     /// The server's RDMA WRITE (fetch) or READ (put) of the client's buffer: posted until its
     /// completion was taken.
     rdma,
+    /// A staged fetch's memory window over the staged bytes: allocated and its bind posted,
+    /// until the bind's completion was taken (the client then READs the chunk itself).
+    bind,
 }
 
 /// Labels of the bounce stage histogram.
@@ -90,7 +93,7 @@ pub enum BounceStage {
 pub struct StageLabels {
     /// fetch or put.
     pub direction: Direction,
-    /// queued, copy or rdma.
+    /// queued, copy, rdma or bind.
     pub stage: BounceStage,
 }
 

@@ -95,11 +95,13 @@ impl ConnState {
             return Err(internal("staging without a QP"));
         };
         let mr: Arc<dyn RegionRef> = buf.clone();
+        let binding = Instant::now();
         let bound = tokio::time::timeout(
             BOUNCE_STALL,
             qp.bind_window(mr, 0..len, Access::REMOTE_READ),
         )
         .await;
+        m.observe_stage(dir, BounceStage::bind, binding.elapsed().as_secs_f64());
         let window = match bound {
             Ok(Ok(w)) => w,
             Ok(Err(e)) => {
