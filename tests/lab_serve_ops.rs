@@ -247,6 +247,7 @@ fn lab_ops_metrics_show_a_fetch_under_its_region_and_path() {
         )
     };
     assert_eq!(stage("copy"), Some(3.0), "{after:?}");
+    assert_eq!(stage("bind"), Some(3.0), "a window per chunk: {after:?}");
     assert_eq!(stage("rdma").unwrap_or(0.0), 0.0, "{after:?}");
     assert_eq!(
         sample(
