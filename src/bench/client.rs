@@ -64,15 +64,7 @@ pub(super) async fn run_lanes(
     let results = if p.poll {
         settle::spin_together(lanes).await?
     } else {
-        let mut set = tokio::task::JoinSet::new();
-        for lane in lanes {
-            set.spawn(lane);
-        }
-        let mut out = Vec::new();
-        while let Some(r) = set.join_next().await {
-            out.push(r.map_err(|e| BenchError::Control(format!("a QP's loop failed: {e}")))??);
-        }
-        out
+        settle::join_all(lanes).await?
     };
     let mut total = LaneResult {
         iterations: 0,
@@ -470,7 +462,7 @@ pub async fn run_client(
                 r.peak_mib_s
             };
             let mut res = result(p, size, iterations, r.seconds, peak, &path, &strategy, ok);
-            if p.op == BenchOp::Read || p.bidir {
+            if p.op == BenchOp::Read {
                 res.outs = Some(u32::from(qps[0].max_rd_atomic()));
             }
             res

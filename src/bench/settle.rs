@@ -206,22 +206,26 @@ pub(super) async fn spin_together<T: Send + 'static>(tasks: Vec<SpinTask<T>>) ->
             .enable_time()
             .build()
             .map_err(|e| BenchError::Control(format!("the polling thread's runtime: {e}")))?;
-        rt.block_on(async {
-            let mut set = tokio::task::JoinSet::new();
-            for t in tasks {
-                set.spawn(t);
-            }
-            let mut out = Vec::new();
-            while let Some(r) = set.join_next().await {
-                out.push(r.map_err(|e| {
-                    BenchError::Control(format!("a polled loop ended abnormally: {e}"))
-                })??);
-            }
-            Ok(out)
-        })
+        rt.block_on(join_all(tasks))
     })
     .await
     .map_err(|e| BenchError::Control(format!("the polling thread ended abnormally: {e}")))?
+}
+
+/// Run `tasks` at once on the current runtime: their results, in no set order; the first
+/// error ends the rest.
+pub(super) async fn join_all<T: Send + 'static>(tasks: Vec<SpinTask<T>>) -> Result<Vec<T>> {
+    let mut set = tokio::task::JoinSet::new();
+    for t in tasks {
+        set.spawn(t);
+    }
+    let mut out = Vec::new();
+    while let Some(r) = set.join_next().await {
+        out.push(
+            r.map_err(|e| BenchError::Control(format!("a QP's loop ended abnormally: {e}")))??,
+        );
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
