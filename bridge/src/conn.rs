@@ -102,6 +102,32 @@ impl Conn {
         within(timeout, &peer, want, self.recv_inner(want)).await
     }
 
+    /// The next message if it has already arrived, without waiting: what the decoder holds,
+    /// then what the socket has ready. `None` when no whole message is here yet (and at the end
+    /// of the stream, which the next [`Conn::recv`] reports). Never blocks and loses nothing:
+    /// bytes read stay in the decoder.
+    pub(crate) fn try_recv(&mut self) -> Result<Option<Msg>> {
+        let mut buf = [0u8; 16 * 1024];
+        loop {
+            match self.dec.next_msg() {
+                Ok(Some(m)) => return Ok(Some(m)),
+                Ok(None) => {}
+                Err(source) => {
+                    return Err(Error::Protocol {
+                        peer: self.peer.clone(),
+                        source,
+                    })
+                }
+            }
+            match self.stream.try_read(&mut buf) {
+                Ok(0) => return Ok(None),
+                Ok(n) => self.dec.feed(&buf[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(None),
+                Err(e) => return Err(Error::io(format!("reading from {}", self.peer), e)),
+            }
+        }
+    }
+
     /// The `n` raw bytes that follow the message just received.
     pub(crate) async fn recv_payload(
         &mut self,
@@ -186,5 +212,69 @@ async fn within<T>(
                 secs: t.as_secs(),
             })?,
         None => fut.await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::net::TcpListener;
+
+    /// A connected pair: our `Conn` and the peer's raw stream.
+    async fn pair() -> (Conn, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let (ours, theirs) = tokio::join!(TcpStream::connect(addr), l.accept());
+        (
+            Conn::new(ours.unwrap(), addr.to_string()),
+            theirs.unwrap().0,
+        )
+    }
+
+    /// Poll `try_recv` until it yields or `tries` run out (the bytes cross loopback TCP).
+    async fn try_until(c: &mut Conn, tries: usize) -> Option<Msg> {
+        for _ in 0..tries {
+            if let Some(m) = c.try_recv().unwrap() {
+                return Some(m);
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        None
+    }
+
+    #[tokio::test]
+    async fn try_recv_takes_only_whole_messages_and_loses_no_byte() {
+        let (mut c, mut peer) = pair().await;
+        assert!(c.try_recv().unwrap().is_none(), "nothing was sent");
+        let a = encode(&Msg::Unstage { slot: 3 });
+        let b = encode(&Msg::KeepAlive);
+        // half of the first message: not a message yet, and its bytes are kept
+        peer.write_all(&a[..a.len() / 2]).await.unwrap();
+        peer.flush().await.unwrap();
+        assert!(try_until(&mut c, 20).await.is_none());
+        let mut rest = a[a.len() / 2..].to_vec();
+        rest.extend_from_slice(&b);
+        peer.write_all(&rest).await.unwrap();
+        assert_eq!(try_until(&mut c, 400).await, Some(Msg::Unstage { slot: 3 }));
+        // the second one came in the same read: the decoder holds it
+        assert_eq!(c.try_recv().unwrap(), Some(Msg::KeepAlive));
+        assert!(c.try_recv().unwrap().is_none());
+        // a blocking receive after it sees what follows, in order
+        peer.write_all(&encode(&Msg::Unstage { slot: 4 }))
+            .await
+            .unwrap();
+        assert_eq!(
+            c.recv(Some(Duration::from_secs(5)), "unstage")
+                .await
+                .unwrap(),
+            Msg::Unstage { slot: 4 }
+        );
+        // the end of the stream is left to the blocking receive to report
+        drop(peer);
+        assert!(try_until(&mut c, 20).await.is_none());
+        assert!(matches!(
+            c.recv(Some(Duration::from_secs(5)), "anything").await,
+            Err(Error::Closed { .. })
+        ));
     }
 }

@@ -600,7 +600,7 @@ impl Client {
                     next += p.len;
                 }
                 if window.iter().any(|s| matches!(s, Slot::Stage(..))) {
-                    start_pulls(&mut rdma, &mut self.conn, &mut window, stall).await?;
+                    start_pulls(&mut rdma, &mut self.conn, &mut window).await?;
                 }
                 let Some(slot) = window.pop_front() else {
                     break;

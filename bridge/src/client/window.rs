@@ -169,7 +169,27 @@ pub(super) async fn staged_reply(
     limit: Duration,
     n: u64,
 ) -> Result<(u32, RemoteSlice)> {
-    match conn.recv(Some(limit), "staged").await? {
+    let m = conn.recv(Some(limit), "staged").await?;
+    check_staged(conn, m, n).await
+}
+
+/// The server's answer to a staged fetch of `n` bytes if it has already arrived (`None` if not
+/// yet), without waiting: the replies of the chunks behind the oldest one are taken as they
+/// come, so that waiting for one never holds up landing another.
+pub(super) async fn staged_reply_ready(
+    conn: &mut Conn,
+    n: u64,
+) -> Result<Option<(u32, RemoteSlice)>> {
+    match conn.try_recv()? {
+        Some(m) => Ok(Some(check_staged(conn, m, n).await?)),
+        None => Ok(None),
+    }
+}
+
+/// `m` as the `Staged` reply of a fetch of `n` bytes: where to read them. A chunk of another
+/// length is released at once and refused.
+async fn check_staged(conn: &mut Conn, m: Msg, n: u64) -> Result<(u32, RemoteSlice)> {
+    match m {
         Msg::Staged {
             slot,
             addr,
@@ -188,15 +208,16 @@ pub(super) async fn staged_reply(
     }
 }
 
-/// Read a staged chunk into `buf`: the `Staged` reply, then our RDMA READ of it.
+/// Read a staged chunk into `buf`: `reply` is the server's `Staged` answer (or the error
+/// instead of it); we RDMA-READ the chunk.
 async fn pull(
     rdma: &mut Rdma,
     conn: &mut Conn,
     buf: RegisteredBuffer,
     n: u64,
-    stall: Duration,
+    reply: Result<(u32, RemoteSlice)>,
 ) -> Result<(Pending, u32)> {
-    let (slot, remote) = match staged_reply(conn, stall, n).await {
+    let (slot, remote) = match reply {
         Ok(s) => s,
         Err(e) => {
             rdma.pools.give(buf);
@@ -216,14 +237,16 @@ async fn pull(
     }
 }
 
-/// Turn every requested staged fetch in the window into a READ in flight, in order (their
-/// replies come in request order: up to the first classic bounce request, whose reply is read
-/// when it is the oldest), so that the READs of all staged chunks overlap.
+/// Turn the requested staged fetches whose `Staged` replies have arrived into READs in
+/// flight, in order (replies come in request order: up to the first classic bounce request,
+/// whose reply is read when it is the oldest), without waiting for any: the oldest piece
+/// lands meanwhile, and a chunk whose reply is late holds up no other. The READs of all
+/// staged chunks overlap. (Waiting here for every reply stalled the loop for the server's
+/// staging time per chunk: between the lab hosts a quarter-MiB chunk cost about 29 ms.)
 pub(super) async fn start_pulls(
     rdma: &mut Rdma,
     conn: &mut Conn,
     window: &mut VecDeque<Slot>,
-    stall: Duration,
 ) -> Result<()> {
     for i in 0..window.len() {
         match &window[i] {
@@ -231,10 +254,18 @@ pub(super) async fn start_pulls(
             Slot::Bounce(..) => break,
             Slot::Stage(..) => {}
         }
+        let Slot::Stage(_, n) = window[i] else {
+            continue;
+        };
+        let reply = match staged_reply_ready(conn, n).await {
+            Ok(None) => break,
+            Ok(Some(r)) => Ok(r),
+            Err(e) => Err(e),
+        };
         let Some(Slot::Stage(buf, n)) = window.remove(i) else {
             continue;
         };
-        let (p, slot) = pull(rdma, conn, buf, n, stall).await?;
+        let (p, slot) = pull(rdma, conn, buf, n, reply).await?;
         window.insert(i, Slot::Pull(p, slot, n));
     }
     Ok(())
@@ -275,7 +306,8 @@ pub(super) async fn land(
             };
         }
         Slot::Stage(buf, n) => {
-            let (p, s) = pull(rdma, conn, buf, n, stall).await?;
+            let reply = staged_reply(conn, stall, n).await;
+            let (p, s) = pull(rdma, conn, buf, n, reply).await?;
             (p, s, n)
         }
         Slot::Pull(p, s, n) => (p, s, n),

@@ -17,7 +17,9 @@ use verbs::{
     Access, HostBuffer, Local, Pending, RegMode, RegisteredBuffer, SendOp, SendWr, SinkBuffer,
 };
 
-use super::window::{await_or_stall, bounce_reply, piece, staged, staged_reply, Piece};
+use super::window::{
+    await_or_stall, bounce_reply, piece, staged, staged_reply, staged_reply_ready, Piece,
+};
 use super::{Client, OpenRegion, Rdma, KEEPALIVE};
 use crate::conn::Conn;
 use crate::error::{Error, Result};
@@ -517,8 +519,10 @@ impl Batch<'_, '_> {
             .count()
     }
 
-    /// Turn every requested staged fetch into a READ into the buffer, in order (replies come
-    /// in request order: up to the first classic bounce request), so that they overlap.
+    /// Turn the requested staged fetches into READs into the buffer, in order (replies come
+    /// in request order: up to the first classic bounce request), so that they overlap. Only
+    /// the oldest piece's reply is waited for (it is next to land); the others are taken if
+    /// they have arrived, so that a late reply holds up no landing (as in a fetch).
     async fn start_pulls(&mut self, rdma: &mut Rdma, conn: &mut Conn) -> Result<()> {
         for i in 0..self.window.len() {
             let (len, pos, at) = match self.window[i] {
@@ -531,7 +535,14 @@ impl Batch<'_, '_> {
                     "internal: a staged fetch without the buffer shared with READs".into(),
                 ));
             };
-            let (slot, remote) = staged_reply(conn, self.stall, len).await?;
+            let (slot, remote) = if i == 0 {
+                staged_reply(conn, self.stall, len).await?
+            } else {
+                match staged_reply_ready(conn, len).await? {
+                    Some(r) => r,
+                    None => break,
+                }
+            };
             let wr = SendWr {
                 op: SendOp::Read(remote),
                 local: Local::sink(Arc::clone(sink), at..at + len as usize)?,
