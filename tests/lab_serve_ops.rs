@@ -173,7 +173,8 @@ fn lab_ops_metrics_show_a_fetch_under_its_region_and_path() {
         &d,
         17471,
         &["ram=host:8M", "bnc=host:4M,p2p=disabled"],
-        &["--json"],
+        // two staging slots per connection: a fetch of four chunks reuses each slot
+        &["--json", "--bounce-depth", "2"],
     );
     s.wait_ready(Duration::from_secs(120));
     let before = parse_metrics(&http_get(&s.metrics, "/metrics").unwrap().1);
@@ -191,7 +192,7 @@ fn lab_ops_metrics_show_a_fetch_under_its_region_and_path() {
         ) == Some(1.0),
         "{before:?}"
     );
-    for (region, len) in [("ram", "1M"), ("bnc", "512K"), ("bnc", "2M")] {
+    for (region, len) in [("ram", "1M"), ("bnc", "512K"), ("bnc", "2M"), ("bnc", "4M")] {
         let out = client(
             &[
                 "fetch",
@@ -229,7 +230,7 @@ fn lab_ops_metrics_show_a_fetch_under_its_region_and_path() {
     assert_eq!(bytes("ram", "direct"), Some(1048576.0), "{after:?}");
     assert_eq!(
         bytes("bnc", "bounce"),
-        Some(524288.0 + 2097152.0),
+        Some(524288.0 + 2097152.0 + 4194304.0),
         "{after:?}"
     );
     assert_eq!(
@@ -237,8 +238,10 @@ fn lab_ops_metrics_show_a_fetch_under_its_region_and_path() {
         None,
         "no bounce bytes on a direct region"
     );
-    // the bounce fetches (one chunk, then two) were staged for the client to READ: the server
-    // copied each chunk and bound a window over it, but posted no RDMA of its own
+    // the bounce fetches (one chunk, then two, then four) were staged for the client to READ:
+    // the server copied each chunk, and bound a window once per slot a connection used (1 + 2
+    // + 2: the four chunks took turns in two slots, their windows kept bound), but posted no
+    // RDMA of its own
     let stage = |stage| {
         sample(
             &after,
@@ -246,8 +249,12 @@ fn lab_ops_metrics_show_a_fetch_under_its_region_and_path() {
             &[("direction", "fetch"), ("stage", stage)],
         )
     };
-    assert_eq!(stage("copy"), Some(3.0), "{after:?}");
-    assert_eq!(stage("bind"), Some(3.0), "a window per chunk: {after:?}");
+    assert_eq!(stage("copy"), Some(7.0), "{after:?}");
+    assert_eq!(
+        stage("bind"),
+        Some(5.0),
+        "a window per slot, not per chunk: {after:?}"
+    );
     assert_eq!(stage("rdma").unwrap_or(0.0), 0.0, "{after:?}");
     assert_eq!(
         sample(
@@ -276,11 +283,11 @@ fn lab_ops_metrics_show_a_fetch_under_its_region_and_path() {
         sample(&after, "p2p_rdma_bounce_staging_bytes", &[]),
         Some(0.0)
     );
-    // the staged fetch's slot buffer went back to the device's pool (filled at start: a slot
-    // per --bounce-depth)
+    // the staged fetches' slot buffers went back to the device's pool (filled at start: a slot
+    // per --bounce-depth), their windows revoked
     assert_eq!(
         sample(&after, "p2p_rdma_bounce_staging_pool_bytes", &[]),
-        Some(8.0 * 1048576.0),
+        Some(2.0 * 1048576.0),
         "{after:?}"
     );
     assert_eq!(http_get(&s.metrics, "/healthz").unwrap().0, 200);

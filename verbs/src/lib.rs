@@ -43,7 +43,7 @@ pub use mr::{
     Access, DmabufSupport, MemoryRegion, ProtectionDomain, RegMode, RegisteredBuffer, RemoteSlice,
     SharedRegion,
 };
-pub use mw::MemoryWindow;
+pub use mw::{MemoryWindow, StandingBindError, StandingWindow};
 pub use post::{AfterPoll, PreparedSend};
 pub use qp::{PathInfo, Pending, PendingRecv, QpOptions, QpState, QueuePair};
 pub use wr::{RecvInfo, SendOp, SendWr};

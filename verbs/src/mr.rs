@@ -565,6 +565,11 @@ impl RegisteredBuffer {
         );
         self.mem.as_mut_slice()
     }
+    /// The first byte of the buffer's memory, for [`crate::StandingWindow`], which writes it
+    /// while a window over it stays bound.
+    pub(crate) fn host_ptr(&self) -> *mut u8 {
+        self.mem.map.as_ptr()
+    }
     /// Copy `out.len()` bytes from `offset` out of the buffer; works for every buffer (a remote
     /// write racing with the copy leaves unspecified bytes in `out`, never undefined behaviour).
     pub fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<()> {

@@ -287,6 +287,119 @@ impl QueuePair {
     }
 }
 
+/// A staging buffer lent to one peer for good: a read-only window over all of it, bound on one
+/// QP and kept bound while its owner rewrites the buffer, so that a peer reading chunk after
+/// chunk through the same slot costs no bind per chunk.
+///
+/// What the peer on that QP may see: at any time, any byte of the buffer, including bytes being
+/// rewritten (a READ racing with [`StandingWindow::as_mut_slice`] gets some mix of old and new
+/// bytes). So the owner writes into it only bytes that peer may read, and the buffer must start
+/// that way: [`QueuePair::bind_standing`] takes it with whatever it holds when the bind
+/// completes. No other QP can use the window, and the buffer's own registration grants no
+/// remote access. [`StandingWindow::into_buffer`] revokes the window and gives the buffer back.
+#[derive(Debug)]
+pub struct StandingWindow {
+    // drop order: the window (its rkey dies, and with it the last remote access), then the
+    // buffer
+    window: MemoryWindow,
+    /// The window's `WindowInner` holds the other reference (for the MR under it); nothing
+    /// else does once the bind has completed.
+    buf: Arc<crate::mr::RegisteredBuffer>,
+}
+
+/// A standing window that could not be bound: the error, and the buffer when it is free again
+/// (`None` only if the device still holds it).
+#[derive(Debug)]
+pub struct StandingBindError {
+    /// Why.
+    pub error: Error,
+    /// The buffer, to reuse.
+    pub buf: Option<crate::mr::RegisteredBuffer>,
+}
+
+impl StandingWindow {
+    /// The rkey the peer uses (on the window's QP only).
+    pub fn rkey(&self) -> u32 {
+        self.window.rkey()
+    }
+    /// Address of the buffer's first byte, where the window starts.
+    pub fn addr(&self) -> u64 {
+        self.window.addr()
+    }
+    /// Length of the buffer and the window.
+    pub fn len(&self) -> usize {
+        self.buf.len()
+    }
+    /// Whether empty (never: an empty bind is refused).
+    pub fn is_empty(&self) -> bool {
+        self.buf.is_empty()
+    }
+    /// The QP it is bound to.
+    pub fn qpn(&self) -> u32 {
+        self.window.qpn()
+    }
+    /// `len` bytes from `offset` as the peer is told (checked against the buffer).
+    pub fn remote(&self, offset: u64, len: u64) -> Result<RemoteSlice> {
+        self.window.remote().slice(offset, len)
+    }
+    /// The buffer's bytes, writable while the window stays bound: the peer on the window's QP
+    /// may read any of them at any time, even while they are written (see the type's
+    /// documentation), and no one else can.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        let (ptr, len) = (self.buf.host_ptr(), self.buf.len());
+        // SAFETY: `ptr` is the start of the buffer's mapping of `len` bytes, which lives as long
+        // as `self.buf` (borrowed for the returned lifetime through `&mut self`). No other Rust
+        // access to these bytes can exist while the slice does: the only other reference to the
+        // buffer is the window's `WindowInner`, which uses only the MR (never the bytes), the
+        // bind's pending entry that briefly held one more was dropped when `bind_standing`
+        // collected the completion, and `StandingWindow` hands out no `&RegisteredBuffer`;
+        // `&mut self` makes this slice the only one. The NIC's reads through the window are
+        // device accesses outside the program, which may observe the bytes mid-write; that is
+        // the documented contract, not undefined behaviour.
+        unsafe { std::slice::from_raw_parts_mut(ptr, len) }
+    }
+    /// Revoke the window (its rkey dies at once) and take the buffer back; `None` if something
+    /// still holds it (nothing does once the bind completed).
+    pub fn into_buffer(self) -> Option<crate::mr::RegisteredBuffer> {
+        let StandingWindow { window, buf } = self;
+        drop(window);
+        Arc::try_unwrap(buf).ok()
+    }
+}
+
+impl QueuePair {
+    /// Bind a read-only window over all of `buf` on this QP and keep it bound: a
+    /// [`StandingWindow`], which its owner may rewrite while the peer on this QP reads it. The
+    /// buffer must be registered with [`Access::MW_BIND`] and no remote access of its own, and
+    /// hold only bytes that peer may read. On failure the buffer comes back with the error
+    /// (unless the device still holds it, as after a dropped future).
+    pub async fn bind_standing(
+        &self,
+        buf: crate::mr::RegisteredBuffer,
+    ) -> std::result::Result<StandingWindow, StandingBindError> {
+        let own = buf.mr().access();
+        if own.contains(Access::REMOTE_READ) || own.contains(Access::REMOTE_WRITE) {
+            return Err(StandingBindError {
+                error: Error::InvalidArgument(format!(
+                    "a standing window's buffer must grant no remote access of its own ({own}): \
+                     its rkey would open it to every QP of the protection domain"
+                )),
+                buf: Some(buf),
+            });
+        }
+        let len = buf.len() as u64;
+        let buf = Arc::new(buf);
+        let mr: Arc<dyn RegionRef> = buf.clone();
+        match self.bind_window(mr, 0..len, Access::REMOTE_READ).await {
+            Ok(window) => Ok(StandingWindow { window, buf }),
+            Err(error) => Err(StandingBindError {
+                error,
+                buf: Arc::try_unwrap(buf).ok(),
+            }),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::next_rkey;

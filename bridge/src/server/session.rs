@@ -163,7 +163,8 @@ pub(crate) enum Step<T> {
         len: u64,
         slot: u32,
     },
-    /// The client released staging slot `slot` (it held it): revoke its window. No reply.
+    /// The client released staging slot `slot` (it held it): the slot may be staged again (its
+    /// window stays bound until the connection ends). No reply.
     Unstage(u32),
     /// Send `len` bytes (checked) of a region over the control connection: `TcpData`, then
     /// the bytes (the TCP data path).

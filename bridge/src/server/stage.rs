@@ -1,25 +1,26 @@
 //! Staged fetches: the bounce path's fetch in the direction of the direct path. The server
-//! copies a chunk of the region into one of the connection's staging slots and binds a
-//! read-only memory window over exactly the staged bytes on the client's QP; the client
-//! RDMA-READs them, as it reads direct extents, and releases the slot (`Unstage`), which
-//! revokes the window. Between hosts a READ streams the whole chunk in one response, where the
-//! WRITE the classic bounce fetch uses is held to the sender's window of unacknowledged
-//! packets (on rxe: ib_write_bw 0.66x ib_read_bw in the two-host lab).
+//! copies a chunk of the region into one of the connection's staging slots, and the client
+//! RDMA-READs it through a read-only memory window over the slot, bound on the client's QP, as
+//! it reads direct extents; then it releases the slot (`Unstage`) for the next chunk. Between
+//! hosts a READ streams the whole chunk in one response, where the WRITE the classic bounce
+//! fetch uses is held to the sender's window of unacknowledged packets (on rxe: ib_write_bw
+//! 0.66x ib_read_bw in the two-host lab).
 //!
 //! Only connections whose device binds memory windows stage: the window is what keeps one
 //! client from reading another's staging buffer (an MR's rkey works on every QP of the PD).
-//! A window covers the bytes of the current chunk, from the moment they are copied until the
-//! client releases them. Slot buffers are registered once per device, at start (`bounce_depth`
-//! of them, within the staging budget), and pooled across connections; a chunk shorter than
-//! its buffer has the rest zeroed first, since rxe confines a window only to the MR under it.
+//! A slot's window is bound once, over the whole slot buffer, when the connection stages its
+//! first chunk there, and stays bound until the connection ends ([`verbs::StandingWindow`]):
+//! later chunks are copied under it, with no bind per chunk. So the client can read its slots
+//! at any time, and what it can read is only what was staged for it on this connection: the
+//! first chunk of a slot zeroes the rest of the buffer (pooled across connections, it may hold
+//! another client's bytes) before the window is bound. Slot buffers are registered once per
+//! device, at start (`bounce_depth` of them, within the staging budget).
 
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::Instant;
 
-use verbs::{
-    Access, HostBuffer, MemoryWindow, ProtectionDomain, RegMode, RegionRef, RegisteredBuffer,
-};
+use verbs::{Access, HostBuffer, ProtectionDomain, RegMode, RegisteredBuffer, StandingWindow};
 
 use super::bounce::{copy_error_code, record_staged, reserve, BOUNCE_STALL};
 use super::driver::{internal, ConnState};
@@ -29,13 +30,17 @@ use super::Shared;
 use crate::metrics::{BounceStage, Direction};
 use crate::protocol::{ErrorCode, Msg};
 
-/// One staging slot of a connection: its buffer (kept for reuse) and, while the client holds
-/// the slot, the window over the staged bytes.
+/// One staging slot of a connection: its buffer, with the window over it once the first chunk
+/// was staged there (kept, and the buffer with it, until the connection ends).
 #[derive(Debug, Default)]
-pub(super) struct PullSlot {
-    // drop order: the window (it holds a reference to the buffer's MR), then the buffer
-    window: Option<MemoryWindow>,
-    buf: Option<Arc<RegisteredBuffer>>,
+pub(super) enum PullSlot {
+    /// Nothing staged here yet (or a bind that timed out took the buffer).
+    #[default]
+    Empty,
+    /// A buffer whose window is not bound (its bind failed: the next chunk tries again).
+    Unbound(RegisteredBuffer),
+    /// The buffer lent to this connection's client through a window on its QP.
+    Bound(StandingWindow),
 }
 
 impl ConnState {
@@ -59,55 +64,75 @@ impl ConnState {
         if self.pulls.len() <= idx {
             self.pulls.resize_with(idx + 1, PullSlot::default);
         }
-        // the slot was released, so its window is gone; the buffer is ours alone again
-        self.pulls[idx].window = None;
-        let mut buf = match self.pulls[idx].buf.take() {
-            Some(b) => Arc::try_unwrap(b)
-                .map_err(|_| internal(format!("staging slot {slot} is still in use")))?,
-            None => self.new_slot_buffer(shared)?,
-        };
         let dir = Direction::of(false);
         let m = shared.metrics();
-        m.observe_stage(dir, BounceStage::queued, started.elapsed().as_secs_f64());
         let n = len as usize;
-        let copy = Instant::now();
-        let bytes = buf.as_mut_slice();
-        if n < bytes.len() {
-            // the buffer is pooled across connections, and rxe confines a window only to the MR
-            // under it: nothing of an earlier chunk may stay past this one
-            bytes[n..].fill(0);
+        if n > shared.cfg.bounce_chunk {
+            // the session holds a chunk to the slot size: this is a bug, not a client's doing
+            return Err(internal(format!(
+                "a staged chunk of {n} bytes is larger than the {}-byte slots",
+                shared.cfg.bounce_chunk
+            )));
         }
-        let copied = provider.copy_out(offset, &mut bytes[..n]);
-        m.observe_stage(dir, BounceStage::copy, copy.elapsed().as_secs_f64());
-        let buf = Arc::new(buf);
-        if let Err(e) = copied {
-            self.pulls[idx].buf = Some(buf);
-            return Err((
-                copy_error_code(&e),
+        let copy_failed = |e: &peermem::Error| {
+            (
+                copy_error_code(e),
                 format!(
                     "copying {n} bytes out of region '{}' at {offset}: {e}",
                     r.info.name
                 ),
-            ));
+            )
+        };
+        let mut buf = match std::mem::take(&mut self.pulls[idx]) {
+            PullSlot::Bound(mut w) => {
+                // the client released the slot: the next chunk goes under the same window
+                m.observe_stage(dir, BounceStage::queued, started.elapsed().as_secs_f64());
+                let copy = Instant::now();
+                let copied = provider.copy_out(offset, &mut w.as_mut_slice()[..n]);
+                m.observe_stage(dir, BounceStage::copy, copy.elapsed().as_secs_f64());
+                let remote = w.remote(0, len);
+                self.pulls[idx] = PullSlot::Bound(w);
+                copied.map_err(|e| copy_failed(&e))?;
+                let remote = remote.map_err(|e| internal(format!("staging slot {slot}: {e}")))?;
+                record_staged(shared, region, len, started);
+                return Ok(Msg::Staged {
+                    slot,
+                    addr: remote.addr,
+                    rkey: remote.rkey,
+                    len,
+                });
+            }
+            PullSlot::Unbound(b) => b,
+            PullSlot::Empty => self.new_slot_buffer(shared)?,
+        };
+        m.observe_stage(dir, BounceStage::queued, started.elapsed().as_secs_f64());
+        let copy = Instant::now();
+        let bytes = buf.as_mut_slice();
+        // the buffer is pooled across connections, and the window will cover all of it: no
+        // byte of another client's chunk may stay
+        bytes[n..].fill(0);
+        let copied = provider.copy_out(offset, &mut bytes[..n]);
+        m.observe_stage(dir, BounceStage::copy, copy.elapsed().as_secs_f64());
+        if let Err(e) = copied {
+            self.pulls[idx] = PullSlot::Unbound(buf);
+            return Err(copy_failed(&e));
         }
         let Some(qp) = self.qp.as_ref() else {
-            self.pulls[idx].buf = Some(buf);
+            self.pulls[idx] = PullSlot::Unbound(buf);
             return Err(internal("staging without a QP"));
         };
-        let mr: Arc<dyn RegionRef> = buf.clone();
         let binding = Instant::now();
-        let bound = tokio::time::timeout(
-            BOUNCE_STALL,
-            qp.bind_window(mr, 0..len, Access::REMOTE_READ),
-        )
-        .await;
+        let bound = tokio::time::timeout(BOUNCE_STALL, qp.bind_standing(buf)).await;
         m.observe_stage(dir, BounceStage::bind, binding.elapsed().as_secs_f64());
         let window = match bound {
             Ok(Ok(w)) => w,
             Ok(Err(e)) => {
-                self.pulls[idx].buf = Some(buf);
+                if let Some(b) = e.buf {
+                    self.pulls[idx] = PullSlot::Unbound(b);
+                }
                 return Err(internal(format!(
-                    "binding a window over staging slot {slot}: {e}"
+                    "binding a window over staging slot {slot}: {}",
+                    e.error
                 )));
             }
             Err(_) => {
@@ -118,25 +143,18 @@ impl ConnState {
                 )));
             }
         };
-        let reply = Msg::Staged {
-            slot,
-            addr: window.addr(),
-            rkey: window.rkey(),
-            len,
-        };
-        self.pulls[idx] = PullSlot {
-            window: Some(window),
-            buf: Some(buf),
-        };
+        let remote = window
+            .remote(0, len)
+            .map_err(|e| internal(format!("staging slot {slot}: {e}")));
+        self.pulls[idx] = PullSlot::Bound(window);
+        let remote = remote?;
         record_staged(shared, region, len, started);
-        Ok(reply)
-    }
-
-    /// The client released slot `slot`: its window is revoked (the buffer stays for reuse).
-    pub(super) fn unstage(&mut self, slot: u32) {
-        if let Some(p) = self.pulls.get_mut(slot as usize) {
-            p.window = None;
-        }
+        Ok(Msg::Staged {
+            slot,
+            addr: remote.addr,
+            rkey: remote.rkey,
+            len,
+        })
     }
 
     /// A staging buffer for a slot: one from the device's pool, or a new one within the
@@ -192,9 +210,13 @@ impl ConnState {
         let chunk = shared.cfg.bounce_chunk as u64;
         let m = shared.metrics();
         let pool = &shared.nics.get(self.nic).slots;
-        for PullSlot { window, buf } in self.pulls.drain(..) {
-            drop(window);
-            let Some(b) = buf.and_then(|b| Arc::try_unwrap(b).ok()) else {
+        for p in self.pulls.drain(..) {
+            let b = match p {
+                PullSlot::Empty => None,
+                PullSlot::Unbound(b) => Some(b),
+                PullSlot::Bound(w) => w.into_buffer(),
+            };
+            let Some(b) = b else {
                 continue;
             };
             lock(pool).push(b);

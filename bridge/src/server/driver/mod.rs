@@ -349,7 +349,8 @@ async fn serve_connection(
                 }
             },
             Step::Unstage(slot) => {
-                st.unstage(slot);
+                // the session marked the slot free; its window stays bound for the next chunk
+                tracing::trace!(slot, "staging slot released");
                 continue;
             }
             Step::Stage {
