@@ -83,8 +83,9 @@ pub enum BounceStage {
     /// The server's RDMA WRITE (fetch) or READ (put) of the client's buffer: posted until its
     /// completion was taken.
     rdma,
-    /// A staged fetch's memory window over the staged bytes: allocated and its bind posted,
-    /// until the bind's completion was taken (the client then READs the chunk itself).
+    /// A staged fetch's memory window over a slot buffer: allocated and its bind posted, until
+    /// the bind's completion was taken (the client then READs the chunk itself). Once per slot
+    /// a connection uses: later chunks in the slot go under the same window.
     bind,
 }
 

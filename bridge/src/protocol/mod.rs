@@ -392,13 +392,15 @@ pub enum Msg {
         len: u64,
     },
     /// Server → client: the staged bytes, readable through `rkey` on this connection's QP
-    /// only, until the client sends [`Msg::Unstage`] with `slot`.
+    /// only; they stay as they are until the client sends [`Msg::Unstage`] with `slot` (the
+    /// next chunk staged in the slot then replaces them).
     Staged {
         /// Which of the connection's staging slots holds them.
         slot: u32,
         /// Remote address of the first staged byte.
         addr: u64,
-        /// Remote key (a read-only memory window over exactly the staged bytes).
+        /// Remote key: a read-only memory window over the slot's buffer, on the client's QP,
+        /// bound when the connection first staged into the slot and kept until it ends.
         rkey: u32,
         /// Bytes staged.
         len: u64,
