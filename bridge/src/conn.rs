@@ -109,15 +109,8 @@ impl Conn {
     pub(crate) fn try_recv(&mut self) -> Result<Option<Msg>> {
         let mut buf = [0u8; 16 * 1024];
         loop {
-            match self.dec.next_msg() {
-                Ok(Some(m)) => return Ok(Some(m)),
-                Ok(None) => {}
-                Err(source) => {
-                    return Err(Error::Protocol {
-                        peer: self.peer.clone(),
-                        source,
-                    })
-                }
+            if let Some(m) = self.decoded()? {
+                return Ok(Some(m));
             }
             match self.stream.try_read(&mut buf) {
                 Ok(0) => return Ok(None),
@@ -151,17 +144,18 @@ impl Conn {
         within(timeout, &peer, "data", fut).await
     }
 
+    /// The next whole message the decoder holds, if any.
+    fn decoded(&mut self) -> Result<Option<Msg>> {
+        self.dec.next_msg().map_err(|source| Error::Protocol {
+            peer: self.peer.clone(),
+            source,
+        })
+    }
+
     async fn recv_inner(&mut self, want: &'static str) -> Result<Msg> {
         loop {
-            match self.dec.next_msg() {
-                Ok(Some(m)) => return Ok(m),
-                Ok(None) => {}
-                Err(source) => {
-                    return Err(Error::Protocol {
-                        peer: self.peer.clone(),
-                        source,
-                    })
-                }
+            if let Some(m) = self.decoded()? {
+                return Ok(m);
             }
             if self.read_some().await? == 0 {
                 return Err(match self.dec.finish() {

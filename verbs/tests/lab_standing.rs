@@ -5,26 +5,10 @@
 //! `#[ignore]`d in a plain `cargo test`; `soft-roce/lab` runs it in its guest, where it fails —
 //! not skips — when the device named by `P2P_RDMA_DEVICE` is absent.
 
-use verbs::{
-    Access, Context, Error, HostBuffer, Local, ProtectionDomain, QpOptions, QueuePair, RegMode,
-    RegisteredBuffer, WcStatus,
-};
+mod common;
 
-const LAB: &str = "lab test: needs an RDMA device; run it with soft-roce/lab (see README), or set P2P_RDMA_DEVICE";
-
-fn device() -> Context {
-    let name = std::env::var("P2P_RDMA_DEVICE")
-        .unwrap_or_else(|_| panic!("P2P_RDMA_DEVICE is not set. {LAB}"));
-    Context::open(Some(&name)).unwrap_or_else(|e| panic!("cannot open {name}: {e}. {LAB}"))
-}
-
-fn window_pair(pd: &ProtectionDomain) -> (QueuePair, QueuePair) {
-    let opts = QpOptions {
-        memory_windows: true,
-        ..QpOptions::default()
-    };
-    QueuePair::loopback_pair(pd, opts).unwrap()
-}
+use common::{device, refused_remotely, window_pair};
+use verbs::{Access, Error, HostBuffer, Local, ProtectionDomain, RegMode, RegisteredBuffer};
 
 /// A READ destination only local work requests use.
 fn local(pd: &ProtectionDomain, len: usize) -> Local {
@@ -52,15 +36,6 @@ fn pattern(n: usize, seed: u8) -> Vec<u8> {
     (0..n)
         .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
         .collect()
-}
-
-fn refused_remotely(r: verbs::Result<Local>, what: &str) {
-    match r {
-        Err(Error::WorkCompletion { status, .. }) => {
-            assert_eq!(status, WcStatus::REM_ACCESS_ERR, "{what}")
-        }
-        other => panic!("{what}: expected a remote access error, got {other:?}"),
-    }
 }
 
 #[tokio::test]

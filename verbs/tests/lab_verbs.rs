@@ -8,25 +8,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use verbs::{
-    Access, Context, CqMode, Error, HostBuffer, Local, ProtectionDomain, QpOptions, QpState,
-    QueuePair, RegMode, RegisteredBuffer, SendOp, SendWr, WcStatus,
+    Access, CqMode, Error, HostBuffer, Local, ProtectionDomain, QpOptions, QpState, QueuePair,
+    RegMode, RegisteredBuffer, SendOp, SendWr, WcStatus,
 };
 
-const LAB: &str = "lab test: needs an RDMA device; run it with soft-roce/lab (see README), or set P2P_RDMA_DEVICE";
-
-fn init_tracing() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_test_writer()
-        .try_init();
-}
-
-fn device() -> Context {
-    init_tracing();
-    let name = std::env::var("P2P_RDMA_DEVICE")
-        .unwrap_or_else(|_| panic!("P2P_RDMA_DEVICE is not set. {LAB}"));
-    Context::open(Some(&name)).unwrap_or_else(|e| panic!("cannot open {name}: {e}. {LAB}"))
-}
+mod common;
+use common::{device, refused_remotely, window_pair};
 
 fn lab_kernel() -> Option<String> {
     std::env::var("P2P_LAB_KERNEL").ok()
@@ -768,23 +755,6 @@ async fn lab_a_window_buffer_is_filled_only_while_no_window_is_bound() {
         t.0.as_mut_slice().len()
     })
     .is_err());
-}
-
-fn window_pair(pd: &ProtectionDomain) -> (QueuePair, QueuePair) {
-    let opts = QpOptions {
-        memory_windows: true,
-        ..QpOptions::default()
-    };
-    QueuePair::loopback_pair(pd, opts).unwrap()
-}
-
-fn refused_remotely(r: verbs::Result<Local>, what: &str) {
-    match r {
-        Err(Error::WorkCompletion { status, .. }) => {
-            assert_eq!(status, WcStatus::REM_ACCESS_ERR, "{what}")
-        }
-        other => panic!("{what}: expected a remote access error, got {other:?}"),
-    }
 }
 
 #[tokio::test]

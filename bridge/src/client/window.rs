@@ -249,18 +249,13 @@ pub(super) async fn start_pulls(
     window: &mut VecDeque<Slot>,
 ) -> Result<()> {
     for i in 0..window.len() {
-        match &window[i] {
+        let n = match &window[i] {
             Slot::Rdma(..) | Slot::Pull(..) => continue,
             Slot::Bounce(..) => break,
-            Slot::Stage(..) => {}
-        }
-        let Slot::Stage(_, n) = window[i] else {
-            continue;
+            Slot::Stage(_, n) => *n,
         };
-        let reply = match staged_reply_ready(conn, n).await {
-            Ok(None) => break,
-            Ok(Some(r)) => Ok(r),
-            Err(e) => Err(e),
+        let Some(reply) = staged_reply_ready(conn, n).await.transpose() else {
+            break;
         };
         let Some(Slot::Stage(buf, n)) = window.remove(i) else {
             continue;

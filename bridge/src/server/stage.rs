@@ -74,80 +74,51 @@ impl ConnState {
                 shared.cfg.bounce_chunk
             )));
         }
-        let copy_failed = |e: &peermem::Error| {
-            (
-                copy_error_code(e),
-                format!(
-                    "copying {n} bytes out of region '{}' at {offset}: {e}",
-                    r.info.name
-                ),
-            )
+        // the chunk into `dst`, timed as the histogram's queued and copy stages
+        let copy_chunk = |dst: &mut [u8]| {
+            m.observe_stage(dir, BounceStage::queued, started.elapsed().as_secs_f64());
+            let copy = Instant::now();
+            let copied = provider.copy_out(offset, dst);
+            m.observe_stage(dir, BounceStage::copy, copy.elapsed().as_secs_f64());
+            copied.map_err(|e| {
+                (
+                    copy_error_code(&e),
+                    format!(
+                        "copying {n} bytes out of region '{}' at {offset}: {e}",
+                        r.info.name
+                    ),
+                )
+            })
         };
-        let mut buf = match std::mem::take(&mut self.pulls[idx]) {
+        let fresh = match std::mem::take(&mut self.pulls[idx]) {
             PullSlot::Bound(mut w) => {
                 // the client released the slot: the next chunk goes under the same window
-                m.observe_stage(dir, BounceStage::queued, started.elapsed().as_secs_f64());
-                let copy = Instant::now();
-                let copied = provider.copy_out(offset, &mut w.as_mut_slice()[..n]);
-                m.observe_stage(dir, BounceStage::copy, copy.elapsed().as_secs_f64());
-                let remote = w.remote(0, len);
+                let copied = copy_chunk(&mut w.as_mut_slice()[..n]);
                 self.pulls[idx] = PullSlot::Bound(w);
-                copied.map_err(|e| copy_failed(&e))?;
-                let remote = remote.map_err(|e| internal(format!("staging slot {slot}: {e}")))?;
-                record_staged(shared, region, len, started);
-                return Ok(Msg::Staged {
-                    slot,
-                    addr: remote.addr,
-                    rkey: remote.rkey,
-                    len,
-                });
+                copied?;
+                None
             }
-            PullSlot::Unbound(b) => b,
-            PullSlot::Empty => self.new_slot_buffer(shared)?,
+            PullSlot::Unbound(b) => Some(b),
+            PullSlot::Empty => Some(self.new_slot_buffer(shared)?),
         };
-        m.observe_stage(dir, BounceStage::queued, started.elapsed().as_secs_f64());
-        let copy = Instant::now();
-        let bytes = buf.as_mut_slice();
-        // the buffer is pooled across connections, and the window will cover all of it: no
-        // byte of another client's chunk may stay
-        bytes[n..].fill(0);
-        let copied = provider.copy_out(offset, &mut bytes[..n]);
-        m.observe_stage(dir, BounceStage::copy, copy.elapsed().as_secs_f64());
-        if let Err(e) = copied {
-            self.pulls[idx] = PullSlot::Unbound(buf);
-            return Err(copy_failed(&e));
+        if let Some(mut buf) = fresh {
+            let bytes = buf.as_mut_slice();
+            // the buffer is pooled across connections, and the window will cover all of it:
+            // no byte of another client's chunk may stay
+            bytes[n..].fill(0);
+            if let Err(e) = copy_chunk(&mut bytes[..n]) {
+                self.pulls[idx] = PullSlot::Unbound(buf);
+                return Err(e);
+            }
+            let window = self.bind_slot(shared, slot, buf).await?;
+            self.pulls[idx] = PullSlot::Bound(window);
         }
-        let Some(qp) = self.qp.as_ref() else {
-            self.pulls[idx] = PullSlot::Unbound(buf);
-            return Err(internal("staging without a QP"));
+        let PullSlot::Bound(w) = &self.pulls[idx] else {
+            return Err(internal(format!("staging slot {slot} has no window")));
         };
-        let binding = Instant::now();
-        let bound = tokio::time::timeout(BOUNCE_STALL, qp.bind_standing(buf)).await;
-        m.observe_stage(dir, BounceStage::bind, binding.elapsed().as_secs_f64());
-        let window = match bound {
-            Ok(Ok(w)) => w,
-            Ok(Err(e)) => {
-                if let Some(b) = e.buf {
-                    self.pulls[idx] = PullSlot::Unbound(b);
-                }
-                return Err(internal(format!(
-                    "binding a window over staging slot {slot}: {}",
-                    e.error
-                )));
-            }
-            Err(_) => {
-                // the bind stays with the CQ until it completes; this buffer goes with it
-                return Err(internal(format!(
-                    "binding a window over staging slot {slot}: no completion in {} s",
-                    BOUNCE_STALL.as_secs()
-                )));
-            }
-        };
-        let remote = window
+        let remote = w
             .remote(0, len)
-            .map_err(|e| internal(format!("staging slot {slot}: {e}")));
-        self.pulls[idx] = PullSlot::Bound(window);
-        let remote = remote?;
+            .map_err(|e| internal(format!("staging slot {slot}: {e}")))?;
         record_staged(shared, region, len, started);
         Ok(Msg::Staged {
             slot,
@@ -155,6 +126,45 @@ impl ConnState {
             rkey: remote.rkey,
             len,
         })
+    }
+
+    /// Lend slot `slot`'s freshly filled buffer to the client: a window over all of it on this
+    /// connection's QP, timed as the histogram's bind stage. A bind that fails leaves the
+    /// buffer in the slot, unbound, for the next chunk to try again.
+    async fn bind_slot(
+        &mut self,
+        shared: &Shared,
+        slot: u32,
+        buf: RegisteredBuffer,
+    ) -> std::result::Result<StandingWindow, Refusal> {
+        let Some(qp) = self.qp.as_ref() else {
+            self.pulls[slot as usize] = PullSlot::Unbound(buf);
+            return Err(internal("staging without a QP"));
+        };
+        let binding = Instant::now();
+        let bound = tokio::time::timeout(BOUNCE_STALL, qp.bind_standing(buf)).await;
+        shared.metrics().observe_stage(
+            Direction::of(false),
+            BounceStage::bind,
+            binding.elapsed().as_secs_f64(),
+        );
+        match bound {
+            Ok(Ok(w)) => Ok(w),
+            Ok(Err(e)) => {
+                if let Some(b) = e.buf {
+                    self.pulls[slot as usize] = PullSlot::Unbound(b);
+                }
+                Err(internal(format!(
+                    "binding a window over staging slot {slot}: {}",
+                    e.error
+                )))
+            }
+            // the bind stays with the CQ until it completes; the buffer goes with it
+            Err(_) => Err(internal(format!(
+                "binding a window over staging slot {slot}: no completion in {} s",
+                BOUNCE_STALL.as_secs()
+            ))),
+        }
     }
 
     /// A staging buffer for a slot: one from the device's pool, or a new one within the
