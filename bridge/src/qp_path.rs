@@ -1,9 +1,10 @@
 //! The RoCE path settings of our QPs: which GID (and so which interface and RoCE version),
-//! traffic class and service level. Fleets that reserve a lossless class for RoCE need these
-//! set on every QP, or traffic lands in a lossy queue and "works on one host, hangs on another".
+//! traffic class, service level and ACK timeout. Fleets that reserve a lossless class for RoCE
+//! need these set on every QP, or traffic lands in a lossy queue and "works on one host, hangs
+//! on another".
 
-/// GID, traffic class and service level of the QPs a server or client creates.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// GID, traffic class, service level and ACK timeout of the QPs a server or client creates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct QpPath {
     /// GID index (default: the RoCE v2 GID carrying the control connection's local address,
     /// else the first RoCE v2 GID with an IPv4 address; `p2p-rdma devices` lists them).
@@ -12,6 +13,21 @@ pub struct QpPath {
     pub traffic_class: u8,
     /// Service level, 0–15.
     pub service_level: u8,
+    /// Local ACK timeout exponent, 0–31: an RDMA request unanswered for 4.096 µs × 2^n is sent
+    /// again, at most 7 times before the QP fails (0: wait forever). Default: verbs' 18,
+    /// about 1.07 s (see [`verbs::QpOptions::timeout`] for the measurement behind it).
+    pub ack_timeout: u8,
+}
+
+impl Default for QpPath {
+    fn default() -> Self {
+        QpPath {
+            gid_index: None,
+            traffic_class: 0,
+            service_level: 0,
+            ack_timeout: verbs::QpOptions::default().timeout,
+        }
+    }
 }
 
 impl QpPath {
@@ -26,6 +42,7 @@ impl QpPath {
             local_ip,
             traffic_class: self.traffic_class,
             service_level: self.service_level,
+            timeout: self.ack_timeout,
             ..opts
         }
     }

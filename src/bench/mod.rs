@@ -322,6 +322,7 @@ fn qp_options(side: &Side, p: &BenchParams, recv: u32) -> QpOptions {
         gid_index: side.path.gid_index,
         traffic_class: side.path.traffic_class,
         service_level: side.path.service_level,
+        timeout: side.path.ack_timeout,
         max_inline_data: p.inline_size(),
         // the QP takes the device's limit where it is lower
         max_rd_atomic: p.outs.map_or(u8::MAX, |n| n.min(255) as u8),

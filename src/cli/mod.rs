@@ -12,9 +12,10 @@ pub(crate) mod serve;
 pub(crate) mod stripe;
 pub(crate) mod transfer;
 
-/// GID, traffic class and service level of the QPs a command creates (serve, fetch, put,
-/// bench). A RoCE fleet that reserves a lossless class must set the same on every host.
-#[derive(clap::Args, Debug, Clone, Default)]
+/// GID, traffic class, service level and ACK timeout of the QPs a command creates (serve,
+/// fetch, put, bench). A RoCE fleet that reserves a lossless class must set the same on every
+/// host.
+#[derive(clap::Args, Debug, Clone)]
 pub(crate) struct PathArgs {
     /// GID index of our QPs (`p2p-rdma devices` lists the table). Default: the RoCE v2 GID
     /// carrying the address of the TCP control connection, else the first RoCE v2 GID with an
@@ -30,6 +31,15 @@ pub(crate) struct PathArgs {
     #[arg(long, value_name = "SL", default_value_t = 0,
           value_parser = clap::value_parser!(u8).range(0..=15))]
     pub(crate) sl: u8,
+    /// ACK timeout of our QPs: a request unanswered for 4.096 us x 2^N is sent again, 7 times
+    /// at most before the transfer fails with a transport retry error; 0 waits forever. The
+    /// default, 18, is about 1.07 s. With 14 (67 ms, perftest's default), soft-RoCE resent READ
+    /// responses that were only queued behind other clients' (32 concurrent clients: up to 3.3
+    /// times the bytes, half the aggregate rate). A lower value gives up on a dead peer sooner
+    /// and recovers a lost packet sooner on a lossy fabric.
+    #[arg(long, value_name = "N", default_value_t = verbs::QpOptions::default().timeout,
+          value_parser = clap::value_parser!(u8).range(0..=31))]
+    pub(crate) ack_timeout: u8,
 }
 
 impl PathArgs {
@@ -38,6 +48,7 @@ impl PathArgs {
             gid_index: self.gid_index,
             traffic_class: self.traffic_class,
             service_level: self.sl,
+            ack_timeout: self.ack_timeout,
         }
     }
 }
