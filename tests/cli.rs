@@ -303,6 +303,18 @@ fn exit_2_for_bad_input_names_what_is_wrong() {
             ],
             "unknown unit",
         ),
+        (
+            vec![
+                "fetch".into(),
+                "127.0.0.1:9".into(),
+                "r".into(),
+                "-o".into(),
+                "-".into(),
+                "--ack-timeout".into(),
+                "32".into(),
+            ],
+            "0..=31",
+        ),
     ];
     for (args, want) in cases {
         let out = bin()

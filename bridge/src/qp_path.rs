@@ -47,3 +47,37 @@ impl QpPath {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_path_sets_every_qp_setting_it_holds() {
+        // the default waits about a second before a resend, never forever (0)
+        let d = QpPath::default();
+        assert_eq!(d.ack_timeout, 18);
+        let o = d.apply(verbs::QpOptions::default(), None);
+        assert_eq!(o.timeout, 18);
+        let p = QpPath {
+            gid_index: Some(3),
+            traffic_class: 106,
+            service_level: 5,
+            ack_timeout: 14,
+        };
+        let ip = Some(std::net::IpAddr::from([10, 0, 0, 1]));
+        let o = p.apply(
+            verbs::QpOptions {
+                max_send_wr: 7,
+                timeout: 20,
+                ..verbs::QpOptions::default()
+            },
+            ip,
+        );
+        assert_eq!(
+            (o.gid_index, o.traffic_class, o.service_level, o.timeout),
+            (Some(3), 106, 5, 14)
+        );
+        assert_eq!((o.local_ip, o.max_send_wr), (ip, 7));
+    }
+}
