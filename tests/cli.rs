@@ -229,6 +229,12 @@ fn exit_2_for_bad_input_names_what_is_wrong() {
     std::fs::write(&spec, "[[region]]\nname = \"r\"\nmemory = \"disk:1M\"\n").unwrap();
     let input = d.join("in.bin");
     std::fs::write(&input, [0u8; 10]).unwrap();
+    // a fetch to stdout with one more option
+    let fetch_with = |flag: &str, value: &str| -> Vec<std::ffi::OsString> {
+        ["fetch", "127.0.0.1:9", "r", "-o", "-", flag, value]
+            .map(Into::into)
+            .to_vec()
+    };
     let cases: Vec<(Vec<std::ffi::OsString>, &str)> = vec![
         (
             vec![
@@ -291,30 +297,8 @@ fn exit_2_for_bad_input_names_what_is_wrong() {
             ],
             "--length 11 is more than the 10 bytes",
         ),
-        (
-            vec![
-                "fetch".into(),
-                "127.0.0.1:9".into(),
-                "r".into(),
-                "-o".into(),
-                "-".into(),
-                "--offset".into(),
-                "1Q".into(),
-            ],
-            "unknown unit",
-        ),
-        (
-            vec![
-                "fetch".into(),
-                "127.0.0.1:9".into(),
-                "r".into(),
-                "-o".into(),
-                "-".into(),
-                "--ack-timeout".into(),
-                "32".into(),
-            ],
-            "0..=31",
-        ),
+        (fetch_with("--offset", "1Q"), "unknown unit"),
+        (fetch_with("--ack-timeout", "32"), "0..=31"),
     ];
     for (args, want) in cases {
         let out = bin()

@@ -31,8 +31,9 @@ impl Default for QpPath {
 }
 
 impl QpPath {
-    /// Put these settings, and the control connection's local address, on QP options.
-    pub(crate) fn apply(
+    /// Put these settings, and the control connection's local address (`None`: the GID alone
+    /// decides), on QP options.
+    pub fn apply(
         &self,
         opts: verbs::QpOptions,
         local_ip: Option<std::net::IpAddr>,

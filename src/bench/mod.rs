@@ -308,21 +308,17 @@ pub fn pattern_from(len: usize, seed: u32) -> Vec<u8> {
 pub struct Side {
     /// RDMA device.
     pub device: Option<String>,
-    /// GID index, traffic class and service level.
+    /// GID index, traffic class, service level and ACK timeout.
     pub path: bridge::QpPath,
     /// Port.
     pub ib_port: Option<u8>,
 }
 
 fn qp_options(side: &Side, p: &BenchParams, recv: u32) -> QpOptions {
-    QpOptions {
+    let opts = QpOptions {
         max_send_wr: p.tx_depth.max(2),
         max_recv_wr: recv.max(2),
         port: side.ib_port,
-        gid_index: side.path.gid_index,
-        traffic_class: side.path.traffic_class,
-        service_level: side.path.service_level,
-        timeout: side.path.ack_timeout,
         max_inline_data: p.inline_size(),
         // the QP takes the device's limit where it is lower
         max_rd_atomic: p.outs.map_or(u8::MAX, |n| n.min(255) as u8),
@@ -332,7 +328,8 @@ fn qp_options(side: &Side, p: &BenchParams, recv: u32) -> QpOptions {
             CqMode::Events
         },
         ..QpOptions::default()
-    }
+    };
+    side.path.apply(opts, None)
 }
 
 #[cfg(test)]
