@@ -51,6 +51,9 @@ async fn fetch(c: &mut Client, region: &str, offset: u64, len: u64) -> Vec<u8> {
         .unwrap();
     assert!(rep.verified);
     assert_eq!(rep.direct_bytes, len);
+    // the time to first byte is within the fetch
+    let first = rep.first_bytes_ms.expect("a fetch's first bytes");
+    assert!(first > 0.0 && first <= rep.seconds * 1e3, "{rep:?}");
     out
 }
 

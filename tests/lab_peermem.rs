@@ -124,6 +124,10 @@ async fn lab_bounce_mixed_and_dmabuf_regions_move_every_byte_and_attribute_it() 
         (fetch.direct_bytes, fetch.bounce_bytes),
         (0, bytes.len() as u64)
     );
+    // a staged fetch's first bytes come after the server staged them, within the fetch
+    let first = fetch.first_bytes_ms.expect("a fetch's first bytes");
+    assert!(first > 0.0 && first <= fetch.seconds * 1e3, "{fetch:?}");
+    assert_eq!(put.first_bytes_ms, None);
     let off = (1 << 20) - 1000;
     let (put, fetch) = round_trip(s.addr, "mixed", off, &bytes).await;
     assert_eq!(put.direct_bytes, 1000, "{put:?}");

@@ -54,6 +54,10 @@ async fn lab_tcp_clients_fetch_and_put_every_kind_of_region() {
         .unwrap();
     assert!(got.verified && sink == d);
     assert_eq!(got.tcp_bytes, d.len() as u64);
+    // the time to first byte is within the fetch; a put has none
+    let first = got.first_bytes_ms.expect("a fetch's first bytes");
+    assert!(first > 0.0 && first <= got.seconds * 1e3, "{got:?}");
+    assert_eq!(put.first_bytes_ms, None);
     // a put is noticed, chunk by chunk, as a TCP put
     let n = tokio::time::timeout(Duration::from_secs(10), notices.recv())
         .await

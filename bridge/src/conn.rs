@@ -121,6 +121,25 @@ impl Conn {
         }
     }
 
+    /// Wait until more bytes from the peer are in the decoder (not necessarily a whole
+    /// message: [`Conn::try_recv`] says). Cancel-safe: bytes read are kept. The end of the
+    /// stream is an error, `want` naming what was awaited.
+    pub(crate) async fn more_bytes(&mut self, want: &'static str) -> Result<()> {
+        if self.read_some().await? == 0 {
+            return Err(match self.dec.finish() {
+                Ok(()) => Error::Closed {
+                    peer: self.peer.clone(),
+                    during: format!(" while waiting for {want}"),
+                },
+                Err(source) => Error::Protocol {
+                    peer: self.peer.clone(),
+                    source,
+                },
+            });
+        }
+        Ok(())
+    }
+
     /// The `n` raw bytes that follow the message just received.
     pub(crate) async fn recv_payload(
         &mut self,
@@ -157,18 +176,7 @@ impl Conn {
             if let Some(m) = self.decoded()? {
                 return Ok(m);
             }
-            if self.read_some().await? == 0 {
-                return Err(match self.dec.finish() {
-                    Ok(()) => Error::Closed {
-                        peer: self.peer.clone(),
-                        during: format!(" while waiting for {want}"),
-                    },
-                    Err(source) => Error::Protocol {
-                        peer: self.peer.clone(),
-                        source,
-                    },
-                });
-            }
+            self.more_bytes(want).await?;
         }
     }
 
@@ -270,5 +278,34 @@ mod tests {
             c.recv(Some(Duration::from_secs(5)), "anything").await,
             Err(Error::Closed { .. })
         ));
+    }
+
+    #[tokio::test]
+    async fn more_bytes_wakes_on_any_bytes_keeps_them_and_can_be_dropped() {
+        let (mut c, mut peer) = pair().await;
+        // dropped while nothing came (as a select drops it when a READ completes first)
+        let waited = tokio::time::timeout(Duration::from_millis(50), c.more_bytes("x")).await;
+        assert!(waited.is_err(), "nothing was sent, yet it woke");
+        let a = encode(&Msg::Unstage { slot: 7 });
+        // half a message wakes it, and is no message yet
+        peer.write_all(&a[..a.len() / 2]).await.unwrap();
+        c.more_bytes("unstage").await.unwrap();
+        assert!(c.try_recv().unwrap().is_none());
+        peer.write_all(&a[a.len() / 2..]).await.unwrap();
+        let mut got = None;
+        for _ in 0..400 {
+            got = c.try_recv().unwrap();
+            if got.is_some() {
+                break;
+            }
+            c.more_bytes("unstage").await.unwrap();
+        }
+        assert_eq!(got, Some(Msg::Unstage { slot: 7 }));
+        // the end of the stream is an error that names what was awaited
+        drop(peer);
+        match c.more_bytes("a staged chunk").await {
+            Err(Error::Closed { during, .. }) => assert!(during.contains("a staged chunk")),
+            other => panic!("not a closed connection: {other:?}"),
+        }
     }
 }

@@ -68,6 +68,11 @@ pub fn merge(reports: &[TransferReport], seconds: f64) -> Option<TransferReport>
         m.zero_copy_bytes += r.zero_copy_bytes;
         m.tcp_bytes += r.tcp_bytes;
         m.verified &= r.verified;
+        // the stripes start together: the range's first bytes are the earliest stripe's
+        m.first_bytes_ms = match (m.first_bytes_ms, r.first_bytes_ms) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
     }
     m.seconds = seconds;
     m.mib_per_sec = if seconds > 0.0 {
@@ -97,6 +102,7 @@ mod tests {
             tcp_bytes: 0,
             crc32c: verified.then(|| crc32c::crc32c(data)),
             verified,
+            first_bytes_ms: None,
         }
     }
 
@@ -134,6 +140,17 @@ mod tests {
         assert!(!u.verified);
         assert_eq!(u.crc32c, None);
         assert!(merge(&[], 1.0).is_none());
+    }
+
+    #[test]
+    fn the_merged_first_bytes_are_the_earliest_stripes() {
+        let mut reps = vec![report(0, &[1; 10], false); 3];
+        assert_eq!(merge(&reps, 1.0).unwrap().first_bytes_ms, None);
+        reps[1].first_bytes_ms = Some(7.5);
+        assert_eq!(merge(&reps, 1.0).unwrap().first_bytes_ms, Some(7.5));
+        reps[0].first_bytes_ms = Some(9.0);
+        reps[2].first_bytes_ms = Some(3.25);
+        assert_eq!(merge(&reps, 1.0).unwrap().first_bytes_ms, Some(3.25));
     }
 
     proptest! {

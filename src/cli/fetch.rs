@@ -30,7 +30,9 @@ pub(crate) struct FetchArgs {
     /// does not compute it.
     #[arg(long)]
     pub(crate) verify: bool,
-    /// Print a JSON result record.
+    /// Print a JSON result record: bytes, seconds, MiB/s, the bytes of each path, and
+    /// `first_bytes_ms`, the time to first byte (on the bounce path it holds the server's
+    /// staging of the first chunk and a control round trip).
     #[arg(long)]
     pub(crate) json: bool,
     #[command(flatten)]

@@ -71,13 +71,17 @@ pub(crate) fn print_report(r: &bridge::TransferReport, json: bool) -> anyhow::Re
         return emit(&format!("{}\n", serde_json::to_string(r)?));
     }
     eprintln!(
-        "p2p-rdma: {} {} of '{}' at offset {} in {:.3} s ({:.2} MiB/s; direct {}, bounce {}{}{}){}",
+        "p2p-rdma: {} {} of '{}' at offset {} in {:.3} s ({:.2} MiB/s{}; direct {}, bounce {}{}{}){}",
         r.op,
         human(r.bytes),
         r.region,
         r.offset,
         r.seconds,
         r.mib_per_sec,
+        match r.first_bytes_ms {
+            Some(ms) => format!(", first bytes after {ms:.1} ms"),
+            None => String::new(),
+        },
         human(r.direct_bytes),
         human(r.bounce_bytes),
         if r.zero_copy_bytes > 0 {

@@ -25,8 +25,8 @@ mod zero_copy_put;
 use checksum::Checksum;
 pub use config::{ClientConfig, Transport, DEFAULT_INLINE};
 use window::{
-    await_or_stall, bounce_reply, issue, land, more_input, overflow_error, piece, pulls, read_full,
-    report, settle, staged, start_pulls, Arrived, Slot,
+    await_or_stall, bounce_reply, issue, land, millis, more_input, overflow_error, piece, pulls,
+    read_full, report, settle, staged, start_pulls, Arrived, Slot,
 };
 pub use zero_copy::{BatchRange, Landed, LocalBuffer, Stranded};
 
@@ -130,6 +130,12 @@ pub struct TransferReport {
     pub crc32c: Option<u32>,
     /// Whether the server's checksum of the range was compared and matched.
     pub verified: bool,
+    /// A fetch's time to first byte: milliseconds from its start (as `seconds`) until its
+    /// first piece had arrived. On the bounce path this holds the server's staging of the first
+    /// chunk and its control round trip, which a direct fetch does not wait for. None for a
+    /// put and for a fetch of nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_bytes_ms: Option<f64>,
 }
 
 struct Rdma {
@@ -580,6 +586,7 @@ impl Client {
         let mut alive = Instant::now();
         let extents = r.info.extents();
         let mut scratch = Vec::new();
+        let mut first = None;
         let result: Result<()> = async {
             loop {
                 while window.len() < depth && next < len {
@@ -611,7 +618,8 @@ impl Client {
                     n,
                     direct,
                     zero_copy,
-                } = land(&mut rdma, &mut self.conn, slot, stall, at).await?;
+                } = land(&mut rdma, &mut self.conn, slot, &mut window, stall, at).await?;
+                first.get_or_insert_with(|| start.elapsed());
                 by_path[2] += zero_copy;
                 let bytes = if buf.remotely_writable() {
                     // the server may write this buffer at any time: copy, never borrow
@@ -645,9 +653,9 @@ impl Client {
         self.report_direct(r, offset, by_path[0], false, seconds)
             .await?;
         let verified = self.verify(r, "fetch", offset, len, crc).await?;
-        Ok(report(
-            "fetch", r, offset, done, seconds, crc, verified, by_path,
-        ))
+        let mut rep = report("fetch", r, offset, done, seconds, crc, verified, by_path);
+        rep.first_bytes_ms = first.map(millis);
+        Ok(rep)
     }
 
     /// Write `source` (until EOF, at most `limit` bytes if given) to the region at `offset`:
@@ -749,7 +757,7 @@ impl Client {
                     }
                     // a put stages nothing (staged() is for fetches); settled all the same
                     s @ (Slot::Stage(..) | Slot::Pull(..)) => {
-                        let l = land(&mut rdma, &mut self.conn, s, stall, at).await?;
+                        let l = land(&mut rdma, &mut self.conn, s, &mut window, stall, at).await?;
                         rdma.pools.give(l.buf);
                         return Err(Error::Config("a staged fetch in a put's window".into()));
                     }

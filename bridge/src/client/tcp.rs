@@ -8,7 +8,7 @@ use std::io::{Read, Write};
 use std::time::Instant;
 
 use super::checksum::Checksum;
-use super::window::{more_input, overflow_error, read_full, report};
+use super::window::{millis, more_input, overflow_error, read_full, report};
 use super::{reply_err, Client, OpenRegion, TransferReport, Transport};
 use crate::error::{Error, Result};
 use crate::protocol::Msg;
@@ -93,6 +93,7 @@ impl Client {
         let start = Instant::now();
         let mut inflight: VecDeque<u64> = VecDeque::with_capacity(depth);
         let (mut sent, mut done, mut crc) = (0u64, 0u64, Checksum::new(verify));
+        let mut first = None;
         let result: Result<()> = async {
             while done < len {
                 while inflight.len() < depth && sent < len {
@@ -115,6 +116,7 @@ impl Client {
                     }
                 }
                 let data = self.conn.recv_payload(n as usize, stall).await?;
+                first.get_or_insert_with(|| start.elapsed());
                 inflight.pop_front();
                 crc.add(&data);
                 sink.write_all(&data)
@@ -133,6 +135,7 @@ impl Client {
         let verified = self.verify(r, "fetch", offset, len, crc).await?;
         let mut rep = report("fetch", r, offset, len, seconds, crc, verified, [0; 3]);
         rep.tcp_bytes = len;
+        rep.first_bytes_ms = first.map(millis);
         Ok(rep)
     }
 

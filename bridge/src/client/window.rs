@@ -4,6 +4,7 @@
 //! still in flight is settled after an error.
 
 use std::collections::VecDeque;
+use std::future::Future;
 use std::io::Read;
 use std::time::Duration;
 
@@ -267,25 +268,18 @@ pub(super) async fn start_pulls(
 }
 
 /// Wait for the oldest piece of a fetch and hand over its bytes. Staged fetches release their
-/// server slot once read.
+/// server slot once read. Meanwhile the `Staged` replies of the pieces still in `window` become
+/// READs as they arrive ([`done_or_bytes`]).
 pub(super) async fn land(
     rdma: &mut Rdma,
     conn: &mut Conn,
     slot: Slot,
+    window: &mut VecDeque<Slot>,
     stall: Duration,
     at: u64,
 ) -> Result<Arrived> {
     let (p, server_slot, n) = match slot {
-        Slot::Rdma(p, n) => {
-            let mut back = await_or_stall(&rdma.qp, p, stall, "RDMA READ", at).await?;
-            let l = back.pop().expect("one work request");
-            return Ok(Arrived {
-                buf: l.into_owned().expect("owned buffer"),
-                n,
-                direct: true,
-                zero_copy: 0,
-            });
-        }
+        Slot::Rdma(p, n) => (p, None, n),
         Slot::Bounce(buf, n) => {
             return match bounce_reply(conn, stall, n).await {
                 Ok(zero_copy) => Ok(Arrived {
@@ -303,19 +297,56 @@ pub(super) async fn land(
         Slot::Stage(buf, n) => {
             let reply = staged_reply(conn, stall, n).await;
             let (p, s) = pull(rdma, conn, buf, n, reply).await?;
-            (p, s, n)
+            (p, Some(s), n)
         }
-        Slot::Pull(p, s, n) => (p, s, n),
+        Slot::Pull(p, s, n) => (p, Some(s), n),
     };
-    let mut back = await_or_stall(&rdma.qp, p, stall, "RDMA READ of a staged chunk", at).await?;
-    conn.send(&Msg::Unstage { slot: server_slot }).await?;
+    let op = match server_slot {
+        None => "RDMA READ",
+        Some(_) => "RDMA READ of a staged chunk",
+    };
+    let deadline = tokio::time::Instant::now() + stall;
+    let mut done = std::pin::pin!(p.wait());
+    let mut back = loop {
+        let watch = awaits_replies(window);
+        match done_or_bytes(
+            &rdma.qp,
+            conn,
+            done.as_mut(),
+            watch,
+            (deadline, stall, op, at),
+        )
+        .await?
+        {
+            Woke::Done(back) => break back,
+            Woke::Bytes => {
+                if let Err(e) = start_pulls(rdma, conn, window).await {
+                    // this piece is still ours: it ends and its slot goes back before the
+                    // error (`settle` waits for the rest of the window)
+                    let _ = tokio::time::timeout_at(deadline, done.as_mut()).await;
+                    if let Some(slot) = server_slot {
+                        let _ = conn.send(&Msg::Unstage { slot }).await;
+                    }
+                    return Err(e);
+                }
+            }
+        }
+    };
+    if let Some(slot) = server_slot {
+        conn.send(&Msg::Unstage { slot }).await?;
+    }
     let l = back.pop().expect("one work request");
     Ok(Arrived {
         buf: l.into_owned().expect("owned buffer"),
         n,
-        direct: false,
+        direct: server_slot.is_none(),
         zero_copy: 0,
     })
+}
+
+/// Whether staged fetches in `window` still wait for their `Staged` replies.
+fn awaits_replies(window: &VecDeque<Slot>) -> bool {
+    window.iter().any(|s| matches!(s, Slot::Stage(..)))
 }
 
 /// After an error: wait (bounded) for everything still in flight so that no buffer is lost and
@@ -385,6 +416,11 @@ pub(super) fn overflow_error(r: &OpenRegion, room: u64, offset: u64, done: u64) 
     }
 }
 
+/// A duration in milliseconds, for a report.
+pub(super) fn millis(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
 #[allow(clippy::too_many_arguments)]
 pub(super) fn report(
     op: &'static str,
@@ -409,6 +445,7 @@ pub(super) fn report(
         tcp_bytes: 0,
         crc32c: sum.value(),
         verified,
+        first_bytes_ms: None,
     }
 }
 
@@ -424,17 +461,50 @@ pub(super) async fn await_or_stall(
 ) -> Result<Vec<Local>> {
     match tokio::time::timeout(limit, p.wait()).await {
         Ok(r) => Ok(r?),
-        Err(_) => {
-            if let Err(e) = qp.set_error() {
-                tracing::warn!(error = %e, "could not move the stalled QP to the error state");
-            }
-            Err(Error::Stalled {
-                op,
-                offset,
-                secs: limit.as_secs(),
-                qpn: qp.qpn(),
-            })
-        }
+        Err(_) => Err(stalled(qp, limit, op, offset)),
+    }
+}
+
+/// What ended a wait in [`done_or_bytes`].
+pub(super) enum Woke {
+    /// The RDMA operation completed.
+    Done(Vec<Local>),
+    /// Bytes arrived on the control connection first.
+    Bytes,
+}
+
+/// Wait for `done`, the oldest piece's RDMA operation, until `deadline` (then the QP goes to
+/// the error state, as in [`await_or_stall`]); with `watch`, return as soon as bytes arrive on
+/// the control connection instead, so that the caller turns the `Staged` replies among them
+/// into READs at once and waits again. (Read only once the oldest READ had ended, the replies
+/// of a fetch's first chunks waited for its first READ, and the server's NIC had nothing to
+/// send for a round trip after it.)
+pub(super) async fn done_or_bytes(
+    qp: &verbs::QueuePair,
+    conn: &mut Conn,
+    done: std::pin::Pin<&mut impl Future<Output = verbs::Result<Vec<Local>>>>,
+    watch: bool,
+    (deadline, limit, op, offset): (tokio::time::Instant, Duration, &'static str, u64),
+) -> Result<Woke> {
+    tokio::select! {
+        biased;
+        r = done => Ok(Woke::Done(r?)),
+        r = conn.more_bytes("a staged chunk"), if watch => r.map(|()| Woke::Bytes),
+        () = tokio::time::sleep_until(deadline) => Err(stalled(qp, limit, op, offset)),
+    }
+}
+
+/// The error of an RDMA operation that did not complete within `limit`; the QP goes to the
+/// error state, so that the operation completes (flushed) and its buffer comes back.
+fn stalled(qp: &verbs::QueuePair, limit: Duration, op: &'static str, offset: u64) -> Error {
+    if let Err(e) = qp.set_error() {
+        tracing::warn!(error = %e, "could not move the stalled QP to the error state");
+    }
+    Error::Stalled {
+        op,
+        offset,
+        secs: limit.as_secs(),
+        qpn: qp.qpn(),
     }
 }
 

@@ -18,7 +18,7 @@ use verbs::{
 };
 
 use super::window::{
-    await_or_stall, bounce_reply, piece, staged, staged_reply, staged_reply_ready, Piece,
+    bounce_reply, done_or_bytes, piece, staged, staged_reply, staged_reply_ready, Piece, Woke,
 };
 use super::{Client, OpenRegion, Rdma, KEEPALIVE};
 use crate::conn::Conn;
@@ -463,7 +463,7 @@ impl Batch<'_, '_> {
                 .iter()
                 .any(|f| matches!(f, Flight::Stage { .. }))
             {
-                self.start_pulls(rdma, conn).await?;
+                self.start_pulls(rdma, conn, true).await?;
             }
             let Some(front) = self.window.pop_front() else {
                 if self.peek(&mut c)?.is_none() {
@@ -476,13 +476,10 @@ impl Batch<'_, '_> {
             };
             match front {
                 Flight::Direct(p, pos) => {
-                    // the returned locals are this sink's clones: dropped here
-                    await_or_stall(&rdma.qp, p, self.stall, "RDMA READ", pos).await?;
+                    self.land(rdma, conn, p, None, pos).await?;
                 }
                 Flight::Pull(p, slot, pos, n) => {
-                    await_or_stall(&rdma.qp, p, self.stall, "RDMA READ of a staged chunk", pos)
-                        .await?;
-                    conn.send(&Msg::Unstage { slot }).await?;
+                    self.land(rdma, conn, p, Some(slot), pos).await?;
                     self.bounce_bytes += n;
                 }
                 Flight::Stage { .. } => {
@@ -519,11 +516,62 @@ impl Batch<'_, '_> {
             .count()
     }
 
+    /// Wait for `p`, the oldest piece's READ (of the server's staging slot `slot`, which is
+    /// then released), and meanwhile turn the `Staged` replies that arrive into READs (see
+    /// [`done_or_bytes`]).
+    async fn land(
+        &mut self,
+        rdma: &mut Rdma,
+        conn: &mut Conn,
+        p: Pending,
+        slot: Option<u32>,
+        pos: u64,
+    ) -> Result<()> {
+        let op = match slot {
+            None => "RDMA READ",
+            Some(_) => "RDMA READ of a staged chunk",
+        };
+        let deadline = tokio::time::Instant::now() + self.stall;
+        let mut done = std::pin::pin!(p.wait());
+        loop {
+            let watch = self
+                .window
+                .iter()
+                .any(|f| matches!(f, Flight::Stage { .. }));
+            let limits = (deadline, self.stall, op, pos);
+            match done_or_bytes(&rdma.qp, conn, done.as_mut(), watch, limits).await? {
+                // the returned locals are this sink's clones: dropped here
+                Woke::Done(_) => break,
+                Woke::Bytes => {
+                    if let Err(e) = self.start_pulls(rdma, conn, false).await {
+                        // this piece is still ours: it ends and its slot goes back before
+                        // the error (`settle` waits for the rest of the window)
+                        let _ = tokio::time::timeout_at(deadline, done.as_mut()).await;
+                        if let Some(slot) = slot {
+                            let _ = conn.send(&Msg::Unstage { slot }).await;
+                        }
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        if let Some(slot) = slot {
+            conn.send(&Msg::Unstage { slot }).await?;
+        }
+        Ok(())
+    }
+
     /// Turn the requested staged fetches into READs into the buffer, in order (replies come
     /// in request order: up to the first classic bounce request), so that they overlap. Only
-    /// the oldest piece's reply is waited for (it is next to land); the others are taken if
-    /// they have arrived, so that a late reply holds up no landing (as in a fetch).
-    async fn start_pulls(&mut self, rdma: &mut Rdma, conn: &mut Conn) -> Result<()> {
+    /// the oldest piece's reply is waited for, with `wait_first` (it is next to land); the
+    /// others are taken if they have arrived, so that a late reply holds up no landing (as in
+    /// a fetch).
+    async fn start_pulls(
+        &mut self,
+        rdma: &mut Rdma,
+        conn: &mut Conn,
+        wait_first: bool,
+    ) -> Result<()> {
         for i in 0..self.window.len() {
             let (len, pos, at) = match self.window[i] {
                 Flight::Direct(..) | Flight::Pull(..) => continue,
@@ -535,7 +583,7 @@ impl Batch<'_, '_> {
                     "internal: a staged fetch without the buffer shared with READs".into(),
                 ));
             };
-            let (slot, remote) = if i == 0 {
+            let (slot, remote) = if i == 0 && wait_first {
                 staged_reply(conn, self.stall, len).await?
             } else {
                 match staged_reply_ready(conn, len).await? {
