@@ -301,10 +301,7 @@ pub(super) async fn land(
         }
         Slot::Pull(p, s, n) => (p, Some(s), n),
     };
-    let op = match server_slot {
-        None => "RDMA READ",
-        Some(_) => "RDMA READ of a staged chunk",
-    };
+    let op = read_op(server_slot);
     let deadline = tokio::time::Instant::now() + stall;
     let mut done = std::pin::pin!(p.wait());
     let mut back = loop {
@@ -321,13 +318,7 @@ pub(super) async fn land(
             Woke::Done(back) => break back,
             Woke::Bytes => {
                 if let Err(e) = start_pulls(rdma, conn, window).await {
-                    // this piece is still ours: it ends and its slot goes back before the
-                    // error (`settle` waits for the rest of the window)
-                    let _ = tokio::time::timeout_at(deadline, done.as_mut()).await;
-                    if let Some(slot) = server_slot {
-                        let _ = conn.send(&Msg::Unstage { slot }).await;
-                    }
-                    return Err(e);
+                    return Err(end_oldest(conn, done.as_mut(), deadline, server_slot, e).await);
                 }
             }
         }
@@ -492,6 +483,32 @@ pub(super) async fn done_or_bytes(
         r = conn.more_bytes("a staged chunk"), if watch => r.map(|()| Woke::Bytes),
         () = tokio::time::sleep_until(deadline) => Err(stalled(qp, limit, op, offset)),
     }
+}
+
+/// How a stall error names the oldest piece's READ: of a staged chunk (in the server's slot
+/// `slot`) or of a direct extent.
+pub(super) fn read_op(slot: Option<u32>) -> &'static str {
+    match slot {
+        None => "RDMA READ",
+        Some(_) => "RDMA READ of a staged chunk",
+    }
+}
+
+/// Turning later replies into READs failed (`e`) while the oldest piece's READ (`done`) was in
+/// flight: that piece is still ours, so it ends (until `deadline`) and its server slot goes back
+/// before the error is returned (`settle` waits for the rest of the window).
+pub(super) async fn end_oldest(
+    conn: &mut Conn,
+    done: std::pin::Pin<&mut impl Future<Output = verbs::Result<Vec<Local>>>>,
+    deadline: tokio::time::Instant,
+    slot: Option<u32>,
+    e: Error,
+) -> Error {
+    let _ = tokio::time::timeout_at(deadline, done).await;
+    if let Some(slot) = slot {
+        let _ = conn.send(&Msg::Unstage { slot }).await;
+    }
+    e
 }
 
 /// The error of an RDMA operation that did not complete within `limit`; the QP goes to the

@@ -18,7 +18,8 @@ use verbs::{
 };
 
 use super::window::{
-    bounce_reply, done_or_bytes, piece, staged, staged_reply, staged_reply_ready, Piece, Woke,
+    bounce_reply, done_or_bytes, end_oldest, piece, read_op, staged, staged_reply,
+    staged_reply_ready, Piece, Woke,
 };
 use super::{Client, OpenRegion, Rdma, KEEPALIVE};
 use crate::conn::Conn;
@@ -458,11 +459,7 @@ impl Batch<'_, '_> {
                 }
                 c.done += p.len;
             }
-            if self
-                .window
-                .iter()
-                .any(|f| matches!(f, Flight::Stage { .. }))
-            {
+            if self.awaits_replies() {
                 self.start_pulls(rdma, conn, true).await?;
             }
             let Some(front) = self.window.pop_front() else {
@@ -516,6 +513,13 @@ impl Batch<'_, '_> {
             .count()
     }
 
+    /// Whether staged fetches in the window still wait for their `Staged` replies.
+    fn awaits_replies(&self) -> bool {
+        self.window
+            .iter()
+            .any(|f| matches!(f, Flight::Stage { .. }))
+    }
+
     /// Wait for `p`, the oldest piece's READ (of the server's staging slot `slot`, which is
     /// then released), and meanwhile turn the `Staged` replies that arrive into READs (see
     /// [`done_or_bytes`]).
@@ -527,30 +531,17 @@ impl Batch<'_, '_> {
         slot: Option<u32>,
         pos: u64,
     ) -> Result<()> {
-        let op = match slot {
-            None => "RDMA READ",
-            Some(_) => "RDMA READ of a staged chunk",
-        };
         let deadline = tokio::time::Instant::now() + self.stall;
         let mut done = std::pin::pin!(p.wait());
         loop {
-            let watch = self
-                .window
-                .iter()
-                .any(|f| matches!(f, Flight::Stage { .. }));
-            let limits = (deadline, self.stall, op, pos);
+            let limits = (deadline, self.stall, read_op(slot), pos);
+            let watch = self.awaits_replies();
             match done_or_bytes(&rdma.qp, conn, done.as_mut(), watch, limits).await? {
                 // the returned locals are this sink's clones: dropped here
                 Woke::Done(_) => break,
                 Woke::Bytes => {
                     if let Err(e) = self.start_pulls(rdma, conn, false).await {
-                        // this piece is still ours: it ends and its slot goes back before
-                        // the error (`settle` waits for the rest of the window)
-                        let _ = tokio::time::timeout_at(deadline, done.as_mut()).await;
-                        if let Some(slot) = slot {
-                            let _ = conn.send(&Msg::Unstage { slot }).await;
-                        }
-                        return Err(e);
+                        return Err(end_oldest(conn, done.as_mut(), deadline, slot, e).await);
                     }
                 }
             }
