@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use tokio::net::TcpStream;
 use verbs::{
-    Access, Context, HostBuffer, Local, ProtectionDomain, QueuePair, RegMode, RegisteredBuffer,
-    RemoteSlice, SendOp, SendWr, SinkBuffer,
+    Access, Context, CqMode, HostBuffer, Local, ProtectionDomain, QueuePair, RegMode,
+    RegisteredBuffer, RemoteSlice, SendOp, SendWr, SinkBuffer,
 };
 
 use super::lat::{lat_in_memory, lat_loop};
@@ -209,7 +209,13 @@ pub async fn run_client(
     };
     let mut qps = Vec::new();
     for _ in 0..p.qps {
-        qps.push(QueuePair::new(&pd, qp_options(&o.side, p, recv))?);
+        let mut opts = qp_options(&o.side, p, recv);
+        if p.lat && !p.poll {
+            // the latency loop sleeps on the completion channel on a thread of its own
+            // (`Settle::Block`): no runtime thread needs to wake with each event
+            opts.cq_mode = CqMode::Blocking;
+        }
+        qps.push(QueuePair::new(&pd, opts)?);
     }
     let pat = pattern(max);
     // Local memory: a source for writes and sends, a sink for reads; one target for the
@@ -383,31 +389,31 @@ pub async fn run_client(
             return Err(BenchError::Control("expected go".into()));
         };
         let res = if p.lat {
-            let times = if p.poll {
-                let (qp, src, p2) = (qps[0].clone(), Arc::clone(&src), p.clone());
-                let mut mine = std::mem::take(&mut pongs);
-                let mut pad = landing.take();
-                let (times, back, pad_back) = settle::on_own_thread(async move {
-                    let never = AtomicBool::new(false);
-                    let t = match pad.as_mut() {
-                        Some(pad) if polled_memory => {
-                            lat_in_memory(&qp, keys, n, &p2, pad, &never).await?
-                        }
-                        _ => {
-                            let how = Settle::Spin { stop: &never };
-                            lat_loop(&qp, &src, keys, n, &p2, how, &mut mine).await?
-                        }
-                    };
-                    Ok((t, mine, pad))
-                })
-                .await?;
-                pongs = back;
-                landing = pad_back;
-                times
-            } else {
-                let how = Settle::Events;
-                lat_loop(&qps[0], &src, keys, n, p, how, &mut pongs).await?
-            };
+            // the loop runs on a thread of its own: it busy-polls (--poll) or sleeps on the
+            // completion channel, and nothing stands between a completion and the next post
+            let (qp, src, p2) = (qps[0].clone(), Arc::clone(&src), p.clone());
+            let mut mine = std::mem::take(&mut pongs);
+            let mut pad = landing.take();
+            let (times, back, pad_back) = settle::on_own_thread(async move {
+                let never = AtomicBool::new(false);
+                let t = match pad.as_mut() {
+                    Some(pad) if polled_memory => {
+                        lat_in_memory(&qp, keys, n, &p2, pad, &never).await?
+                    }
+                    _ => {
+                        let how = if p2.poll {
+                            Settle::Spin { stop: &never }
+                        } else {
+                            Settle::Block
+                        };
+                        lat_loop(&qp, &src, keys, n, &p2, how, &mut mine).await?
+                    }
+                };
+                Ok((t, mine, pad))
+            })
+            .await?;
+            pongs = back;
+            landing = pad_back;
             c.send(&Msg::Done { size }).await?;
             let Msg::Stats { .. } = c.recv().await? else {
                 return Err(BenchError::Control("expected stats".into()));

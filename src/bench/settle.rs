@@ -22,12 +22,14 @@ const QUIET_LIMIT: Duration = Duration::from_secs(10);
 /// some emulators).
 const POLLS_PER_CHECK: u32 = 64;
 
-/// How the waits of one latency run are done.
+/// How the waits of one latency run are done, on a thread of the run's own (see
+/// [`on_own_thread`]).
 #[derive(Debug, Clone, Copy)]
 pub(super) enum Settle<'a> {
-    /// Await on the runtime.
-    Events,
-    /// Busy-poll on the calling thread, which must be one of the run's own (see [`on_own_thread`]).
+    /// Sleep on the completion channel between polls ([`verbs::Pending::sleep_until_event`]),
+    /// as perftest's `--use_event` loop sleeps in `ibv_get_cq_event`.
+    Block,
+    /// Busy-poll.
     Spin { stop: &'a AtomicBool },
 }
 
@@ -39,8 +41,8 @@ pub(super) trait Waitable: Sized + Send {
     fn poll_ready(&self) -> verbs::Result<bool>;
     /// The results, once complete.
     fn into_ready(self) -> verbs::Result<Self::Out>;
-    /// Await the results.
-    fn wait(self) -> impl Future<Output = verbs::Result<Self::Out>> + Send;
+    /// Sleep until the CQ raises an event, unless all have completed already.
+    fn sleep_until_event(&self, deadline: Instant) -> verbs::Result<()>;
     /// Poll once, and post `next` at once if all have completed.
     fn post_after(&self, next: PreparedSend) -> verbs::Result<AfterPoll>;
 }
@@ -53,8 +55,8 @@ impl Waitable for Pending {
     fn into_ready(self) -> verbs::Result<Self::Out> {
         Pending::into_ready(self)
     }
-    fn wait(self) -> impl Future<Output = verbs::Result<Self::Out>> + Send {
-        Pending::wait(self)
+    fn sleep_until_event(&self, deadline: Instant) -> verbs::Result<()> {
+        Pending::sleep_until_event(self, deadline)
     }
     fn post_after(&self, next: PreparedSend) -> verbs::Result<AfterPoll> {
         next.post_after(self)
@@ -69,8 +71,8 @@ impl Waitable for PendingRecv {
     fn into_ready(self) -> verbs::Result<Self::Out> {
         PendingRecv::into_ready(self)
     }
-    fn wait(self) -> impl Future<Output = verbs::Result<Self::Out>> + Send {
-        PendingRecv::wait(self)
+    fn sleep_until_event(&self, deadline: Instant) -> verbs::Result<()> {
+        PendingRecv::sleep_until_event(self, deadline)
     }
     fn post_after(&self, next: PreparedSend) -> verbs::Result<AfterPoll> {
         next.post_after_recv(self)
@@ -87,20 +89,46 @@ impl Settle<'_> {
         Ok(self.then(w, None).await?.map(|(out, ..)| out))
     }
 
-    /// Wait for `w` and post `next` (when given) as soon as `w` has completed. When spinning,
-    /// only the poll that sees the completion stands before `next`'s doorbell: the completions
-    /// are handed out and `w`'s results taken after it. `None` once the stop flag is set (then
-    /// `next` is dropped, not posted).
+    /// Wait for `w` and post `next` (when given) as soon as `w` has completed: only the poll
+    /// that sees the completion stands before `next`'s doorbell; the completions are handed
+    /// out and `w`'s results taken after it. `None` once the stop flag of a spinning run is
+    /// set (then `next` is dropped, not posted).
     pub(super) async fn then<W: Waitable>(
         self,
         w: W,
         next: Option<PreparedSend>,
     ) -> Result<Option<Settled<W::Out>>> {
         match self {
-            Settle::Events => {
-                let out = bounded(w.wait()).await??;
-                let posted = next.map(PreparedSend::post).transpose()?;
-                Ok(Some((out, posted, Instant::now())))
+            Settle::Block => {
+                let deadline = Instant::now() + QUIET_LIMIT;
+                let sleep = |w: &W| {
+                    w.sleep_until_event(deadline).map_err(|e| {
+                        if Instant::now() >= deadline {
+                            quiet()
+                        } else {
+                            e.into()
+                        }
+                    })
+                };
+                let posted = match next {
+                    None => {
+                        while !w.poll_ready()? {
+                            sleep(&w)?;
+                        }
+                        None
+                    }
+                    Some(mut next) => loop {
+                        match w.post_after(next)? {
+                            AfterPoll::Posted(sent) => break Some(sent),
+                            AfterPoll::NotYet(back) => {
+                                next = back;
+                                sleep(&w)?;
+                            }
+                        }
+                    },
+                };
+                let at = Instant::now();
+                Ok(Some((w.into_ready()?, posted, at)))
             }
             Settle::Spin { stop } => {
                 let posted = match next {
@@ -139,12 +167,6 @@ impl Settle<'_> {
             }
         }
     }
-}
-
-async fn bounded<T>(f: impl Future<Output = T>) -> Result<T> {
-    tokio::time::timeout(QUIET_LIMIT, f)
-        .await
-        .map_err(|_| quiet())
 }
 
 fn quiet() -> BenchError {

@@ -54,7 +54,9 @@ pub(crate) struct BenchArgs {
     /// into the send queue before the last one completes; the poll that sees the completion
     /// rings its doorbell. A WRITE ping-pong then goes as ib_write_lat: plain WRITEs, each
     /// side polling the message's last byte in its own memory (cq "memory" in the report;
-    /// without --poll, WRITEs with immediate data awaited as receive completions).
+    /// without --poll, WRITEs with immediate data awaited as receive completions). Without
+    /// --poll the client's latency loop also runs on a thread of its own, sleeping on the
+    /// completion channel between completions, as perftest's --use_event.
     #[arg(long)]
     pub(crate) poll: bool,
     /// RDMA READs in flight at once per QP (perftest's --outs); the server accepts as many.

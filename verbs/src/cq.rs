@@ -10,6 +10,7 @@
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
 
 use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionChannel, CompletionQueue as _};
 use smallvec::SmallVec;
@@ -29,6 +30,11 @@ pub enum CqMode {
     Events,
     /// Busy-poll the CQ, yielding to tokio between polls: lowest latency, one core busy.
     Polling,
+    /// Sleep on the completion channel on the thread that waits, with no runtime involved
+    /// ([`crate::Pending::sleep_until_event`]): for a loop on a thread of its own. The channel is
+    /// not registered with tokio, so no runtime thread wakes with each event; async waits
+    /// poll and yield, as in `Polling`.
+    Blocking,
 }
 
 /// The result of one work request.
@@ -247,7 +253,7 @@ impl Cq {
                     )
                 })?)
             }
-            CqMode::Polling => None,
+            CqMode::Polling | CqMode::Blocking => None,
         };
         Ok(Cq {
             fd,
@@ -361,6 +367,51 @@ impl Cq {
                 _ => tokio::task::yield_now().await,
             }
         }
+    }
+
+    /// Sleep on the calling thread until this CQ raises a completion event, as perftest's
+    /// `--use_event` loop sleeps in `ibv_get_cq_event`: no runtime between the completion and
+    /// the caller, who then polls. `ready` polls the CQ and says whether what the caller waits
+    /// for has completed (the caller has just found it not): checked once the CQ is armed,
+    /// since a completion that landed before the arm raises no event. The event may be
+    /// another waiter's, or one left from an earlier arm: the caller polls, and sleeps again
+    /// (arming again) if its work is not done; so does a wake-up by a signal. Past `deadline`,
+    /// an `ETIMEDOUT` error. A CQ in polling mode returns at once (the caller's loop polls),
+    /// until the deadline.
+    pub(crate) fn sleep_until_event(
+        &self,
+        ready: impl Fn() -> Result<bool>,
+        deadline: Instant,
+    ) -> Result<()> {
+        let timed_out = || {
+            Error::errno(
+                Call::GetCqEvent,
+                format!("{}: no completion event in time", self.device),
+                libc::ETIMEDOUT,
+            )
+        };
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(timed_out());
+        }
+        if self.mode == CqMode::Polling {
+            return Ok(());
+        }
+        self.arm()?;
+        if ready()? {
+            return Ok(());
+        }
+        // rounded up: a wait that ends by its timeout ends past the deadline
+        let ms = left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
+        let readable = crate::ffi::wait_readable(self.channel.as_raw_fd(), ms)
+            .map_err(|e| Error::verbs(Call::GetCqEvent, self.device.clone(), e))?;
+        if readable {
+            // ours, or taken by another waiter first (then none is left to read)
+            self.consume_event()?;
+        } else if Instant::now() >= deadline {
+            return Err(timed_out());
+        }
+        Ok(())
     }
 
     fn arm(&self) -> Result<()> {

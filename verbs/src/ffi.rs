@@ -112,6 +112,27 @@ pub(crate) unsafe fn get_and_ack_cq_event(
     Ok(true)
 }
 
+/// `poll(2)` for `fd` readable, at most `timeout_ms` milliseconds: whether it is. A signal
+/// that interrupts the wait counts as not readable (the caller polls its CQ and waits again).
+pub(crate) fn wait_readable(fd: std::os::fd::RawFd, timeout_ms: i32) -> io::Result<bool> {
+    let mut pfd = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: `pfd` is a valid, initialised pollfd on our stack and nfds is 1, so poll reads and
+    // writes only that struct; an fd that is not open is reported in `revents`, not undefined.
+    let ret = unsafe { libc::poll(&mut pfd, 1, timeout_ms) };
+    if ret < 0 {
+        let err = io::Error::last_os_error();
+        return match err.raw_os_error() {
+            Some(libc::EINTR) => Ok(false),
+            _ => Err(err),
+        };
+    }
+    Ok(ret > 0 && pfd.revents & libc::POLLIN != 0)
+}
+
 /// `ibv_advise_mr(pd, PREFETCH[_WRITE], FLUSH, sge)`.
 ///
 /// # Safety

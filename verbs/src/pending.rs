@@ -86,6 +86,28 @@ impl Pending {
     }
 }
 
+impl Pending {
+    /// Sleep on the calling thread until the CQ raises a completion event, unless every work
+    /// request has completed already; then [`Pending::poll_ready`] (or a post after it) says
+    /// whether they have. As perftest's `--use_event` loop, for a latency loop on a thread of
+    /// its own that wants nothing between the completion and its next doorbell; async callers
+    /// await [`Pending::wait`]. Past `deadline`, an error with `ETIMEDOUT` (the work requests
+    /// keep their buffers with the CQ). On a CQ in polling mode it returns at once until then.
+    pub fn sleep_until_event(&self, deadline: std::time::Instant) -> Result<()> {
+        self.qp.sleep_until_event(&self.rxs, deadline)
+    }
+
+    /// Wait for all on the calling thread, sleeping on the completion channel between polls of
+    /// the CQ ([`Pending::sleep_until_event`]); the first failure as in [`Pending::wait`], and
+    /// past `deadline` an error with `ETIMEDOUT`.
+    pub fn wait_blocking(self, deadline: std::time::Instant) -> Result<Vec<Local>> {
+        while !self.poll_ready()? {
+            self.sleep_until_event(deadline)?;
+        }
+        self.into_ready()
+    }
+}
+
 impl std::future::IntoFuture for Pending {
     type Output = Result<Vec<Local>>;
     type IntoFuture = std::pin::Pin<Box<dyn Future<Output = Result<Vec<Local>>> + Send>>;
@@ -146,6 +168,22 @@ impl PendingRecv {
         let _span = self.qp.span().entered();
         let done = self.qp.collect_ready(self.rxs)?;
         Ok(received(done))
+    }
+}
+
+impl PendingRecv {
+    /// Sleep on the calling thread until the CQ raises a completion event, unless every
+    /// receive has completed already (see [`Pending::sleep_until_event`]).
+    pub fn sleep_until_event(&self, deadline: std::time::Instant) -> Result<()> {
+        self.qp.sleep_until_event(&self.rxs, deadline)
+    }
+
+    /// Wait for every receive on the calling thread (see [`Pending::wait_blocking`]).
+    pub fn wait_blocking(self, deadline: std::time::Instant) -> Result<Vec<(Local, RecvInfo)>> {
+        while !self.poll_ready()? {
+            self.sleep_until_event(deadline)?;
+        }
+        self.into_ready()
     }
 }
 

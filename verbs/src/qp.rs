@@ -617,6 +617,18 @@ impl QueuePair {
         self.judge(out)
     }
 
+    /// Sleep on the calling thread until the CQ raises an event, unless every one of `rxs`
+    /// already has its result ([`Cq::sleep_until_event`]).
+    pub(crate) fn sleep_until_event(
+        &self,
+        rxs: &[(u64, oneshot::Receiver<Done>, &'static str)],
+        deadline: std::time::Instant,
+    ) -> Result<()> {
+        self.inner
+            .cq
+            .sleep_until_event(|| self.poll_ready(rxs), deadline)
+    }
+
     /// Poll the CQ once, without waiting: whether every one of `rxs` has its result.
     pub(crate) fn poll_ready(
         &self,

@@ -665,6 +665,66 @@ fn lab_polling_mode_works_without_events() {
     });
 }
 
+#[test]
+#[ignore = "lab"]
+fn lab_blocking_mode_sleeps_on_the_channel_without_a_runtime_and_times_out() {
+    // no runtime at all: a blocking CQ registers nothing with tokio
+    let p = pair_with(QpOptions {
+        cq_mode: CqMode::Blocking,
+        max_inline_data: 64,
+        ..QpOptions::default()
+    });
+    let soon = || std::time::Instant::now() + Duration::from_secs(10);
+    // nothing arrives: the sleep ends at its deadline with ETIMEDOUT, the receive stays posted
+    let recv = p.b.post_recv(vec![Local::owned(local(&p.pd, 64))]).unwrap();
+    let t = std::time::Instant::now();
+    let err = recv
+        .sleep_until_event(t + Duration::from_millis(300))
+        .unwrap_err();
+    assert!(t.elapsed() >= Duration::from_millis(300), "{err}");
+    assert!(
+        matches!(&err, Error::Verbs { source, .. } if source.raw_os_error() == Some(110)),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("no completion event in time"),
+        "{err}"
+    );
+    // round trips, each completion waited for by sleeping on the channel: events left from an
+    // earlier arm (a completion seen by a poll before its event was read) do not lose one
+    let mut recv = Some(recv);
+    for k in 0..50u8 {
+        let sent =
+            p.a.post_send(vec![SendWr {
+                op: SendOp::Send,
+                local: Local::inline(&[k; 16]),
+            }])
+            .unwrap();
+        let r = recv.take().unwrap();
+        let (l, info) = r.wait_blocking(soon()).unwrap().pop().unwrap();
+        assert_eq!(
+            (info.byte_len, l.bytes().unwrap()[..16].to_vec()),
+            (16, vec![k; 16])
+        );
+        sent.wait_blocking(soon()).unwrap();
+        recv = Some(p.b.post_recv(vec![Local::owned(local(&p.pd, 64))]).unwrap());
+    }
+    // a READ of 1 MiB, waited for the same way
+    let mut pattern = vec![0; 1 << 20];
+    fill(&mut pattern, 9);
+    let mut src = buf(&p.pd, 1 << 20);
+    src.write_at(0, &pattern).unwrap();
+    let dst = local(&p.pd, 1 << 20);
+    let read =
+        p.a.post_send(vec![SendWr {
+            op: SendOp::Read(src.mr().remote(0..1 << 20).unwrap()),
+            local: Local::owned(dst),
+        }])
+        .unwrap();
+    let back = read.wait_blocking(soon()).unwrap().pop().unwrap();
+    assert_eq!(first_diff(back.bytes().unwrap(), &pattern), None);
+}
+
 #[tokio::test]
 #[ignore = "lab"]
 async fn lab_remotely_writable_buffers_are_copied_never_borrowed() {
