@@ -1,10 +1,13 @@
-//! Waiting for a run's work requests: awaited on the runtime (completion events), or, with
-//! `--poll`, busy-polled off the runtime's workers, as perftest polls. A latency run spins on
-//! a thread of its own without yielding ([`Settle::Spin`]); bandwidth lanes and SEND receivers
-//! spin together on one thread of their own ([`spin_together`]). Yielding to the multi-threaded
-//! runtime between polls costs a scheduler pass (and often an `epoll_wait`) per poll and lets
-//! the loop migrate between worker threads; in one lab guest of two CPUs, where rxe's own work
-//! needs the CPUs too, that halved a polled 64 KiB SEND run against ib_send_bw.
+//! Waiting for a run's work requests off the runtime's workers. A latency run waits on a
+//! thread of its own: it sleeps on the completion channel between polls, as perftest's
+//! `--use_event` loop ([`Settle::Block`]), or with `--poll` spins without yielding
+//! ([`Settle::Spin`]). Polled bandwidth lanes and SEND receivers spin together on one thread
+//! of their own ([`spin_together`]); event-driven ones await on the runtime. Yielding to the
+//! multi-threaded runtime between polls costs a scheduler pass (and often an `epoll_wait`) per
+//! poll and lets the loop migrate between worker threads; in one lab guest of two CPUs, where
+//! rxe's own work needs the CPUs too, that halved a polled 64 KiB SEND run against
+//! ib_send_bw. Awaiting each completion of a latency run on the runtime woke two threads per
+//! message and cost the client about 1.5 times the CPU per READ of sleeping on the channel.
 
 use std::future::Future;
 use std::pin::Pin;
