@@ -46,6 +46,8 @@ pub(super) trait Waitable: Sized + Send {
     fn into_ready(self) -> verbs::Result<Self::Out>;
     /// Sleep until the CQ raises an event, unless all have completed already.
     fn sleep_until_event(&self, deadline: Instant) -> verbs::Result<()>;
+    /// Sleep on the completion channel until all have completed; their results.
+    fn wait_blocking(self, deadline: Instant) -> verbs::Result<Self::Out>;
     /// Poll once, and post `next` at once if all have completed.
     fn post_after(&self, next: PreparedSend) -> verbs::Result<AfterPoll>;
 }
@@ -60,6 +62,9 @@ impl Waitable for Pending {
     }
     fn sleep_until_event(&self, deadline: Instant) -> verbs::Result<()> {
         Pending::sleep_until_event(self, deadline)
+    }
+    fn wait_blocking(self, deadline: Instant) -> verbs::Result<Self::Out> {
+        Pending::wait_blocking(self, deadline)
     }
     fn post_after(&self, next: PreparedSend) -> verbs::Result<AfterPoll> {
         next.post_after(self)
@@ -76,6 +81,9 @@ impl Waitable for PendingRecv {
     }
     fn sleep_until_event(&self, deadline: Instant) -> verbs::Result<()> {
         PendingRecv::sleep_until_event(self, deadline)
+    }
+    fn wait_blocking(self, deadline: Instant) -> verbs::Result<Self::Out> {
+        PendingRecv::wait_blocking(self, deadline)
     }
     fn post_after(&self, next: PreparedSend) -> verbs::Result<AfterPoll> {
         next.post_after_recv(self)
@@ -104,34 +112,29 @@ impl Settle<'_> {
         match self {
             Settle::Block => {
                 let deadline = Instant::now() + QUIET_LIMIT;
-                let sleep = |w: &W| {
-                    w.sleep_until_event(deadline).map_err(|e| {
-                        if Instant::now() >= deadline {
-                            quiet()
-                        } else {
-                            e.into()
-                        }
-                    })
-                };
-                let posted = match next {
-                    None => {
-                        while !w.poll_ready()? {
-                            sleep(&w)?;
-                        }
-                        None
+                // past the deadline the sleep's ETIMEDOUT says the peer went quiet
+                let quiet_past = |e: verbs::Error| {
+                    if Instant::now() >= deadline {
+                        quiet()
+                    } else {
+                        e.into()
                     }
-                    Some(mut next) => loop {
-                        match w.post_after(next)? {
-                            AfterPoll::Posted(sent) => break Some(sent),
-                            AfterPoll::NotYet(back) => {
-                                next = back;
-                                sleep(&w)?;
-                            }
+                };
+                let Some(mut next) = next else {
+                    let out = w.wait_blocking(deadline).map_err(quiet_past)?;
+                    return Ok(Some((out, None, Instant::now())));
+                };
+                let sent = loop {
+                    match w.post_after(next)? {
+                        AfterPoll::Posted(sent) => break sent,
+                        AfterPoll::NotYet(back) => {
+                            next = back;
+                            w.sleep_until_event(deadline).map_err(quiet_past)?;
                         }
-                    },
+                    }
                 };
                 let at = Instant::now();
-                Ok(Some((w.into_ready()?, posted, at)))
+                Ok(Some((w.into_ready()?, Some(sent), at)))
             }
             Settle::Spin { stop } => {
                 let posted = match next {
