@@ -9,6 +9,7 @@
 
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
@@ -209,6 +210,9 @@ pub(crate) struct Cq {
     state: Mutex<CqState>,
     mode: CqMode,
     device: String,
+    /// A blocking sleep woke to a readable channel and left the event unread (see
+    /// [`Cq::sleep_until_event`]): the next sleep reads it first.
+    unread: AtomicBool,
 }
 
 impl Cq {
@@ -262,6 +266,7 @@ impl Cq {
             state: Mutex::new(CqState::default()),
             mode,
             device,
+            unread: AtomicBool::new(false),
         })
     }
 
@@ -383,6 +388,12 @@ impl Cq {
     /// (arming again) if its work is not done; so does a wake-up by a signal. Past `deadline`,
     /// an `ETIMEDOUT` error. A CQ in polling mode returns at once (the caller's loop polls),
     /// until the deadline.
+    ///
+    /// The event that ends a sleep is left in the channel and read at the start of the next
+    /// sleep (`ibv_get_cq_event` and its ack): the caller polls and rings its next doorbell
+    /// first, and the read is done while that request is in flight instead of standing between
+    /// the completion and the doorbell. An event left unread is not counted against the CQ:
+    /// destroying it does not wait for one.
     pub(crate) fn sleep_until_event(
         &self,
         ready: impl Fn() -> Result<bool>,
@@ -402,6 +413,10 @@ impl Cq {
         if self.mode == CqMode::Polling {
             return Ok(());
         }
+        // the event that ended the last sleep (or another waiter's: then none is left to read)
+        if self.unread.swap(false, Ordering::AcqRel) {
+            self.consume_event()?;
+        }
         self.arm()?;
         if ready()? {
             return Ok(());
@@ -411,8 +426,8 @@ impl Cq {
         let readable = crate::ffi::wait_readable(self.channel.as_raw_fd(), ms)
             .map_err(|e| Error::verbs(Call::GetCqEvent, self.device.clone(), e))?;
         if readable {
-            // ours, or taken by another waiter first (then none is left to read)
-            self.consume_event()?;
+            // read by the next sleep, after the caller's poll and doorbell
+            self.unread.store(true, Ordering::Release);
         } else if Instant::now() >= deadline {
             return Err(timed_out());
         }
