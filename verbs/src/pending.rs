@@ -101,9 +101,7 @@ impl Pending {
     /// the CQ ([`Pending::sleep_until_event`]); the first failure as in [`Pending::wait`], and
     /// past `deadline` an error with `ETIMEDOUT`.
     pub fn wait_blocking(self, deadline: std::time::Instant) -> Result<Vec<Local>> {
-        while !self.poll_ready()? {
-            self.sleep_until_event(deadline)?;
-        }
+        self.qp.sleep_until_done(&self.rxs, deadline)?;
         self.into_ready()
     }
 }
@@ -180,9 +178,7 @@ impl PendingRecv {
 
     /// Wait for every receive on the calling thread (see [`Pending::wait_blocking`]).
     pub fn wait_blocking(self, deadline: std::time::Instant) -> Result<Vec<(Local, RecvInfo)>> {
-        while !self.poll_ready()? {
-            self.sleep_until_event(deadline)?;
-        }
+        self.qp.sleep_until_done(&self.rxs, deadline)?;
         self.into_ready()
     }
 }

@@ -629,6 +629,19 @@ impl QueuePair {
             .sleep_until_event(|| self.poll_ready(rxs), deadline)
     }
 
+    /// Poll the CQ, sleeping on its channel between polls, until every one of `rxs` has its
+    /// result; past `deadline` an `ETIMEDOUT` error.
+    pub(crate) fn sleep_until_done(
+        &self,
+        rxs: &[(u64, oneshot::Receiver<Done>, &'static str)],
+        deadline: std::time::Instant,
+    ) -> Result<()> {
+        while !self.poll_ready(rxs)? {
+            self.sleep_until_event(rxs, deadline)?;
+        }
+        Ok(())
+    }
+
     /// Poll the CQ once, without waiting: whether every one of `rxs` has its result.
     pub(crate) fn poll_ready(
         &self,
