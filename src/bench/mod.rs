@@ -16,6 +16,7 @@
 use serde::{Deserialize, Serialize};
 use verbs::{CqMode, QpOptions};
 
+mod bridged;
 mod client;
 mod control;
 mod lat;

@@ -1,0 +1,182 @@
+//! The benchmark's client on the bounce path: the server's memory cannot be registered, so the
+//! client moves it through the bridge (puts, and fetches into one registered buffer), with
+//! `tx_depth` messages in flight as the direct path keeps `tx_depth` work requests.
+
+use std::time::{Duration, Instant};
+
+use super::*;
+
+/// Bytes one timed fetch call moves at least (whole spans of the region): each call starts
+/// with a ramp (the first chunk's staging and control round trip, with nothing landing), so a
+/// call of a single 16 MiB span spent about a tenth of its time ramping between the lab guests,
+/// a cost the direct path's steady stream of READs does not have. Small enough that a 4 s run
+/// still has several call boundaries inside its measured window.
+const FETCH_CALL: u64 = 32 << 20;
+
+/// Run every size against the server's bridge at `port` of the bench server's host.
+#[allow(clippy::too_many_arguments)]
+pub(super) async fn run(
+    server: &str,
+    port: u16,
+    token: String,
+    side: &Side,
+    p: &BenchParams,
+    path: &str,
+    strategy: &str,
+    pat: &[u8],
+    c: &mut Control,
+    each: &mut (dyn FnMut(&SizeResult) + Send),
+) -> Result<Vec<SizeResult>> {
+    let host = server
+        .rsplit_once(':')
+        .map(|(h, _)| h)
+        .unwrap_or(server)
+        .to_string();
+    let mut cfg = bridge::ClientConfig::new(format!("{host}:{port}"), token);
+    cfg.device = side.device.clone();
+    cfg.depth = p.tx_depth as usize;
+    let mut bc = bridge::Client::connect(cfg).await?;
+    let r = bc.open("bench", p.op == BenchOp::Write).await?;
+    let mut out = Vec::new();
+    // the fetches' landing buffer, registered once (a span is at most the region)
+    let mut landing: Option<bridge::LocalBuffer> = None;
+    for &size in &p.sizes {
+        // Like the direct path's `tx_depth` work requests in flight, keep `tx_depth` messages
+        // in flight: each span is up to `tx_depth` messages (as much of the region as fits),
+        // one bounce request per message, pipelined by the bridge client.
+        let span = bounce_span(size, p.tx_depth, r.info.size);
+        let per_span = span / size;
+        bc.set_chunk(size as usize)?;
+        let data: Vec<u8> = if p.op == BenchOp::Write {
+            pat[..size as usize].repeat(per_span as usize)
+        } else {
+            Vec::new()
+        };
+        if p.op != BenchOp::Write && landing.as_ref().is_none_or(|b| (b.len() as u64) < span) {
+            landing = Some(bc.buffer(span as usize).await?);
+        }
+        // One untimed span first, as the direct path sets its QPs and MRs up before its clock
+        // starts: it creates the bridge client's QP and staging buffers and fills the server's
+        // staging ring, so the timed loop measures transfers only.
+        let mut fetched_ok = true;
+        move_span(
+            &mut bc,
+            &r,
+            p,
+            size,
+            per_span,
+            span,
+            &data,
+            &mut landing,
+            pat,
+        )
+        .await?;
+        c.send(&Msg::Run { size }).await?;
+        let Msg::Go = c.recv().await? else {
+            return Err(BenchError::Control("expected go".into()));
+        };
+        let start = Instant::now();
+        let deadline = p.duration.map(|d| start + Duration::from_secs_f64(d));
+        let limit = p.iters.unwrap_or(u64::MAX);
+        // a put moves one span per call; a fetch several spans of the region in one batch,
+        // landing on each other in the buffer (one span with --validate, so that every
+        // fetched message is checked, none overwritten by a later span first)
+        let per_call = if p.op == BenchOp::Write || p.validate {
+            per_span
+        } else {
+            per_span * (FETCH_CALL / span).max(1)
+        };
+        let (mut n, mut peak) = (0u64, 0.0f64);
+        let window = Window::of(p.duration, p.margin);
+        let mut clock = CallClock::default();
+        while n < limit && deadline.is_none_or(|d| Instant::now() < d) {
+            // the last call of an --iters run moves only the messages left
+            let msgs = per_call.min(limit - n);
+            let t = Instant::now();
+            fetched_ok &=
+                move_span(&mut bc, &r, p, size, msgs, span, &data, &mut landing, pat).await?;
+            let dt = t.elapsed().as_secs_f64();
+            if dt > 0.0 {
+                peak = peak.max((msgs * size) as f64 / dt / (1 << 20) as f64);
+            }
+            n += msgs;
+            if let Some(w) = &window {
+                clock.ended(w, start.elapsed().as_secs_f64(), msgs);
+            }
+        }
+        let (n, seconds) = match window {
+            // calls of many messages: measured whole, between call boundaries inside the
+            // window (too few calls in it: the whole run, ramp-up included)
+            Some(_) if clock.result().0 > 0 => clock.result(),
+            _ => (n, start.elapsed().as_secs_f64()),
+        };
+        c.send(&Msg::Done { size }).await?;
+        let Msg::Stats { validated, .. } = c.recv().await? else {
+            return Err(BenchError::Control("expected stats".into()));
+        };
+        let validated = if p.validate {
+            Some(validated.unwrap_or(true) && fetched_ok)
+        } else {
+            None
+        };
+        let res = result(p, size, n, seconds, peak, path, strategy, validated);
+        each(&res);
+        out.push(res);
+    }
+    bc.bye().await?;
+    c.send(&Msg::Bye).await?;
+    Ok(out)
+}
+
+/// Move `msgs` messages of `size`: a put of the first `msgs` of `data` (at most one span), or
+/// a fetch of `msgs` messages in spans of the region, every span landing at the start of
+/// `landing`. Returns whether every fetched message held the pattern (with `--validate`;
+/// true otherwise).
+#[allow(clippy::too_many_arguments)]
+async fn move_span(
+    bc: &mut bridge::Client,
+    r: &bridge::OpenRegion,
+    p: &BenchParams,
+    size: u64,
+    msgs: u64,
+    span: u64,
+    data: &[u8],
+    landing: &mut Option<bridge::LocalBuffer>,
+    pat: &[u8],
+) -> Result<bool> {
+    let bytes = msgs * size;
+    if p.op == BenchOp::Write {
+        let mut cur = std::io::Cursor::new(&data[..bytes as usize]);
+        bc.put(r, 0, &mut cur, Some(bytes), false, &mut |_| {})
+            .await?;
+        return Ok(true);
+    }
+    let mut ranges = Vec::new();
+    let mut left = bytes;
+    while left > 0 {
+        let len = left.min(span);
+        ranges.push(bridge::BatchRange {
+            region: r,
+            offset: 0,
+            len,
+            at: 0,
+        });
+        left -= len;
+    }
+    let buf = landing
+        .take()
+        .ok_or_else(|| BenchError::Config("internal: no landing buffer".into()))?;
+    let landed = bc.fetch_many(&ranges, buf).await.map_err(|s| {
+        // the buffer is lost with the error: the run ends here
+        BenchError::Bridge(s.error)
+    })?;
+    for res in landed.results {
+        res?;
+    }
+    let ok = !p.validate
+        || landed.buffer.as_slice()[..bytes.min(span) as usize]
+            .chunks(size as usize)
+            .all(|m| m == &pat[..size as usize]);
+    *landing = Some(landed.buffer);
+    Ok(ok)
+}
