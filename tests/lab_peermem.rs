@@ -144,7 +144,8 @@ async fn lab_bounce_mixed_and_dmabuf_regions_move_every_byte_and_attribute_it() 
 async fn lab_device_private_regions_serve_every_byte_through_their_units_paths() {
     // A window smaller than the region, both policies. rxe cannot register the window's
     // dma-bufs, so the bridge serves these regions through bounce buffers; inside, each unit
-    // goes through its window mapping, its host copy (migrated) or the device's copy engine.
+    // goes through its host copy (migrated) or the device's copy engine (a window the NIC
+    // cannot use is left alone by the copies).
     let s = start(
         &[
             "copy=devpriv:memfd:1M,window=256K,policy=copy",

@@ -244,8 +244,9 @@ pub async fn decide(
 /// How a NIC may reach the window mappings of a device-private region.
 #[derive(Debug, Clone, Serialize)]
 pub struct WindowProof {
-    /// The strategy a canary proved on a mapped unit (None: window units are copied by the CPU
-    /// through their mappings).
+    /// The strategy a canary proved on a mapped unit (None: window units are copied by the
+    /// CPU; a server then leaves the window alone, see
+    /// [`crate::hmm::DevicePrivate::set_copies_map_window`]).
     pub mode: Option<RegMode>,
     /// One line: why.
     pub reason: String,
@@ -267,7 +268,7 @@ pub async fn prove_window(
         attempts: Vec::new(),
     };
     if policy == P2pPolicy::Disabled {
-        return copied("copied by the CPU through their mappings (--p2p disabled)".into());
+        return copied("copied by the CPU (--p2p disabled)".into());
     }
     let sample: Arc<dyn Provider> = match dp.window_sample() {
         Ok(lease) => Arc::clone(&lease),
@@ -287,7 +288,7 @@ pub async fn prove_window(
                     d.reason
                 ),
                 _ => format!(
-                    "copied by the CPU through their mappings, since no MR of a window mapping works ({})",
+                    "copied by the CPU, since no MR of a window mapping works ({})",
                     d.reason
                 ),
             };
@@ -297,7 +298,7 @@ pub async fn prove_window(
                 attempts: d.attempts,
             }
         }
-        Err(r) => copied(format!("copied by the CPU through their mappings ({r})")),
+        Err(r) => copied(format!("copied by the CPU ({r})")),
     }
 }
 

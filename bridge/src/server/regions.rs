@@ -398,6 +398,15 @@ pub(super) async fn build_region(
         tracing::info!(region = %name, mode = ?proof.mode, why = proof.reason, "P2P window units");
         window_mode = proof.mode;
         reason.push_str(&format!("; window units: {}", proof.reason));
+        if window_mode.is_none() {
+            // the window is the NIC's: CPU copies take the device's copy engine (or the
+            // policy's migration) instead of mapping units into it
+            dp.set_copies_map_window(false);
+            reason.push_str(
+                "; the NIC cannot use the window, so copies of units on the device take the \
+                 device's copy engine (or migrate, by the policy) without mapping them into it",
+            );
+        }
     }
     let access = if read_only {
         AccessMode::ReadOnly

@@ -20,7 +20,7 @@
 
 use std::fmt;
 use std::ops::Range;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -170,6 +170,9 @@ pub struct DevicePrivate {
     units: Mutex<Vec<Unit>>,
     window: RegCache<u64, Arc<dyn Provider>>,
     window_bytes: u64,
+    /// Whether CPU copies ([`DevicePrivate::read`], [`DevicePrivate::write`]) map units into
+    /// the window (see [`DevicePrivate::set_copies_map_window`]).
+    copies_map: AtomicBool,
     stats: [AtomicU64; 9],
 }
 
@@ -219,6 +222,7 @@ impl DevicePrivate {
                 max_entries: usize::MAX,
             }),
             window_bytes,
+            copies_map: AtomicBool::new(true),
             dev,
             policy,
             stats: Default::default(),
@@ -333,9 +337,29 @@ impl DevicePrivate {
         i * UNIT..((i + 1) * UNIT).min(self.len())
     }
 
+    /// Whether CPU copies of units on the device map them into the P2P window (the default)
+    /// or leave the window alone and take the policy's path (the device's copy engine, or a
+    /// migration to host RAM). The window is there for the NIC: where the NIC cannot use it
+    /// (no window strategy passed its canary), a mapping made for a CPU copy costs an export,
+    /// a mapping and a fault per page, and then its eviction, per unit, to copy bytes the
+    /// copy engine moves without them. [`DevicePrivate::plan`] (the NIC's) always maps.
+    pub fn set_copies_map_window(&self, on: bool) {
+        self.copies_map.store(on, Ordering::Relaxed);
+    }
+
     /// Split `offset..offset+len` into segments by path, mapping units into the window (or
     /// migrating them, by the policy) as needed. Fails if a unit was freed.
     pub fn plan(&self, offset: u64, len: u64) -> Result<Vec<Segment>, Error> {
+        self.plan_with(offset, len, true)
+    }
+
+    /// [`DevicePrivate::plan`] for a CPU copy: units on the device are mapped into the window
+    /// only while copies may map ([`DevicePrivate::set_copies_map_window`]).
+    fn plan_copy(&self, offset: u64, len: u64) -> Result<Vec<Segment>, Error> {
+        self.plan_with(offset, len, self.copies_map.load(Ordering::Relaxed))
+    }
+
+    fn plan_with(&self, offset: u64, len: u64, map: bool) -> Result<Vec<Segment>, Error> {
         let end = offset
             .checked_add(len)
             .filter(|&e| e <= self.len())
@@ -363,7 +387,7 @@ impl DevicePrivate {
                     )))
                 }
                 Residency::Host => SegmentPath::Host,
-                Residency::Device => match self.map(i, ur.clone()) {
+                Residency::Device => match map.then(|| self.map(i, ur.clone())).flatten() {
                     Some(lease) => SegmentPath::Window(lease, at - ur.start),
                     None => match self.policy {
                         Policy::Copy => SegmentPath::Bounce,
@@ -537,7 +561,7 @@ impl DevicePrivate {
 
     /// Read `out.len()` bytes at `offset`, segment by segment.
     pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), Error> {
-        for seg in self.plan(offset, out.len() as u64)? {
+        for seg in self.plan_copy(offset, out.len() as u64)? {
             let r = (seg.range.start - offset) as usize..(seg.range.end - offset) as usize;
             self.read_segment(&seg, &mut out[r])?;
         }
@@ -546,7 +570,7 @@ impl DevicePrivate {
 
     /// Write `data` at `offset`, segment by segment.
     pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), Error> {
-        for seg in self.plan(offset, data.len() as u64)? {
+        for seg in self.plan_copy(offset, data.len() as u64)? {
             let r = (seg.range.start - offset) as usize..(seg.range.end - offset) as usize;
             self.write_segment(&seg, &data[r])?;
         }

@@ -81,6 +81,44 @@ fn a_small_window_splits_a_range_into_window_and_bounce() {
 }
 
 #[test]
+fn copies_that_may_not_map_leave_the_window_to_the_nic() {
+    let dev = FakeDevice::new(4 * UNIT as usize, true);
+    let data: Vec<u8> = (0..2 * UNIT).map(|i| (i % 241) as u8).collect();
+    let r = DevicePrivate::new(
+        Arc::clone(&dev) as Arc<dyn DeviceBacking>,
+        2 * UNIT,
+        Policy::Copy,
+    );
+    r.set_copies_map_window(false);
+    r.write(UNIT / 2, &data).unwrap();
+    let mut back = vec![0; data.len()];
+    r.read(UNIT / 2, &mut back).unwrap();
+    assert_eq!(back, data);
+    let mut dev_bytes = vec![0; data.len()];
+    dev.copy_out(UNIT / 2, &mut dev_bytes).unwrap();
+    assert_eq!(dev_bytes, data, "the copy engine wrote the device itself");
+    let s = r.stats();
+    assert_eq!(
+        (s.window_maps, s.window_bytes, s.window_fallbacks),
+        (0, 0, 0),
+        "{s:?}"
+    );
+    assert_eq!(s.bounce_bytes, 2 * data.len() as u64, "{s:?}");
+    assert_eq!(r.window_in_use(), 0);
+    // the NIC's plan still maps units into the window
+    let segs = r.plan(0, UNIT).unwrap();
+    assert_eq!(kinds(&segs), vec![("window", 0..UNIT)]);
+    drop(segs);
+    // and the migrate policy still migrates on a CPU copy
+    let m = DevicePrivate::new(dev as Arc<dyn DeviceBacking>, 2 * UNIT, Policy::Migrate);
+    m.set_copies_map_window(false);
+    let mut b = [0u8; 8];
+    m.read(UNIT, &mut b).unwrap();
+    assert_eq!(m.residency_at(UNIT), Some(Residency::Host));
+    assert_eq!((m.stats().migrations, m.stats().window_maps), (1, 0));
+}
+
+#[test]
 fn without_a_window_the_migrate_policy_moves_units_to_host_ram() {
     let dev = FakeDevice::new(3 * UNIT as usize, false);
     dev.copy_in(UNIT, b"device bytes").unwrap();
