@@ -38,7 +38,8 @@ pub(super) async fn run(
     let mut bc = bridge::Client::connect(cfg).await?;
     let r = bc.open("bench", p.op == BenchOp::Write).await?;
     let mut out = Vec::new();
-    // the fetches' landing buffer, registered once (a span is at most the region)
+    // the fetches' landing buffer, registered once (a span is at most the region) and kept
+    // from size to size
     let mut landing: Option<bridge::LocalBuffer> = None;
     for &size in &p.sizes {
         // Like the direct path's `tx_depth` work requests in flight, keep `tx_depth` messages
@@ -47,30 +48,20 @@ pub(super) async fn run(
         let span = bounce_span(size, p.tx_depth, r.info.size);
         let per_span = span / size;
         bc.set_chunk(size as usize)?;
-        let data: Vec<u8> = if p.op == BenchOp::Write {
-            pat[..size as usize].repeat(per_span as usize)
-        } else {
-            Vec::new()
+        let mut mover = match p.op {
+            BenchOp::Write => Mover::Put(pat[..size as usize].repeat(per_span as usize)),
+            _ => Mover::Fetch(match landing.take() {
+                Some(b) if b.len() as u64 >= span => b,
+                _ => bc.buffer(span as usize).await?,
+            }),
         };
-        if p.op != BenchOp::Write && landing.as_ref().is_none_or(|b| (b.len() as u64) < span) {
-            landing = Some(bc.buffer(span as usize).await?);
-        }
+        // the pattern every fetched message must hold (with --validate)
+        let check = p.validate.then(|| &pat[..size as usize]);
         // One untimed span first, as the direct path sets its QPs and MRs up before its clock
         // starts: it creates the bridge client's QP and staging buffers and fills the server's
-        // staging ring, so the timed loop measures transfers only.
-        let mut fetched_ok = true;
-        move_span(
-            &mut bc,
-            &r,
-            p,
-            size,
-            per_span,
-            span,
-            &data,
-            &mut landing,
-            pat,
-        )
-        .await?;
+        // staging ring, so the timed loop measures transfers only. (The server writes the
+        // pattern only once told to run: nothing is checked here.)
+        (mover, _) = mover.call(&mut bc, &r, size, per_span, span, None).await?;
         c.send(&Msg::Run { size }).await?;
         let Msg::Go = c.recv().await? else {
             return Err(BenchError::Control("expected go".into()));
@@ -87,14 +78,16 @@ pub(super) async fn run(
             per_span * (FETCH_CALL / span).max(1)
         };
         let (mut n, mut peak) = (0u64, 0.0f64);
+        let mut fetched_ok = true;
         let window = Window::of(p.duration, p.margin);
         let mut clock = CallClock::default();
         while n < limit && deadline.is_none_or(|d| Instant::now() < d) {
             // the last call of an --iters run moves only the messages left
             let msgs = per_call.min(limit - n);
             let t = Instant::now();
-            fetched_ok &=
-                move_span(&mut bc, &r, p, size, msgs, span, &data, &mut landing, pat).await?;
+            let ok;
+            (mover, ok) = mover.call(&mut bc, &r, size, msgs, span, check).await?;
+            fetched_ok &= ok;
             let dt = t.elapsed().as_secs_f64();
             if dt > 0.0 {
                 peak = peak.max((msgs * size) as f64 / dt / (1 << 20) as f64);
@@ -119,6 +112,9 @@ pub(super) async fn run(
         } else {
             None
         };
+        if let Mover::Fetch(b) = mover {
+            landing = Some(b);
+        }
         let res = result(p, size, n, seconds, peak, path, strategy, validated);
         each(&res);
         out.push(res);
@@ -128,55 +124,61 @@ pub(super) async fn run(
     Ok(out)
 }
 
-/// Move `msgs` messages of `size`: a put of the first `msgs` of `data` (at most one span), or
-/// a fetch of `msgs` messages in spans of the region, every span landing at the start of
-/// `landing`. Returns whether every fetched message held the pattern (with `--validate`;
-/// true otherwise).
-#[allow(clippy::too_many_arguments)]
-async fn move_span(
-    bc: &mut bridge::Client,
-    r: &bridge::OpenRegion,
-    p: &BenchParams,
-    size: u64,
-    msgs: u64,
-    span: u64,
-    data: &[u8],
-    landing: &mut Option<bridge::LocalBuffer>,
-    pat: &[u8],
-) -> Result<bool> {
-    let bytes = msgs * size;
-    if p.op == BenchOp::Write {
-        let mut cur = std::io::Cursor::new(&data[..bytes as usize]);
-        bc.put(r, 0, &mut cur, Some(bytes), false, &mut |_| {})
-            .await?;
-        return Ok(true);
-    }
-    let mut ranges = Vec::new();
-    let mut left = bytes;
-    while left > 0 {
-        let len = left.min(span);
-        ranges.push(bridge::BatchRange {
-            region: r,
-            offset: 0,
-            len,
-            at: 0,
+/// What the calls of one size move: puts of the pattern (a span of it), or fetches landing in
+/// one registered buffer of at least a span.
+enum Mover {
+    Put(Vec<u8>),
+    Fetch(bridge::LocalBuffer),
+}
+
+impl Mover {
+    /// Move `msgs` messages of `size`: a put of the first `msgs` of the pattern (at most one
+    /// span), or a fetch of `msgs` messages in spans of the region, every span landing at the
+    /// start of the buffer. Returns the mover for the next call and whether every fetched
+    /// message held `check` (true without one; a fetch losing its buffer ends the run).
+    async fn call(
+        self,
+        bc: &mut bridge::Client,
+        r: &bridge::OpenRegion,
+        size: u64,
+        msgs: u64,
+        span: u64,
+        check: Option<&[u8]>,
+    ) -> Result<(Mover, bool)> {
+        let bytes = msgs * size;
+        let buf = match self {
+            Mover::Put(data) => {
+                let mut cur = std::io::Cursor::new(&data[..bytes as usize]);
+                bc.put(r, 0, &mut cur, Some(bytes), false, &mut |_| {})
+                    .await?;
+                return Ok((Mover::Put(data), true));
+            }
+            Mover::Fetch(buf) => buf,
+        };
+        let mut ranges = Vec::new();
+        let mut left = bytes;
+        while left > 0 {
+            let len = left.min(span);
+            ranges.push(bridge::BatchRange {
+                region: r,
+                offset: 0,
+                len,
+                at: 0,
+            });
+            left -= len;
+        }
+        let landed = bc
+            .fetch_many(&ranges, buf)
+            .await
+            .map_err(|s| BenchError::Bridge(s.error))?;
+        for res in landed.results {
+            res?;
+        }
+        let ok = check.is_none_or(|pat| {
+            landed.buffer.as_slice()[..bytes.min(span) as usize]
+                .chunks(size as usize)
+                .all(|m| m == pat)
         });
-        left -= len;
+        Ok((Mover::Fetch(landed.buffer), ok))
     }
-    let buf = landing
-        .take()
-        .ok_or_else(|| BenchError::Config("internal: no landing buffer".into()))?;
-    let landed = bc.fetch_many(&ranges, buf).await.map_err(|s| {
-        // the buffer is lost with the error: the run ends here
-        BenchError::Bridge(s.error)
-    })?;
-    for res in landed.results {
-        res?;
-    }
-    let ok = !p.validate
-        || landed.buffer.as_slice()[..bytes.min(span) as usize]
-            .chunks(size as usize)
-            .all(|m| m == &pat[..size as usize]);
-    *landing = Some(landed.buffer);
-    Ok(ok)
 }
