@@ -17,6 +17,8 @@ pub(crate) struct Conn {
     pub(crate) local_ip: Option<std::net::IpAddr>,
     /// How long a send may wait for the peer to read (None: as long as it takes).
     send_timeout: Option<Duration>,
+    /// Encoded messages that wait for the next send ([`Conn::defer`]).
+    deferred: Vec<u8>,
 }
 
 impl Conn {
@@ -29,6 +31,7 @@ impl Conn {
             dec: Decoder::new(),
             peer,
             send_timeout: None,
+            deferred: Vec::new(),
         }
     }
 
@@ -50,13 +53,31 @@ impl Conn {
         self.dec.set_max_frame(limit);
     }
 
+    /// Send `m`, after the messages deferred so far, in one write (one segment where they fit).
     pub(crate) async fn send(&mut self, m: &Msg) -> Result<()> {
-        self.write(
-            &encode(m),
-            "the peer to read a reply (it stopped reading)",
-            || format!("sending '{}'", m.kind()),
-        )
-        .await
+        let waiting = "the peer to read a reply (it stopped reading)";
+        let doing = || format!("sending '{}'", m.kind());
+        if self.deferred.is_empty() {
+            return self.write(&encode(m), waiting, doing).await;
+        }
+        let mut bytes = std::mem::take(&mut self.deferred);
+        bytes.extend_from_slice(&encode(m));
+        let sent = self.write(&bytes, waiting, doing).await;
+        // the buffer's room is kept for the next deferral; after an error the connection is
+        // not used again
+        bytes.clear();
+        self.deferred = bytes;
+        sent
+    }
+
+    /// Queue `m`, a message that needs no reply and no prompt delivery, in front of the next
+    /// one sent. For `Unstage`: it only has to reach the server before our next `Stage`, and
+    /// sent with it, a staged chunk costs the client one write and one segment instead of two
+    /// (in the lab, 16 MiB fetches through the bounce path ran 3-5% faster, ARCHITECTURE.md). What is
+    /// deferred when the connection ends is never sent: the server drops a connection's state
+    /// with it.
+    pub(crate) fn defer(&mut self, m: &Msg) {
+        self.deferred.extend_from_slice(&encode(m));
     }
 
     /// Send a message and the `data` it announces (the TCP data path).
@@ -278,6 +299,45 @@ mod tests {
             c.recv(Some(Duration::from_secs(5)), "anything").await,
             Err(Error::Closed { .. })
         ));
+    }
+
+    #[tokio::test]
+    async fn a_deferred_message_waits_for_the_next_send_and_goes_first_in_the_same_write() {
+        let (mut c, mut peer) = pair().await;
+        c.defer(&Msg::Unstage { slot: 1 });
+        c.defer(&Msg::Unstage { slot: 2 });
+        let mut buf = vec![0u8; 4096];
+        let early = tokio::time::timeout(Duration::from_millis(100), peer.read(&mut buf)).await;
+        assert!(early.is_err(), "a deferred message was sent on its own");
+        let stage = Msg::Stage {
+            handle: 3,
+            offset: 4096,
+            len: 1 << 20,
+        };
+        c.send(&stage).await.unwrap();
+        let mut want = encode(&Msg::Unstage { slot: 1 });
+        want.extend_from_slice(&encode(&Msg::Unstage { slot: 2 }));
+        want.extend_from_slice(&encode(&stage));
+        let mut got = Vec::new();
+        while got.len() < want.len() {
+            let n = tokio::time::timeout(Duration::from_secs(5), peer.read(&mut buf))
+                .await
+                .expect("the send arrived")
+                .unwrap();
+            assert_ne!(n, 0, "closed early");
+            got.extend_from_slice(&buf[..n]);
+        }
+        assert_eq!(
+            got, want,
+            "deferred messages first, in order, then the one sent"
+        );
+        // sent once: the next send carries only itself
+        c.send(&Msg::KeepAlive).await.unwrap();
+        let n = tokio::time::timeout(Duration::from_secs(5), peer.read(&mut buf))
+            .await
+            .expect("the keepalive arrived")
+            .unwrap();
+        assert_eq!(&buf[..n], &encode(&Msg::KeepAlive)[..]);
     }
 
     #[tokio::test]

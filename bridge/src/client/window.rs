@@ -324,7 +324,8 @@ pub(super) async fn land(
         }
     };
     if let Some(slot) = server_slot {
-        conn.send(&Msg::Unstage { slot }).await?;
+        // with our next message (the next chunk's `Stage`, as a rule): see `Conn::defer`
+        conn.defer(&Msg::Unstage { slot });
     }
     let l = back.pop().expect("one work request");
     Ok(Arrived {

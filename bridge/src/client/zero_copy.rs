@@ -547,7 +547,8 @@ impl Batch<'_, '_> {
             }
         }
         if let Some(slot) = slot {
-            conn.send(&Msg::Unstage { slot }).await?;
+            // with our next message (the next chunk's `Stage`, as a rule): see `Conn::defer`
+            conn.defer(&Msg::Unstage { slot });
         }
         Ok(())
     }

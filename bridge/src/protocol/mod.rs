@@ -405,8 +405,9 @@ pub enum Msg {
         /// Bytes staged.
         len: u64,
     },
-    /// Client → server, no reply: the client has read a staged slot; its window is revoked
-    /// and the buffer reused.
+    /// Client → server, no reply: the client has read a staged slot, which may be staged
+    /// again (under the same window). It need not come at once: the client sends it before
+    /// its next `Stage`, as a rule in the same write.
     Unstage {
         /// The slot of a [`Msg::Staged`].
         slot: u32,
