@@ -71,14 +71,55 @@ impl Conn {
         sent
     }
 
-    /// Queue `m`, a message that needs no reply and no prompt delivery, in front of the next
-    /// one sent. For `Unstage`: it only has to reach the server before our next `Stage`, and
-    /// sent with it, a staged chunk costs the client one write and one segment instead of two
-    /// (in the lab, 16 MiB fetches through the bounce path ran 3-5% faster, ARCHITECTURE.md).
-    /// What is deferred when the connection ends is never sent: the server drops a
-    /// connection's state with it.
+    /// Queue `m` in front of the next message sent, or until [`Conn::send_deferred`]: messages
+    /// that belong together go out in one write (one segment where they fit). The client
+    /// defers `Unstage` (it only has to reach the server before the next `Stage`) and the
+    /// `Stage`s of one batch; the server defers the `Staged` replies of a batch. Every
+    /// exchange on the control connection costs both hosts a wake-up beside the NIC's work
+    /// (ARCHITECTURE.md, bounce fetches). What is deferred when the connection ends is never
+    /// sent.
     pub(crate) fn defer(&mut self, m: &Msg) {
         self.deferred.extend_from_slice(&encode(m));
+    }
+
+    /// Bytes deferred and not yet sent.
+    pub(crate) fn deferred_len(&self) -> usize {
+        self.deferred.len()
+    }
+
+    /// Send what was deferred, if anything, in one write.
+    pub(crate) async fn send_deferred(&mut self) -> Result<()> {
+        if self.deferred.is_empty() {
+            return Ok(());
+        }
+        let mut bytes = std::mem::take(&mut self.deferred);
+        let sent = self
+            .write(
+                &bytes,
+                "the peer to read a message (it stopped reading)",
+                || "sending deferred messages".to_string(),
+            )
+            .await;
+        bytes.clear();
+        self.deferred = bytes;
+        sent
+    }
+
+    /// Whether a whole message from the peer is already here: in the decoder, or among what
+    /// the socket has ready (read into the decoder, never waiting). A read error says no; the
+    /// next [`Conn::recv`] reports it.
+    pub(crate) fn next_is_here(&mut self) -> bool {
+        if self.dec.holds_frame() {
+            return true;
+        }
+        let mut buf = [0u8; 16 * 1024];
+        match self.stream.try_read(&mut buf) {
+            Ok(n) if n > 0 => {
+                self.dec.feed(&buf[..n]);
+                self.dec.holds_frame()
+            }
+            _ => false,
+        }
     }
 
     /// Send a message and the `data` it announces (the TCP data path).
@@ -339,6 +380,66 @@ mod tests {
             .expect("the keepalive arrived")
             .unwrap();
         assert_eq!(&buf[..n], &encode(&Msg::KeepAlive)[..]);
+    }
+
+    #[tokio::test]
+    async fn deferred_messages_go_out_together_on_request_and_only_once() {
+        let (mut c, mut peer) = pair().await;
+        // nothing deferred: nothing written
+        c.send_deferred().await.unwrap();
+        assert_eq!(c.deferred_len(), 0);
+        let stage = |offset| Msg::Stage {
+            handle: 1,
+            offset,
+            len: 1 << 20,
+        };
+        c.defer(&Msg::Unstage { slot: 0 });
+        c.defer(&stage(0));
+        c.defer(&stage(1 << 20));
+        let mut want = encode(&Msg::Unstage { slot: 0 });
+        want.extend_from_slice(&encode(&stage(0)));
+        want.extend_from_slice(&encode(&stage(1 << 20)));
+        assert_eq!(c.deferred_len(), want.len());
+        c.send_deferred().await.unwrap();
+        assert_eq!(c.deferred_len(), 0);
+        let mut buf = vec![0u8; 4096];
+        let mut got = Vec::new();
+        while got.len() < want.len() {
+            let n = tokio::time::timeout(Duration::from_secs(5), peer.read(&mut buf))
+                .await
+                .expect("the batch arrived")
+                .unwrap();
+            assert_ne!(n, 0, "closed early");
+            got.extend_from_slice(&buf[..n]);
+        }
+        assert_eq!(got, want, "in order, all of them");
+        c.send_deferred().await.unwrap();
+        let again = tokio::time::timeout(Duration::from_millis(100), peer.read(&mut buf)).await;
+        assert!(again.is_err(), "a batch was sent twice");
+    }
+
+    #[tokio::test]
+    async fn next_is_here_only_for_a_whole_message_and_keeps_its_bytes() {
+        let (mut c, mut peer) = pair().await;
+        assert!(!c.next_is_here(), "nothing was sent");
+        let m = encode(&Msg::Unstage { slot: 5 });
+        peer.write_all(&m[..m.len() - 1]).await.unwrap();
+        for _ in 0..50 {
+            assert!(!c.next_is_here(), "a partial frame is not a message");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        peer.write_all(&m[m.len() - 1..]).await.unwrap();
+        let mut here = false;
+        for _ in 0..400 {
+            if c.next_is_here() {
+                here = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(here, "the whole message never showed");
+        assert_eq!(c.try_recv().unwrap(), Some(Msg::Unstage { slot: 5 }));
+        assert!(!c.next_is_here());
     }
 
     #[tokio::test]

@@ -25,8 +25,8 @@ mod zero_copy_put;
 use checksum::Checksum;
 pub use config::{ClientConfig, Transport, DEFAULT_INLINE};
 use window::{
-    await_or_stall, bounce_reply, issue, land, millis, more_input, overflow_error, piece, pulls,
-    read_full, report, settle, staged, start_pulls, Arrived, Slot,
+    await_or_stall, bounce_reply, issue, land, may_stage, millis, more_input, overflow_error,
+    piece, pulls, read_full, report, settle, staged, start_pulls, Arrived, Slot,
 };
 pub use zero_copy::{BatchRange, Landed, LocalBuffer, Stranded};
 
@@ -589,15 +589,22 @@ impl Client {
         let mut first = None;
         let result: Result<()> = async {
             loop {
+                let mut asking = false;
                 while window.len() < depth && next < len {
                     let p = piece(&extents, offset + next, len - next, chunk, r.bounce_chunk)?;
                     // staged even when the fetch is one piece: the server's WRITE of a 1 MiB chunk took
                     // 343 ms between the lab hosts, and a one-piece fetch through it ran at 0.55x
                     // a direct fetch, against 0.75x staged
                     let pull = staged(r, &p, false);
-                    if pull && pulls(&window) >= r.pull_depth as usize {
-                        // the server holds no more staged chunks for us: read one first
-                        break;
+                    if pull {
+                        let left = (len - next).div_ceil(r.bounce_chunk.max(1));
+                        let cap = (r.pull_depth as usize).min(depth);
+                        if !may_stage(pulls(&window), cap, left as usize, asking) {
+                            // the server holds no more staged chunks for us, or the next batch
+                            // is not complete: read one first
+                            break;
+                        }
+                        asking = true;
                     }
                     // a staged chunk lands by our own READ: a buffer without remote access
                     let path = if pull { DataPath::Direct } else { p.path };
@@ -605,6 +612,10 @@ impl Client {
                     window
                         .push_back(issue(&mut rdma, &mut self.conn, r, p, buf, false, pull).await?);
                     next += p.len;
+                }
+                if asking {
+                    // the batch's `Stage`s (and the releases before them) in one write
+                    self.conn.send_deferred().await?;
                 }
                 if window.iter().any(|s| matches!(s, Slot::Stage(..))) {
                     start_pulls(&mut rdma, &mut self.conn, &mut window).await?;

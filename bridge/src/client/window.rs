@@ -53,6 +53,30 @@ pub(super) fn pulls(window: &VecDeque<Slot>) -> usize {
         .count()
 }
 
+/// Whether a transfer may ask the server to stage its next chunk now. `held`: staged chunks it
+/// asked for and has not released; `depth`: how many it may hold at once (the handle's
+/// `pull_depth`, within the transfer's own window); `left`: staged chunks it has still to ask
+/// for; `asking`: it already asked for one since it last landed a chunk.
+///
+/// Asks go out in batches. With chunks held, the next ones are asked for only once half the
+/// depth is free (or all that are left fit), all in one write after the releases deferred
+/// before them ([`issue`] defers each `Stage`; the caller sends them), and the server answers
+/// such a batch in one write as well. Each exchange on the control connection costs both hosts
+/// a wake-up beside the NIC's work: between the lab hosts, a direct 16 MiB fetch that sent one
+/// message of its own per chunk ran about 6% slower, and 16 MiB bounce fetches asked in
+/// batches of half the depth ran about 6% faster than with a `Stage` per chunk
+/// (ARCHITECTURE.md). The other half of the depth stays staged meanwhile: the NIC always has
+/// chunks to send.
+pub(super) fn may_stage(held: usize, depth: usize, left: usize, asking: bool) -> bool {
+    if held >= depth {
+        return false;
+    }
+    if held == 0 || asking {
+        return true;
+    }
+    depth - held >= (depth / 2).max(1).min(left.max(1))
+}
+
 /// A piece of a transfer: at most one chunk, within one extent.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Piece {
@@ -92,7 +116,8 @@ pub(super) fn piece(
 /// Start moving `buf[..p.len]` to (`to_region`) or from the region at `p.pos`: a one-sided RDMA
 /// WRITE or READ on a direct extent (a WRITE within the QP's inline room carries its bytes in
 /// the work request, and `buf` goes straight back to the pool), a bounce request on a bounce
-/// extent (`stage`: a staged fetch, see [`staged`]).
+/// extent (`stage`: a staged fetch, see [`staged`]: its `Stage` is deferred, and the caller
+/// sends it with the others of its batch, see [`may_stage`]).
 pub(super) async fn issue(
     rdma: &mut Rdma,
     conn: &mut Conn,
@@ -124,12 +149,11 @@ pub(super) async fn issue(
         return Ok(Slot::Rdma(rdma.qp.post_send(vec![wr])?, p.len));
     }
     if stage && !to_region {
-        conn.send(&Msg::Stage {
+        conn.defer(&Msg::Stage {
             handle: r.handle,
             offset: p.pos,
             len: p.len,
-        })
-        .await?;
+        });
         return Ok(Slot::Stage(buf, p.len));
     }
     let m = Msg::Bounce {
@@ -164,12 +188,14 @@ pub(super) async fn bounce_reply(conn: &mut Conn, limit: Duration, n: u64) -> Re
     }
 }
 
-/// The server's answer to a staged fetch of `n` bytes: where to read them.
+/// The server's answer to a staged fetch of `n` bytes: where to read them. Whatever this
+/// side deferred goes out first (the `Stage` awaited may be among it).
 pub(super) async fn staged_reply(
     conn: &mut Conn,
     limit: Duration,
     n: u64,
 ) -> Result<(u32, RemoteSlice)> {
+    conn.send_deferred().await?;
     let m = conn.recv(Some(limit), "staged").await?;
     check_staged(conn, m, n).await
 }
@@ -615,5 +641,27 @@ mod tests {
         assert!(r.remote_at(G - 10, 20).is_err());
         let e = r.remote_at(G + G / 4, 1).unwrap_err().to_string();
         assert!(e.contains("none of the server's 2 segments"), "{e}");
+    }
+
+    #[test]
+    fn staged_chunks_are_asked_for_in_batches_of_half_the_depth() {
+        // nothing held: ask at once, and go on asking in the same pass until the depth is held
+        assert!(may_stage(0, 8, 16, false));
+        assert!(may_stage(3, 8, 13, true));
+        assert!(!may_stage(8, 8, 8, true), "the server holds no more for us");
+        // chunks held: wait until half the depth is free
+        assert!(!may_stage(7, 8, 9, false));
+        assert!(!may_stage(5, 8, 9, false));
+        assert!(may_stage(4, 8, 9, false));
+        // unless all that is left fits in what is free
+        assert!(may_stage(6, 8, 2, false));
+        assert!(!may_stage(7, 8, 2, false));
+        // small depths ask for every chunk
+        assert!(may_stage(1, 2, 5, false));
+        assert!(!may_stage(1, 1, 5, false));
+        assert!(may_stage(0, 1, 5, false));
+        // an odd depth rounds the batch down
+        assert!(may_stage(4, 7, 9, false));
+        assert!(!may_stage(5, 7, 9, false));
     }
 }

@@ -18,7 +18,7 @@ use verbs::{
 };
 
 use super::window::{
-    bounce_reply, done_or_bytes, end_oldest, piece, read_op, staged, staged_reply,
+    bounce_reply, done_or_bytes, end_oldest, may_stage, piece, read_op, staged, staged_reply,
     staged_reply_ready, Piece, Woke,
 };
 use super::{Client, OpenRegion, Rdma, KEEPALIVE};
@@ -404,6 +404,7 @@ impl Batch<'_, '_> {
         };
         let mut alive = Instant::now();
         loop {
+            let mut asking = false;
             while self.window.len() < self.depth {
                 let Some((i, p, dst)) = self.peek(&mut c)? else {
                     break;
@@ -425,16 +426,19 @@ impl Batch<'_, '_> {
                     self.window.push_back(Flight::Direct(pending, p.pos));
                     self.direct_by_range[i] += p.len;
                 } else if staged(region, &p, false) {
-                    // the server stages the chunk and we READ it straight into the buffer
-                    if self.pulls() >= region.pull_depth as usize || !self.share_with_reads() {
+                    // the server stages the chunk and we READ it straight into the buffer; the
+                    // `Stage`s of a batch go out together (see `may_stage`)
+                    let cap = (region.pull_depth as usize).min(self.depth);
+                    let left = self.chunks_left(&c, region.bounce_chunk);
+                    if !may_stage(self.pulls(), cap, left, asking) || !self.share_with_reads() {
                         break;
                     }
-                    conn.send(&Msg::Stage {
+                    asking = true;
+                    conn.defer(&Msg::Stage {
                         handle: region.handle,
                         offset: p.pos,
                         len: p.len,
-                    })
-                    .await?;
+                    });
                     self.window.push_back(Flight::Stage {
                         len: p.len,
                         pos: p.pos,
@@ -458,6 +462,9 @@ impl Batch<'_, '_> {
                     self.window.push_back(Flight::Bounce(staging, p.len, dst));
                 }
                 c.done += p.len;
+            }
+            if asking {
+                conn.send_deferred().await?;
             }
             if self.awaits_replies() {
                 self.start_pulls(rdma, conn, true).await?;
@@ -503,6 +510,21 @@ impl Batch<'_, '_> {
                 alive = Instant::now();
             }
         }
+    }
+
+    /// Chunks of `chunk` bytes the batch has still to issue from the cursor on (direct bytes
+    /// counted as well: an upper bound), for the staging batches (`may_stage`).
+    fn chunks_left(&self, c: &Cursor, chunk: u64) -> usize {
+        let chunk = chunk.max(1);
+        let here = self
+            .ranges
+            .get(c.i)
+            .map_or(0, |r| r.len.saturating_sub(c.done).div_ceil(chunk));
+        let later: u64 = self.ranges[(c.i + 1).min(self.ranges.len())..]
+            .iter()
+            .map(|r| r.len.div_ceil(chunk))
+            .sum();
+        usize::try_from(here + later).unwrap_or(usize::MAX)
     }
 
     /// Staged fetches in the window (requested or being read).

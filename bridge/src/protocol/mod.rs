@@ -382,7 +382,9 @@ pub enum Msg {
     /// Client → server: copy a range of the region (at most `bounce_chunk` bytes, on a handle
     /// whose [`Msg::Opened`] gave a `pull_depth`) into a staging buffer the client may read,
     /// then reply [`Msg::Staged`]. The client RDMA-READs it, as it reads direct extents, and
-    /// sends [`Msg::Unstage`].
+    /// sends [`Msg::Unstage`]. A client may send several in one write (it asks in batches);
+    /// the replies come in request order, several of them in one write where the requests
+    /// came together.
     Stage {
         /// Open handle.
         handle: u32,
@@ -603,6 +605,18 @@ impl Decoder {
     /// Append received bytes.
     pub fn feed(&mut self, bytes: &[u8]) {
         self.buf.extend_from_slice(bytes);
+    }
+
+    /// Whether a whole frame is buffered (the next [`Decoder::next_msg`] yields it, or its
+    /// error).
+    pub fn holds_frame(&self) -> bool {
+        match self.buf.get(..4) {
+            Some(h) => {
+                let len = u32::from_be_bytes([h[0], h[1], h[2], h[3]]) as usize;
+                len > self.max_frame || self.buf.len() - 4 >= len
+            }
+            None => false,
+        }
     }
 
     /// Bytes buffered and not yet decoded.

@@ -176,6 +176,26 @@ fn frames_roundtrip_even_when_split_byte_by_byte() {
 }
 
 #[test]
+fn holds_frame_says_whether_the_next_message_or_its_error_is_buffered() {
+    let mut d = Decoder::new();
+    assert!(!d.holds_frame());
+    let m = encode(&Msg::KeepAlive);
+    d.feed(&m[..3]);
+    assert!(!d.holds_frame(), "not even the length");
+    d.feed(&m[3..m.len() - 1]);
+    assert!(!d.holds_frame(), "one byte short");
+    d.feed(&m[m.len() - 1..]);
+    assert!(d.holds_frame());
+    assert_eq!(d.next_msg().unwrap(), Some(Msg::KeepAlive));
+    assert!(!d.holds_frame());
+    // a frame over the limit: its error is ready without its bytes
+    d.set_max_frame(16);
+    d.feed(&(1000u32).to_be_bytes());
+    assert!(d.holds_frame());
+    assert!(matches!(d.next_msg(), Err(DecodeError::TooLarge { .. })));
+}
+
+#[test]
 fn before_authentication_only_small_frames_are_buffered() {
     let mut d = Decoder::new();
     d.set_max_frame(MAX_HELLO_FRAME);

@@ -309,6 +309,11 @@ impl<T> Session<T> {
         self.rules.pull_depth
     }
 
+    /// Staging slots the client holds: staged for it and not released.
+    pub(crate) fn staged_count(&self) -> u32 {
+        self.staged.count_ones()
+    }
+
     /// The driver could not stage into `slot`: it is free again.
     pub(crate) fn unstaged(&mut self, slot: u32) {
         if slot < MAX_STAGED {

@@ -30,6 +30,22 @@ use super::Shared;
 use crate::metrics::{BounceStage, Direction};
 use crate::protocol::{ErrorCode, Msg};
 
+/// Bytes of replies a connection may hold back at once (a `Staged` reply is under 100
+/// bytes): past it, a reply goes out at once.
+pub(super) const MAX_HELD_REPLIES: usize = 16 * 1024;
+
+/// Whether `reply` may wait in the connection for the replies behind it and go out with them
+/// in one write, when the client's next request is already here (the caller checks that
+/// last: it reads the socket). A client asks for staged chunks in batches, in one write
+/// (`client::window::may_stage`); their `Staged` replies go back the same way, saving both
+/// hosts a wake-up per chunk. Only while the client holds another staged chunk
+/// (`held_by_client` counts this one too): its NIC has that one to read meanwhile, and the
+/// first chunk of a fetch is answered at once. A held reply goes out with the next one sent,
+/// and before the server waits for the client again.
+pub(super) fn may_hold(reply: &Msg, held_by_client: u32, held_bytes: usize) -> bool {
+    matches!(reply, Msg::Staged { .. }) && held_by_client > 1 && held_bytes < MAX_HELD_REPLIES
+}
+
 /// One staging slot of a connection: its buffer, with the window over it once the first chunk
 /// was staged there (kept, and the buffer with it, until the connection ends).
 #[derive(Debug, Default)]
@@ -272,5 +288,29 @@ pub(super) fn prefill_slots(shared: &Shared) {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_staged_reply_behind_another_held_chunk_waits_for_its_batch() {
+        let staged = Msg::Staged {
+            slot: 1,
+            addr: 4096,
+            rkey: 7,
+            len: 1 << 20,
+        };
+        assert!(may_hold(&staged, 2, 0));
+        assert!(may_hold(&staged, 8, MAX_HELD_REPLIES - 1));
+        // the first chunk the client holds is answered at once: its NIC has nothing else
+        assert!(!may_hold(&staged, 1, 0));
+        // bounded: past the limit a reply goes out
+        assert!(!may_hold(&staged, 8, MAX_HELD_REPLIES));
+        // other replies never wait
+        assert!(!may_hold(&Msg::KeepAlive, 8, 0));
+        assert!(!may_hold(&Msg::error(ErrorCode::Busy, "busy"), 8, 0));
     }
 }

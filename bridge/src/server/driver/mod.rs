@@ -20,6 +20,7 @@ use super::bounce::{on_memory, InFlight};
 use super::preauth;
 use super::regions::crc_of;
 use super::session::{self, Catalog, HelloFault, Refusal, Rules, Session, Step, MAX_STAGED};
+use super::stage::may_hold;
 use super::Shared;
 use crate::conn::Conn;
 use crate::error::{Error, Result};
@@ -275,6 +276,12 @@ async fn serve_connection(
             let _ = conn.send(&reply).await;
             break Ok(());
         }
+        // replies held back for their batch go out before we wait for the client
+        if conn.deferred_len() > 0 && !conn.next_is_here() {
+            if let Err(e) = conn.send_deferred().await {
+                break Err(e);
+            }
+        }
         // silent with nothing in flight: idle; a bounce in flight answers on its own
         let idle = st.inflight.is_empty().then_some(shared.cfg.idle_timeout);
         let msg = tokio::select! {
@@ -397,6 +404,10 @@ async fn serve_connection(
             break Err(e);
         }
         count_reply(m, &reply);
+        if may_hold(&reply, st.session.staged_count(), conn.deferred_len()) && conn.next_is_here() {
+            conn.defer(&reply);
+            continue;
+        }
         if let Err(e) = conn.send(&reply).await {
             break Err(e);
         }
