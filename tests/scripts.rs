@@ -37,3 +37,47 @@ fn perf_report_refuses_fewer_than_one_fetch_round_before_building() {
     );
     assert!(!stderr.contains("Compiling"), "it built first: {stderr}");
 }
+
+#[test]
+fn perf_report_help_says_what_each_option_does_and_its_default() {
+    let out = Command::new("scripts/perf-report")
+        .arg("--help")
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .output()
+        .expect("running scripts/perf-report --help");
+    assert_eq!(out.status.code(), Some(0));
+    let help = String::from_utf8_lossy(&out.stdout);
+    for (option, default) in [
+        ("--rounds N", "default 2"),
+        ("--fetch-rounds F", "default 15"),
+        ("--compare-rounds M", "0 skips it"),
+        ("--loopback-rounds K", "default 0"),
+        ("--kernel KERNEL", "default 7.3"),
+        ("--out DIR", "target/perf-report"),
+        ("--from-logs", "run nothing"),
+    ] {
+        // the option's line and the indented lines that go on with it
+        let mut lines = help
+            .lines()
+            .skip_while(|l| !l.trim_start().starts_with(option));
+        let first = lines
+            .next()
+            .unwrap_or_else(|| panic!("{option} is not described:\n{help}"));
+        let more = lines.take_while(|l| l.starts_with("      ") && !l.trim().starts_with('-'));
+        let line = std::iter::once(first)
+            .chain(more)
+            .flat_map(str::split_whitespace)
+            .collect::<Vec<_>>()
+            .join(" ");
+        assert!(
+            line.contains(default),
+            "{option}: '{line}' lacks '{default}'"
+        );
+    }
+    // what it runs and what it needs, not only the options
+    assert!(
+        help.contains("soft-roce/two-host-test") && help.contains("Needs:"),
+        "{help}"
+    );
+}
