@@ -64,7 +64,7 @@ pub(super) fn pulls(window: &VecDeque<Slot>) -> usize {
 /// such a batch in one write as well. Each exchange on the control connection costs both hosts
 /// a wake-up beside the NIC's work: between the lab hosts, a direct 16 MiB fetch that sent one
 /// message of its own per chunk ran about 6% slower, and 16 MiB bounce fetches asked in
-/// batches of half the depth ran about 6% faster than with a `Stage` per chunk
+/// batches of half the depth ran 4-6% faster than with a `Stage` per chunk
 /// (ARCHITECTURE.md). The other half of the depth stays staged meanwhile: the NIC always has
 /// chunks to send.
 pub(super) fn may_stage(held: usize, depth: usize, left: usize, asking: bool) -> bool {
