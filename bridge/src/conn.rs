@@ -55,20 +55,12 @@ impl Conn {
 
     /// Send `m`, after the messages deferred so far, in one write (one segment where they fit).
     pub(crate) async fn send(&mut self, m: &Msg) -> Result<()> {
-        let mut bytes = std::mem::take(&mut self.deferred);
-        bytes.extend_from_slice(&encode(m));
-        let sent = self
-            .write(
-                &bytes,
-                "the peer to read a reply (it stopped reading)",
-                || format!("sending '{}'", m.kind()),
-            )
-            .await;
-        // the buffer's room is kept for the next send; after an error the connection is not
-        // used again
-        bytes.clear();
-        self.deferred = bytes;
-        sent
+        self.defer(m);
+        let kind = m.kind();
+        self.write_deferred("the peer to read a reply (it stopped reading)", || {
+            format!("sending '{kind}'")
+        })
+        .await
     }
 
     /// Queue `m` in front of the next message sent, or until [`Conn::send_deferred`]: messages
@@ -92,14 +84,22 @@ impl Conn {
         if self.deferred.is_empty() {
             return Ok(());
         }
+        self.write_deferred("the peer to read a message (it stopped reading)", || {
+            "sending deferred messages".to_string()
+        })
+        .await
+    }
+
+    /// Write the deferred bytes in one write ([`Conn::write`]'s `waiting` and `doing`).
+    async fn write_deferred(
+        &mut self,
+        waiting: &'static str,
+        doing: impl FnOnce() -> String,
+    ) -> Result<()> {
         let mut bytes = std::mem::take(&mut self.deferred);
-        let sent = self
-            .write(
-                &bytes,
-                "the peer to read a message (it stopped reading)",
-                || "sending deferred messages".to_string(),
-            )
-            .await;
+        let sent = self.write(&bytes, waiting, doing).await;
+        // the buffer's room is kept for the next deferral; after an error the connection is
+        // not used again
         bytes.clear();
         self.deferred = bytes;
         sent
@@ -109,16 +109,21 @@ impl Conn {
     /// the socket has ready (read into the decoder, never waiting). A read error says no; the
     /// next [`Conn::recv`] reports it.
     pub(crate) fn next_is_here(&mut self) -> bool {
-        if self.dec.holds_frame() {
-            return true;
-        }
+        self.dec.holds_frame()
+            || (matches!(self.read_ready(), Ok(Some(n)) if n > 0) && self.dec.holds_frame())
+    }
+
+    /// What the socket has ready, read into the decoder without waiting: `Some(n)` bytes (0 at
+    /// the end of the stream), `None` when nothing is ready.
+    fn read_ready(&mut self) -> std::io::Result<Option<usize>> {
         let mut buf = [0u8; 16 * 1024];
         match self.stream.try_read(&mut buf) {
-            Ok(n) if n > 0 => {
+            Ok(n) => {
                 self.dec.feed(&buf[..n]);
-                self.dec.holds_frame()
+                Ok(Some(n))
             }
-            _ => false,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(None),
+            Err(e) => Err(e),
         }
     }
 
@@ -170,15 +175,13 @@ impl Conn {
     /// of the stream, which the next [`Conn::recv`] reports). Never blocks and loses nothing:
     /// bytes read stay in the decoder.
     pub(crate) fn try_recv(&mut self) -> Result<Option<Msg>> {
-        let mut buf = [0u8; 16 * 1024];
         loop {
             if let Some(m) = self.decoded()? {
                 return Ok(Some(m));
             }
-            match self.stream.try_read(&mut buf) {
-                Ok(0) => return Ok(None),
-                Ok(n) => self.dec.feed(&buf[..n]),
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(None),
+            match self.read_ready() {
+                Ok(Some(0) | None) => return Ok(None),
+                Ok(Some(_)) => {}
                 Err(e) => return Err(Error::io(format!("reading from {}", self.peer), e)),
             }
         }
@@ -296,6 +299,21 @@ mod tests {
         )
     }
 
+    /// Read from `peer` until `len` bytes came (each read within 5 s; `what` names them).
+    async fn read_len(peer: &mut TcpStream, len: usize, what: &str) -> Vec<u8> {
+        let mut buf = vec![0u8; 4096];
+        let mut got = Vec::new();
+        while got.len() < len {
+            let n = tokio::time::timeout(Duration::from_secs(5), peer.read(&mut buf))
+                .await
+                .unwrap_or_else(|_| panic!("{what} never arrived"))
+                .unwrap();
+            assert_ne!(n, 0, "closed early");
+            got.extend_from_slice(&buf[..n]);
+        }
+        got
+    }
+
     /// Poll `try_recv` until it yields or `tries` run out (the bytes cross loopback TCP).
     async fn try_until(c: &mut Conn, tries: usize) -> Option<Msg> {
         for _ in 0..tries {
@@ -360,15 +378,7 @@ mod tests {
         let mut want = encode(&Msg::Unstage { slot: 1 });
         want.extend_from_slice(&encode(&Msg::Unstage { slot: 2 }));
         want.extend_from_slice(&encode(&stage));
-        let mut got = Vec::new();
-        while got.len() < want.len() {
-            let n = tokio::time::timeout(Duration::from_secs(5), peer.read(&mut buf))
-                .await
-                .expect("the send arrived")
-                .unwrap();
-            assert_ne!(n, 0, "closed early");
-            got.extend_from_slice(&buf[..n]);
-        }
+        let got = read_len(&mut peer, want.len(), "the send").await;
         assert_eq!(
             got, want,
             "deferred messages first, in order, then the one sent"
@@ -402,18 +412,10 @@ mod tests {
         assert_eq!(c.deferred_len(), want.len());
         c.send_deferred().await.unwrap();
         assert_eq!(c.deferred_len(), 0);
-        let mut buf = vec![0u8; 4096];
-        let mut got = Vec::new();
-        while got.len() < want.len() {
-            let n = tokio::time::timeout(Duration::from_secs(5), peer.read(&mut buf))
-                .await
-                .expect("the batch arrived")
-                .unwrap();
-            assert_ne!(n, 0, "closed early");
-            got.extend_from_slice(&buf[..n]);
-        }
+        let got = read_len(&mut peer, want.len(), "the batch").await;
         assert_eq!(got, want, "in order, all of them");
         c.send_deferred().await.unwrap();
+        let mut buf = vec![0u8; 4096];
         let again = tokio::time::timeout(Duration::from_millis(100), peer.read(&mut buf)).await;
         assert!(again.is_err(), "a batch was sent twice");
     }

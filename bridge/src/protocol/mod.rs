@@ -610,13 +610,14 @@ impl Decoder {
     /// Whether a whole frame is buffered (the next [`Decoder::next_msg`] yields it, or its
     /// error).
     pub fn holds_frame(&self) -> bool {
-        match self.buf.get(..4) {
-            Some(h) => {
-                let len = u32::from_be_bytes([h[0], h[1], h[2], h[3]]) as usize;
-                len > self.max_frame || self.buf.len() - 4 >= len
-            }
-            None => false,
-        }
+        self.announced()
+            .is_some_and(|len| len > self.max_frame || self.buf.len() - 4 >= len)
+    }
+
+    /// The length the next frame's header announces, once its 4 bytes are here.
+    fn announced(&self) -> Option<usize> {
+        let h = self.buf.get(..4)?;
+        Some(u32::from_be_bytes([h[0], h[1], h[2], h[3]]) as usize)
     }
 
     /// Bytes buffered and not yet decoded.
@@ -626,10 +627,9 @@ impl Decoder {
 
     /// The next complete message, `Ok(None)` if more bytes are needed.
     pub fn next_msg(&mut self) -> Result<Option<Msg>, DecodeError> {
-        if self.buf.len() < 4 {
+        let Some(len) = self.announced() else {
             return Ok(None);
-        }
-        let len = u32::from_be_bytes([self.buf[0], self.buf[1], self.buf[2], self.buf[3]]) as usize;
+        };
         if len > self.max_frame {
             return Err(DecodeError::TooLarge {
                 len,
