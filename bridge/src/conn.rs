@@ -286,6 +286,7 @@ async fn within<T>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::protocol::ErrorCode;
     use tokio::net::TcpListener;
 
     /// A connected pair: our `Conn` and the peer's raw stream.
@@ -418,6 +419,25 @@ mod tests {
         let mut buf = vec![0u8; 4096];
         let again = tokio::time::timeout(Duration::from_millis(100), peer.read(&mut buf)).await;
         assert!(again.is_err(), "a batch was sent twice");
+    }
+
+    #[tokio::test]
+    async fn deferred_messages_to_a_peer_that_stopped_reading_time_out_and_say_so() {
+        let (mut c, _peer) = pair().await;
+        c.set_send_timeout(Duration::from_millis(300));
+        // more than loopback's socket buffers hold, never read by the peer
+        let big = Msg::error(ErrorCode::Internal, "x".repeat(4 << 20));
+        for _ in 0..16 {
+            c.defer(&big);
+        }
+        let e = c.send_deferred().await.unwrap_err();
+        assert!(matches!(e, Error::Timeout { .. }), "{e:?}");
+        let text = e.to_string();
+        assert!(
+            text.starts_with(&format!("{}: timed out after 0 s waiting for ", c.peer))
+                && text.ends_with("the peer to read a message (it stopped reading)"),
+            "{text}"
+        );
     }
 
     #[tokio::test]

@@ -17,8 +17,9 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
-    /// The peer did not answer in time.
-    #[error("{peer} did not {what} within {secs} s")]
+    /// The peer did not answer in time. `what` names what was awaited (a reply by its
+    /// message name, or a phrase: "the peer to read a reply (it stopped reading)").
+    #[error("{peer}: timed out after {secs} s waiting for {what}")]
     Timeout {
         /// Peer.
         peer: String,

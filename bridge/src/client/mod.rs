@@ -215,7 +215,7 @@ impl Client {
             .await
             .map_err(|_| Error::Timeout {
                 peer: cfg.addr.clone(),
-                what: "accept the TCP connection",
+                what: "the server to accept the TCP connection",
                 secs: cfg.timeout.as_secs(),
             })?
             .map_err(|e| Error::Connect {
