@@ -5,7 +5,6 @@ use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
-use serde::Serialize;
 use verbs::{
     Context, Local, ProtectionDomain, QpOptions, QueuePair, RegisteredBuffer, RemoteSlice,
 };
@@ -18,15 +17,18 @@ use crate::staging::{Pools, Use};
 mod checksum;
 mod config;
 mod nic;
+mod report;
 mod tcp;
 mod window;
 mod zero_copy;
 mod zero_copy_put;
 use checksum::Checksum;
 pub use config::{ClientConfig, Transport, DEFAULT_INLINE};
+pub use report::TransferReport;
+use report::{millis, report};
 use window::{
-    await_or_stall, bounce_reply, issue, land, may_stage, millis, more_input, overflow_error,
-    piece, pulls, read_full, report, settle, staged, start_pulls, Arrived, Slot,
+    await_or_stall, bounce_reply, issue, land, may_stage, more_input, overflow_error, piece, pulls,
+    read_full, settle, staged, start_pulls, Arrived, Slot,
 };
 pub use zero_copy::{BatchRange, Landed, LocalBuffer, Stranded};
 
@@ -98,46 +100,6 @@ impl OpenRegion {
     }
 }
 
-/// What a transfer did.
-#[derive(Debug, Clone, Serialize)]
-pub struct TransferReport {
-    /// "fetch" or "put".
-    pub op: &'static str,
-    /// Region name.
-    pub region: String,
-    /// Offset in the region.
-    pub offset: u64,
-    /// Bytes moved.
-    pub bytes: u64,
-    /// Seconds from first post to last completion (and output written).
-    pub seconds: f64,
-    /// MiB/s.
-    pub mib_per_sec: f64,
-    /// Bytes that took the direct path.
-    pub direct_bytes: u64,
-    /// Bytes that took the bounce path.
-    pub bounce_bytes: u64,
-    /// Of the bounce bytes, those the server's NIC moved straight between our buffer and the
-    /// device's P2P window (device-private regions whose window MRs work): no staging copy.
-    pub zero_copy_bytes: u64,
-    /// Bytes that went over the TCP control connection (a client without an RDMA device,
-    /// or `Transport::Tcp`).
-    #[serde(default, skip_serializing_if = "is_zero")]
-    pub tcp_bytes: u64,
-    /// CRC-32C of the bytes moved, when the transfer was verified (the sum is a pass of the
-    /// CPU over every byte, so an unverified transfer does not compute it).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub crc32c: Option<u32>,
-    /// Whether the server's checksum of the range was compared and matched.
-    pub verified: bool,
-    /// A fetch's time to first byte: milliseconds from its start (as `seconds`) until its
-    /// first piece had arrived. On the bounce path this holds the server's staging of the first
-    /// chunk and its control round trip, which a direct fetch does not wait for. None for a
-    /// put and for a fetch of nothing.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub first_bytes_ms: Option<f64>,
-}
-
 struct Rdma {
     // drop order: staging buffers, then the QP (which holds the PD)
     pools: Pools,
@@ -173,10 +135,6 @@ pub struct Client {
     nics: Vec<crate::protocol::ServerNic>,
     /// The server device our QP is on (several-device servers).
     qp_nic: Option<String>,
-}
-
-fn is_zero(n: &u64) -> bool {
-    *n == 0
 }
 
 impl std::fmt::Debug for Client {

@@ -8,7 +8,8 @@ use std::io::{Read, Write};
 use std::time::Instant;
 
 use super::checksum::Checksum;
-use super::window::{millis, more_input, overflow_error, read_full, report};
+use super::report::{millis, report};
+use super::window::{more_input, overflow_error, read_full};
 use super::{reply_err, Client, OpenRegion, TransferReport, Transport};
 use crate::error::{Error, Result};
 use crate::protocol::Msg;

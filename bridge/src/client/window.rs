@@ -10,12 +10,10 @@ use std::time::Duration;
 
 use verbs::{Local, Pending, RegisteredBuffer, RemoteSlice, SendOp, SendWr};
 
-use super::checksum::Checksum;
-use super::{reply_err, OpenRegion, Rdma, TransferReport};
+use super::{reply_err, OpenRegion, Rdma};
 use crate::conn::Conn;
 use crate::error::{Error, Result};
 use crate::protocol::{DataPath, Extent, Msg};
-use crate::size::mib_per_sec;
 
 /// One transfer in flight.
 pub(super) enum Slot {
@@ -431,39 +429,6 @@ pub(super) fn overflow_error(r: &OpenRegion, room: u64, offset: u64, done: u64) 
              the first {done} bytes were written",
             r.info.name
         ),
-    }
-}
-
-/// A duration in milliseconds, for a report.
-pub(super) fn millis(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
-}
-
-#[allow(clippy::too_many_arguments)]
-pub(super) fn report(
-    op: &'static str,
-    r: &OpenRegion,
-    offset: u64,
-    bytes: u64,
-    seconds: f64,
-    sum: Checksum,
-    verified: bool,
-    by_path: [u64; 3],
-) -> TransferReport {
-    TransferReport {
-        op,
-        region: r.info.name.clone(),
-        offset,
-        bytes,
-        seconds,
-        mib_per_sec: mib_per_sec(bytes, seconds),
-        direct_bytes: by_path[0],
-        bounce_bytes: by_path[1],
-        zero_copy_bytes: by_path[2],
-        tcp_bytes: 0,
-        crc32c: sum.value(),
-        verified,
-        first_bytes_ms: None,
     }
 }
 
