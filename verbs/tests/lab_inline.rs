@@ -4,18 +4,10 @@
 //! `#[ignore]`d in a plain `cargo test`; `soft-roce/lab` runs it in its guest, where it fails —
 //! not skips — when the device named by `P2P_RDMA_DEVICE` is absent.
 
-use verbs::{
-    Access, Context, Error, HostBuffer, Local, ProtectionDomain, QpOptions, QpState, QueuePair,
-    RegMode,
-};
+use verbs::{Error, Local, ProtectionDomain, QpOptions, QpState, QueuePair};
 
-const LAB: &str = "lab test: needs an RDMA device; run it with soft-roce/lab (see README), or set P2P_RDMA_DEVICE";
-
-fn device() -> Context {
-    let name = std::env::var("P2P_RDMA_DEVICE")
-        .unwrap_or_else(|_| panic!("P2P_RDMA_DEVICE is not set. {LAB}"));
-    Context::open(Some(&name)).unwrap_or_else(|e| panic!("cannot open {name}: {e}. {LAB}"))
-}
+mod common;
+use common::{buf, device, local};
 
 fn pattern(n: usize) -> Vec<u8> {
     (0..n).map(|i| (i * 7 + 3) as u8).collect()
@@ -34,13 +26,7 @@ async fn lab_inline_sends_and_writes_need_no_registered_buffer() {
     let bytes = pattern(256);
 
     // SEND: the receiver gets the bytes, though no MR of the sender holds them
-    let rbuf = pd
-        .register(
-            HostBuffer::new(4096).unwrap(),
-            Access::LOCAL_WRITE,
-            RegMode::Pinned,
-        )
-        .unwrap();
+    let rbuf = local(&pd, 4096);
     let recv = b.post_recv(vec![Local::owned(rbuf)]).unwrap();
     a.send(Local::inline(&bytes[..200]), Some(9)).await.unwrap();
     let (r, info) = recv.wait().await.unwrap().pop().unwrap();
@@ -48,9 +34,7 @@ async fn lab_inline_sends_and_writes_need_no_registered_buffer() {
     assert_eq!(&r.bytes().unwrap()[..200], &bytes[..200]);
 
     // WRITE: at the largest inline size the QP was created for
-    let target = pd
-        .register(HostBuffer::new(4096).unwrap(), Access::ALL, RegMode::Pinned)
-        .unwrap();
+    let target = buf(&pd, 4096);
     a.write(Local::inline(&bytes), target.mr().remote(100..356).unwrap())
         .await
         .unwrap();
