@@ -87,6 +87,10 @@ pub enum BounceStage {
     /// the bind's completion was taken (the client then READs the chunk itself). Once per slot
     /// a connection uses: later chunks in the slot go under the same window.
     bind,
+    /// The same for a connection's first slot, bound ahead of its first staged chunk: once its
+    /// QP was connected and it had opened a region to read that has a bounce part, while the
+    /// client set up its side. Off the fetch's path.
+    prebind,
 }
 
 /// Labels of the bounce stage histogram.
@@ -94,7 +98,7 @@ pub enum BounceStage {
 pub struct StageLabels {
     /// fetch or put.
     pub direction: Direction,
-    /// queued, copy, rdma or bind.
+    /// queued, copy, rdma, bind or prebind.
     pub stage: BounceStage,
 }
 

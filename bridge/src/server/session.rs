@@ -309,6 +309,23 @@ impl<T> Session<T> {
         self.rules.pull_depth
     }
 
+    /// Whether a staged fetch is to be expected and none was asked for yet: a QP is connected,
+    /// no slot was ever staged into on this connection (`fresh`, the driver's knowledge), and
+    /// a handle opened for reading may stage a region with bytes past its one-sided part. A
+    /// handle opened for writing is left out: a client that puts would hold a slot buffer it
+    /// never reads.
+    pub(crate) fn expects_staged_fetch(&self, fresh: bool, regions: &dyn Catalog) -> bool {
+        fresh
+            && self.qp
+            && self.staged == 0
+            && self.handles.iter().any(|(_, e)| {
+                e.pull
+                    && !e.writable
+                    && !regions.is_removed(e.region)
+                    && e.direct_len < regions.info(e.region).size
+            })
+    }
+
     /// Staging slots the client holds: staged for it and not released.
     pub(crate) fn staged_count(&self) -> u32 {
         self.staged.count_ones()

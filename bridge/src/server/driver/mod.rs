@@ -408,8 +408,21 @@ async fn serve_connection(
             conn.defer(&reply);
             continue;
         }
+        let set_up = matches!(
+            reply,
+            Msg::Connected { .. }
+                | Msg::Opened {
+                    pull_depth: 1..,
+                    ..
+                }
+        );
         if let Err(e) = conn.send(&reply).await {
             break Err(e);
+        }
+        // the client now sets up its side (its QP, its buffers): meanwhile, the window of the
+        // slot its first staged chunk will take, unless its next request is already here
+        if set_up && !conn.next_is_here() {
+            st.prepare_first_slot(shared).await;
         }
     };
     m.open_handles.dec_by(st.session.open_count() as i64);

@@ -701,3 +701,72 @@ fn staged_fetches_take_free_slots_up_to_the_depth_and_only_on_handles_that_may_s
     ));
     assert!(m.contains("use bounce requests"), "{m}");
 }
+
+#[test]
+fn a_staged_fetch_is_expected_once_a_qp_and_a_handle_read_past_its_direct_part_are_there() {
+    let mut c = fake();
+    // `ram`: all one-sided
+    c.infos.push(crate::server::testkit::info(
+        "ram",
+        1 << 20,
+        AccessMode::ReadWrite,
+    ));
+    c.direct.push(1 << 20);
+    c.removed.push(false);
+    let mut s = Session::new(RULES, Scope::All);
+    let h = open(&mut s, &c, "rw", false, 1);
+    assert!(!s.expects_staged_fetch(true, &c), "no QP yet");
+    assert!(matches!(
+        s.step(
+            Msg::Connect {
+                endpoint: ENDPOINT,
+                nic: None,
+            },
+            &c
+        ),
+        Step::Connect(..)
+    ));
+    s.connected();
+    assert!(s.expects_staged_fetch(true, &c));
+    assert!(
+        !s.expects_staged_fetch(false, &c),
+        "the driver staged into a slot before"
+    );
+    // a slot held by the client: it asked already
+    let Step::Stage { slot, .. } = s.step(
+        Msg::Stage {
+            handle: h,
+            offset: 64 << 10,
+            len: 4096,
+        },
+        &c,
+    ) else {
+        panic!("expected a stage step");
+    };
+    assert!(!s.expects_staged_fetch(true, &c));
+    s.unstaged(slot);
+    assert!(s.expects_staged_fetch(true, &c));
+
+    // handles that will not stage a fetch: one opened for writing, one on a region all
+    // one-sided, one the driver did not let stage
+    for (name, write, pull) in [
+        ("rw", true, true),
+        ("ram", false, true),
+        ("ro", false, false),
+    ] {
+        let mut s = connected(&c);
+        match s.step(
+            Msg::Open {
+                region: name.into(),
+                write,
+            },
+            &c,
+        ) {
+            Step::Open { region, writable } => {
+                s.opened(region, writable, c.direct[region], pull, 0);
+            }
+            other => panic!("open {name}: {other:?}"),
+        }
+        assert!(!s.expects_staged_fetch(true, &c), "{name} write={write}");
+    }
+}
