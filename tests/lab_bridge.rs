@@ -4,7 +4,7 @@
 
 mod common;
 use common::rdma_resources;
-use common::{code_of, data, lab_ip, raw, start, TOKEN};
+use common::{client_config, code_of, data, lab_ip, raw, start, TOKEN};
 
 use std::io::Write as _;
 use std::net::SocketAddr;
@@ -16,10 +16,7 @@ use p2p_rdma::bridge::{Client, ClientConfig, Error};
 use tokio::io::AsyncReadExt;
 
 fn cfg(addr: SocketAddr) -> ClientConfig {
-    let mut c = ClientConfig::new(addr.to_string(), TOKEN);
-    c.chunk = 256 << 10;
-    c.depth = 8;
-    c
+    client_config(addr, 256 << 10, 8)
 }
 
 async fn put(

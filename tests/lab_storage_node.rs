@@ -14,11 +14,8 @@ use p2p_rdma::bridge::protocol::{DataPath, ErrorCode, RegionInfo};
 use p2p_rdma::bridge::{Client, ClientConfig, RegionSpec};
 
 fn small_client(addr: std::net::SocketAddr) -> ClientConfig {
-    let mut c = ClientConfig::new(addr.to_string(), TOKEN);
     // 64 clients in one guest: small staging
-    c.chunk = 64 << 10;
-    c.depth = 2;
-    c
+    client_config(addr, 64 << 10, 2)
 }
 
 /// Pinned memory of this process (`VmPin` of /proc/self/status), in bytes.

@@ -12,10 +12,8 @@ use p2p_rdma::bridge::protocol::{DataPath, ErrorCode};
 use p2p_rdma::bridge::{Client, ClientConfig, Transport};
 
 fn tcp_client(addr: std::net::SocketAddr) -> ClientConfig {
-    let mut c = ClientConfig::new(addr.to_string(), TOKEN);
+    let mut c = client_config(addr, 256 << 10, 4);
     c.transport = Transport::Tcp;
-    c.chunk = 256 << 10;
-    c.depth = 4;
     c
 }
 

@@ -2,17 +2,14 @@
 //! (`Client::buffer`, `fetch_into`) and batches of many ranges across regions (`fetch_many`).
 
 mod common;
-use common::{data, rdma_resources, start, TOKEN};
+use common::{client_config, data, rdma_resources, start};
 
 use std::net::SocketAddr;
 
 use p2p_rdma::bridge::{BatchRange, Client, ClientConfig, Error};
 
 fn cfg(addr: SocketAddr) -> ClientConfig {
-    let mut c = ClientConfig::new(addr.to_string(), TOKEN);
-    c.chunk = 256 << 10;
-    c.depth = 8;
-    c
+    client_config(addr, 256 << 10, 8)
 }
 
 async fn put(c: &mut Client, region: &str, bytes: &[u8]) {

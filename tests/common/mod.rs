@@ -24,6 +24,19 @@ pub(crate) fn data(len: usize, seed: u32) -> Vec<u8> {
 
 pub(crate) const TOKEN: &str = "lab-token-0123456789";
 
+/// A client of the server at `addr` with [`TOKEN`], moving `chunk` bytes per RDMA request and
+/// keeping up to `depth` of them in flight.
+pub(crate) fn client_config(
+    addr: impl std::fmt::Display,
+    chunk: usize,
+    depth: usize,
+) -> p2p_rdma::bridge::ClientConfig {
+    let mut c = p2p_rdma::bridge::ClientConfig::new(addr.to_string(), TOKEN);
+    c.chunk = chunk;
+    c.depth = depth;
+    c
+}
+
 /// A server running in this process on the lab address.
 pub(crate) struct Running {
     pub(crate) addr: std::net::SocketAddr,

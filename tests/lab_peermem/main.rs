@@ -6,7 +6,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 mod devpriv;
-use common::{bind, data, raw, run, start, LAB, TOKEN};
+use common::{bind, client_config, data, raw, run, start, LAB, TOKEN};
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -25,9 +25,7 @@ fn small_bounce(c: &mut p2p_rdma::bridge::ServerConfig) {
 }
 
 fn cfg(addr: SocketAddr) -> ClientConfig {
-    let mut c = ClientConfig::new(addr.to_string(), TOKEN);
-    c.chunk = 256 << 10;
-    c.depth = 6;
+    let mut c = client_config(addr, 256 << 10, 6);
     c.timeout = Duration::from_secs(20);
     c
 }
