@@ -50,8 +50,8 @@ fn bounce(handle: u32, offset: u64, len: u64, to_region: bool) -> Msg {
     }
 }
 
-fn connected(c: &Fake) -> Session<u32> {
-    let mut s = Session::new(RULES, Scope::All);
+/// Connect a QP through the session as the driver would.
+fn connect(s: &mut Session<u32>, c: &Fake) {
     assert!(matches!(
         s.step(
             Msg::Connect {
@@ -63,6 +63,11 @@ fn connected(c: &Fake) -> Session<u32> {
         Step::Connect(..)
     ));
     s.connected();
+}
+
+fn connected(c: &Fake) -> Session<u32> {
+    let mut s = Session::new(RULES, Scope::All);
+    connect(&mut s, c);
     assert_eq!(
         code(s.step(
             Msg::Connect {
@@ -716,17 +721,7 @@ fn a_staged_fetch_is_expected_once_a_qp_and_a_handle_read_past_its_direct_part_a
     let mut s = Session::new(RULES, Scope::All);
     let h = open(&mut s, &c, "rw", false, 1);
     assert!(!s.expects_staged_fetch(true, &c), "no QP yet");
-    assert!(matches!(
-        s.step(
-            Msg::Connect {
-                endpoint: ENDPOINT,
-                nic: None,
-            },
-            &c
-        ),
-        Step::Connect(..)
-    ));
-    s.connected();
+    connect(&mut s, &c);
     assert!(s.expects_staged_fetch(true, &c));
     assert!(
         !s.expects_staged_fetch(false, &c),
