@@ -69,6 +69,106 @@ async fn lab_bridge_put_and_fetch_64_mib_with_verify() {
     s.stop().await;
 }
 
+/// How many times the server's bounce stage histogram timed `stage` for fetches.
+fn stage_count(s: &common::Running, stage: &str) -> u64 {
+    let label = format!("stage=\"{stage}\"");
+    s.handle
+        .metrics()
+        .encode()
+        .lines()
+        .filter(|l| {
+            l.starts_with("p2p_rdma_bounce_stage_duration_seconds_count{")
+                && l.contains("direction=\"fetch\"")
+                && l.contains(&label)
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_bridge_a_fetch_reads_the_first_chunk_its_open_staged() {
+    let s = start(&["bnc=host:8M,p2p=disabled"], |_| {}).await;
+    let mut w = Client::connect(cfg(s.addr)).await.unwrap();
+    let d = data(8 << 20, 23);
+    put(&mut w, "bnc", 0, &d).await;
+    w.bye().await.unwrap();
+
+    // the open names the range: its first chunk is staged with it, and the fetch reads it
+    // without asking again (20 chunks of 256 KiB, 20 copies)
+    let (off, len) = ((1u64 << 20) + 123, 5u64 << 20);
+    let mut c = Client::connect(cfg(s.addr)).await.unwrap();
+    let (open0, copy0) = (stage_count(&s, "open"), stage_count(&s, "copy"));
+    let r = c.open_to_fetch("bnc", off, len).await.unwrap();
+    assert_eq!(
+        stage_count(&s, "open"),
+        open0 + 1,
+        "nothing staged with the open"
+    );
+    assert!(r.open_ms > 0.0, "{r:?}");
+    let mut out = Vec::new();
+    let rep = c
+        .fetch(&r, off, len, &mut out, true, &mut |_| {})
+        .await
+        .unwrap();
+    assert!(rep.verified && rep.bounce_bytes == len, "{rep:?}");
+    assert!(out[..] == d[off as usize..(off + len) as usize]);
+    assert_eq!(
+        stage_count(&s, "copy"),
+        copy0 + 20,
+        "the first chunk was staged twice"
+    );
+
+    // a fetch of another range: the chunk staged for the named one goes back unread, so this
+    // fetch still has all 8 slots for its 12 chunks (one held would make the 8th `Busy`)
+    let r2 = c.open_to_fetch("bnc", 0, 1 << 20).await.unwrap();
+    assert_eq!(stage_count(&s, "open"), open0 + 2);
+    let mut out = Vec::new();
+    let rep = c
+        .fetch(&r2, 4 << 20, 3 << 20, &mut out, true, &mut |_| {})
+        .await
+        .unwrap();
+    assert!(rep.verified, "{rep:?}");
+    assert!(out[..] == d[4 << 20..7 << 20]);
+    // one named and closed unread, then a batch: nothing held back from either
+    let r3 = c.open_to_fetch("bnc", 2 << 20, 1 << 20).await.unwrap();
+    c.close(&r3).await.unwrap();
+    let r4 = c.open_to_fetch("bnc", 3 << 20, 1 << 20).await.unwrap();
+    let buf = c.buffer(3 << 20).await.unwrap();
+    let landed = c.fetch_into(&r4, 5 << 20, 3 << 20, buf, 0).await.unwrap();
+    assert!(landed.buffer.as_slice()[..] == d[5 << 20..]);
+    c.bye().await.unwrap();
+
+    // a plain open: the server binds the first slot's window while the client sets up, for
+    // at least one of three new connections (one whose `Stage` is already there binds it then)
+    let pre0 = stage_count(&s, "prebind");
+    for k in 0..3u64 {
+        let mut c = Client::connect(cfg(s.addr)).await.unwrap();
+        let at = k << 20;
+        let got = fetch_any(&mut c, "bnc", at, 256 << 10).await;
+        assert!(got[..] == d[at as usize..(at as usize) + (256 << 10)]);
+        c.bye().await.unwrap();
+    }
+    let pre = stage_count(&s, "prebind") - pre0;
+    assert!(
+        (1..=3).contains(&pre),
+        "{pre} of 3 first windows bound ahead"
+    );
+    s.stop().await;
+}
+
+/// [`fetch`] through either path, after a plain open.
+async fn fetch_any(c: &mut Client, region: &str, offset: u64, len: u64) -> Vec<u8> {
+    let r = c.open(region, false).await.unwrap();
+    let mut out = Vec::new();
+    let rep = c
+        .fetch(&r, offset, len, &mut out, true, &mut |_| {})
+        .await
+        .unwrap();
+    assert!(rep.verified, "{rep:?}");
+    out
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "lab"]
 async fn lab_bridge_random_offsets_and_lengths() {

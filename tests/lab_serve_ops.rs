@@ -241,9 +241,8 @@ fn lab_ops_metrics_show_a_fetch_under_its_region_and_path() {
     // the bounce fetches (one chunk, then two, then four) were staged for the client to READ:
     // the server copied each chunk, and bound a window once per slot a connection used (1 + 2
     // + 2: the four chunks took turns in two slots, their windows kept bound), but posted no
-    // RDMA of its own. Each of the three connections had its first slot's window bound ahead
-    // (prebind), while the client set up its QP after the server's reply; one whose first
-    // Stage was already there when the server looked binds it on that Stage instead
+    // RDMA of its own. `fetch` opens naming its range, so each connection's first chunk was
+    // staged with its open (its slot's window bound there), and none was left to bind ahead
     let stage = |stage| {
         sample(
             &after,
@@ -252,18 +251,20 @@ fn lab_ops_metrics_show_a_fetch_under_its_region_and_path() {
         )
     };
     assert_eq!(stage("copy"), Some(7.0), "{after:?}");
-    let (bind, prebind) = (
-        stage("bind").unwrap_or(0.0),
-        stage("prebind").unwrap_or(0.0),
+    assert_eq!(
+        stage("open"),
+        Some(3.0),
+        "each bounce fetch's first chunk staged with its open: {after:?}"
     );
     assert_eq!(
-        bind + prebind,
-        5.0,
+        stage("bind"),
+        Some(5.0),
         "a window per slot, not per chunk: {after:?}"
     );
-    assert!(
-        (1.0..=3.0).contains(&prebind),
-        "no connection's first window was bound ahead of its first Stage: {after:?}"
+    assert_eq!(
+        stage("prebind").unwrap_or(0.0),
+        0.0,
+        "a slot bound ahead beside one staged with the open: {after:?}"
     );
     assert_eq!(stage("rdma").unwrap_or(0.0), 0.0, "{after:?}");
     assert_eq!(

@@ -14,6 +14,7 @@ pub mod fuzzing;
 pub mod http;
 pub mod metrics;
 pub mod path;
+mod piece;
 pub mod protocol;
 mod qp_path;
 pub mod server;

@@ -91,6 +91,11 @@ pub enum BounceStage {
     /// QP was connected and it had opened a region to read that has a bounce part, while the
     /// client set up its side. Off the fetch's path.
     prebind,
+    /// A fetch's first chunk staged with the open that named its range
+    /// (`Client::open_to_fetch`): the whole staging, from the open's reply being ready to
+    /// the chunk readable (its copy and bind are also counted under `copy` and `bind`).
+    /// Inside the open, before the fetch starts.
+    open,
 }
 
 /// Labels of the bounce stage histogram.
@@ -98,7 +103,7 @@ pub enum BounceStage {
 pub struct StageLabels {
     /// fetch or put.
     pub direction: Direction,
-    /// queued, copy, rdma, bind or prebind.
+    /// queued, copy, rdma, bind, prebind or open.
     pub stage: BounceStage,
 }
 

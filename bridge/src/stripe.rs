@@ -103,6 +103,7 @@ mod tests {
             crc32c: verified.then(|| crc32c::crc32c(data)),
             verified,
             first_bytes_ms: None,
+            open_ms: None,
         }
     }
 

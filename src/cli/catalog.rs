@@ -240,13 +240,16 @@ fn at(base: &bridge::ClientConfig, addr: String) -> bridge::ClientConfig {
 
 /// Connect and open `region` for `fetch` or `put`: at a server's address, or by name through
 /// an `etcd://` catalog on the best node that answers (`--node`: that one only), saying on
-/// stderr which node serves it and which failed before.
+/// stderr which node serves it and which failed before. `fetch`: the range a fetch reads next
+/// (offset, length), whose first chunk a server opens with ([`bridge::Client::open_to_fetch`];
+/// at a server's address only).
 pub(crate) async fn open(
     addr: &str,
     region: &str,
     write: bool,
     base: &bridge::ClientConfig,
     a: &super::transfer::ClientArgs,
+    fetch: Option<(u64, u64)>,
 ) -> anyhow::Result<Target> {
     if !CatalogUrl::is_catalog(addr) {
         if a.node.is_some() {
@@ -256,7 +259,11 @@ pub(crate) async fn open(
             .into());
         }
         let mut client = bridge::Client::connect(at(base, addr.to_string())).await?;
-        let region = client.open(region, write).await?;
+        let region = match fetch {
+            // the fetch's first chunk staged with the open, where it is on the bounce path
+            Some((offset, len)) if !write => client.open_to_fetch(region, offset, len).await?,
+            _ => client.open(region, write).await?,
+        };
         return Ok(Target {
             client,
             region,

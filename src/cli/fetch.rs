@@ -89,7 +89,16 @@ pub(crate) async fn fetch(a: FetchArgs) -> anyhow::Result<()> {
         client: mut c,
         region: r,
         mut rest,
-    } = super::catalog::open(&addr, &region, false, &base, &client).await?;
+    } = super::catalog::open(
+        &addr,
+        &region,
+        false,
+        &base,
+        &client,
+        // stripes start their own fetches: no single first chunk
+        (client.qps <= 1).then(|| (offset, length.unwrap_or(u64::MAX))),
+    )
+    .await?;
     let len = match length {
         Some(l) => l,
         None => r
@@ -226,7 +235,7 @@ pub(crate) async fn put(a: PutArgs) -> anyhow::Result<()> {
         client: mut c,
         region: r,
         ..
-    } = super::catalog::open(&addr, &region, true, &base, &client).await?;
+    } = super::catalog::open(&addr, &region, true, &base, &client, None).await?;
     let mut bar = Progress::new(limit.unwrap_or(r.info.size.saturating_sub(offset)), json);
     if let (true, Some(len)) = (client.qps > 1, limit) {
         let mut lanes = Lanes::open((c, r), &base, &region, true, usize::from(client.qps)).await;

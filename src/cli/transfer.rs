@@ -60,7 +60,8 @@ pub(crate) async fn finish_transfer(
             all.join(", ")
         );
     }
-    let rep = rep?;
+    let mut rep = rep?;
+    rep.open_ms = Some(r.open_ms);
     let _ = c.close(r).await;
     let _ = c.bye().await;
     print_report(&rep, json)
@@ -71,7 +72,7 @@ pub(crate) fn print_report(r: &bridge::TransferReport, json: bool) -> anyhow::Re
         return emit(&format!("{}\n", serde_json::to_string(r)?));
     }
     eprintln!(
-        "p2p-rdma: {} {} of '{}' at offset {} in {:.3} s ({:.2} MiB/s{}; direct {}, bounce {}{}{}){}",
+        "p2p-rdma: {} {} of '{}' at offset {} in {:.3} s ({:.2} MiB/s{}{}; direct {}, bounce {}{}{}){}",
         r.op,
         human(r.bytes),
         r.region,
@@ -80,6 +81,10 @@ pub(crate) fn print_report(r: &bridge::TransferReport, json: bool) -> anyhow::Re
         r.mib_per_sec,
         match r.first_bytes_ms {
             Some(ms) => format!(", first bytes after {ms:.1} ms"),
+            None => String::new(),
+        },
+        match r.open_ms {
+            Some(ms) => format!(", after an open of {ms:.1} ms"),
             None => String::new(),
         },
         human(r.direct_bytes),

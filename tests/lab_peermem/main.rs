@@ -182,12 +182,14 @@ async fn lab_bad_bounce_requests_get_clear_errors_in_order() {
         Msg::Open {
             region: "mixed".into(),
             write: true,
+            first: None,
         },
         // the first 64 KiB are direct: use the rkey
         bounce(0, 0, 100, false),
         Msg::Open {
             region: "ro".into(),
             write: false,
+            first: None,
         },
         // larger than one staging buffer (128 KiB here)
         bounce(0, 64 << 10, (128 << 10) + 1, false),
@@ -232,6 +234,7 @@ async fn lab_bad_bounce_requests_get_clear_errors_in_order() {
         Msg::Open {
             region: "mixed".into(),
             write: false,
+            first: None,
         },
         bounce(0, 0, 100, false),
         Msg::Bye,

@@ -11,11 +11,12 @@ use verbs::{
 
 use crate::conn::Conn;
 use crate::error::{Error, Result};
-use crate::protocol::{DataPath, Extent, Msg, RegionInfo, VERSION};
+use crate::protocol::{DataPath, Extent, Msg, RegionInfo, Span, VERSION};
 use crate::staging::{Pools, Use};
 
 mod checksum;
 mod config;
+mod first;
 mod nic;
 mod report;
 mod tcp;
@@ -27,8 +28,8 @@ pub use config::{ClientConfig, Transport, DEFAULT_INLINE};
 pub use report::TransferReport;
 use report::{millis, report};
 use window::{
-    await_or_stall, bounce_reply, issue, land, may_stage, more_input, overflow_error, piece, pulls,
-    read_full, settle, staged, start_pulls, Arrived, Slot,
+    await_or_stall, bounce_reply, issue, land, may_stage, more_input, overflow_error, piece,
+    pull_staged, pulls, read_full, settle, staged, start_pulls, Arrived, Slot,
 };
 pub use zero_copy::{BatchRange, Landed, LocalBuffer, Stranded};
 
@@ -56,6 +57,11 @@ pub struct OpenRegion {
     pub pull_depth: u32,
     /// Whether it was opened for writing.
     pub write: bool,
+    /// Milliseconds from sending the `Open` to its reply: the server's registration of the
+    /// region (or a window over it) and, after [`Client::open_to_fetch`], the staging of the
+    /// fetch's first chunk. A fetch's own clock starts after it, so a comparison of the
+    /// direct and bounce paths that wants all of each path's set-up adds it.
+    pub open_ms: f64,
 }
 
 impl OpenRegion {
@@ -135,6 +141,8 @@ pub struct Client {
     nics: Vec<crate::protocol::ServerNic>,
     /// The server device our QP is on (several-device servers).
     qp_nic: Option<String>,
+    /// A fetch's first chunk, staged by [`Client::open_to_fetch`] and not read yet.
+    first: Option<first::FirstStaged>,
 }
 
 impl std::fmt::Debug for Client {
@@ -216,6 +224,7 @@ impl Client {
                     device: None,
                     nics,
                     qp_nic: None,
+                    first: None,
                 })
             }
             other => Err(reply_err(&cfg.addr, other, "welcome")),
@@ -256,6 +265,17 @@ impl Client {
     /// Open a region (for writing if `write`). Our QP is connected first: a server that
     /// isolates clients with memory windows binds this handle's window on it.
     pub async fn open(&mut self, region: &str, write: bool) -> Result<OpenRegion> {
+        self.open_with(region, write, None).await
+    }
+
+    /// [`Client::open`], asking the server to stage the first piece of `first` (a fetch's
+    /// range) with the open ([`Client::open_to_fetch`]).
+    async fn open_with(
+        &mut self,
+        region: &str,
+        write: bool,
+        first: Option<Span>,
+    ) -> Result<OpenRegion> {
         if self.rdma.is_none() && !self.over_tcp() {
             match self.take_rdma(Some(region)).await {
                 Ok(rdma) => self.put_back(rdma),
@@ -265,10 +285,16 @@ impl Client {
                 Err(e) => tracing::debug!(error = %e, "no QP before the open"),
             }
         }
+        // a chunk staged by an earlier open and never read: its slot goes back with this open
+        self.release_first();
+        // only a QP can read a staged chunk
+        let first = first.filter(|_| !write && self.rdma.is_some());
         let m = Msg::Open {
             region: region.to_string(),
             write,
+            first,
         };
+        let asked = Instant::now();
         match self.request(&m, "opened").await? {
             Msg::Opened {
                 handle,
@@ -279,25 +305,32 @@ impl Client {
                 bounce_chunk,
                 segments,
                 pull_depth,
-            } => Ok(OpenRegion {
-                handle,
-                info,
-                remote: RemoteSlice { addr, rkey, len },
-                segments,
-                bounce_chunk: if bounce_chunk == 0 {
-                    1 << 20
-                } else {
-                    bounce_chunk
-                },
-                pull_depth,
-                write,
-            }),
+                first: staged,
+            } => {
+                let open_ms = millis(asked.elapsed());
+                self.keep_first(handle, first, staged, pull_depth);
+                Ok(OpenRegion {
+                    handle,
+                    info,
+                    remote: RemoteSlice { addr, rkey, len },
+                    segments,
+                    bounce_chunk: if bounce_chunk == 0 {
+                        1 << 20
+                    } else {
+                        bounce_chunk
+                    },
+                    pull_depth,
+                    write,
+                    open_ms,
+                })
+            }
             other => Err(reply_err(&self.conn.peer, other, "opened")),
         }
     }
 
     /// Release a region's handle (its rkey dies on the server).
     pub async fn close(&mut self, r: &OpenRegion) -> Result<()> {
+        self.release_first();
         match self
             .request(&Msg::Close { handle: r.handle }, "closed")
             .await?
@@ -533,6 +566,16 @@ impl Client {
         let chunk = self.cfg.chunk as u64;
         let depth = self.depth();
         let stall = self.cfg.timeout;
+        let extents = r.info.extents();
+        // the first piece, if the open staged it (`open_to_fetch`); any other chunk it staged
+        // goes back
+        let mut pre = match piece(&extents, offset, len, chunk, r.bounce_chunk) {
+            Ok(p) if len > 0 && staged(r, &p, false) => self.take_first(r.handle, p.pos, p.len),
+            _ => {
+                self.release_first();
+                None
+            }
+        };
         // QP and staging buffers are set up once per client: not part of the transfer's time
         let mut rdma = self.take_staged_rdma(len).await?;
         let start = Instant::now();
@@ -542,7 +585,6 @@ impl Client {
         let mut crc = Checksum::new(verify);
         let mut by_path = [0u64; 3];
         let mut alive = Instant::now();
-        let extents = r.info.extents();
         let mut scratch = Vec::new();
         let mut first = None;
         let result: Result<()> = async {
@@ -554,6 +596,15 @@ impl Client {
                     // 343 ms between the lab hosts, and a one-piece fetch through it ran at 0.55x
                     // a direct fetch, against 0.75x staged
                     let pull = staged(r, &p, false);
+                    if let Some((slot, remote)) = pre.take().filter(|_| pull) {
+                        // staged by the open: READ it now, no `Stage` to ask
+                        let buf = rdma.take(DataPath::Direct, false, chunk as usize)?;
+                        let s = pull_staged(&mut rdma, &mut self.conn, buf, p.len, slot, remote)
+                            .await?;
+                        window.push_back(s);
+                        next += p.len;
+                        continue;
+                    }
                     if pull {
                         let left = (len - next).div_ceil(r.bounce_chunk.max(1));
                         let cap = (r.pull_depth as usize).min(depth);
@@ -615,6 +666,10 @@ impl Client {
                 .map_err(|e| Error::io("flushing the fetched data", e))
         }
         .await;
+        if let Some((slot, _)) = pre {
+            // the fetch failed before it read the staged chunk
+            self.conn.defer(&Msg::Unstage { slot });
+        }
         settle(&mut rdma, &mut self.conn, &mut window, stall).await;
         self.put_back(rdma);
         result?;
@@ -657,6 +712,7 @@ impl Client {
         let depth = self.depth();
         let stall = self.cfg.timeout;
         // QP and staging buffers are set up once per client: not part of the transfer's time
+        self.release_first();
         let mut rdma = self.take_staged_rdma(max).await?;
         let start = Instant::now();
         let mut window: VecDeque<Slot> = VecDeque::with_capacity(depth);

@@ -46,6 +46,12 @@ pub struct TransferReport {
     /// put and for a fetch of nothing.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub first_bytes_ms: Option<f64>,
+    /// Milliseconds the region's `Open` took before the transfer ([`OpenRegion::open_ms`]),
+    /// where the caller reports it (the CLI does): the set-up each path does there, such as
+    /// the first chunk a fetch's open stages, is outside `seconds`. Comparisons of the direct
+    /// and bounce paths count `seconds` plus this.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub open_ms: Option<f64>,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -82,5 +88,6 @@ pub(super) fn report(
         crc32c: sum.value(),
         verified,
         first_bytes_ms: None,
+        open_ms: None,
     }
 }

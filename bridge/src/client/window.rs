@@ -13,7 +13,8 @@ use verbs::{Local, Pending, RegisteredBuffer, RemoteSlice, SendOp, SendWr};
 use super::{reply_err, OpenRegion, Rdma};
 use crate::conn::Conn;
 use crate::error::{Error, Result};
-use crate::protocol::{DataPath, Extent, Msg};
+pub(super) use crate::piece::{piece, Piece};
+use crate::protocol::{DataPath, Msg};
 
 /// One transfer in flight.
 pub(super) enum Slot {
@@ -73,42 +74,6 @@ pub(super) fn may_stage(held: usize, depth: usize, left: usize, asking: bool) ->
         return true;
     }
     depth - held >= (depth / 2).max(1).min(left.max(1))
-}
-
-/// A piece of a transfer: at most one chunk, within one extent.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Piece {
-    pub(super) path: DataPath,
-    pub(super) pos: u64,
-    pub(super) len: u64,
-}
-
-/// The next piece at `pos`: at most `chunk` (and `bounce_chunk` for bounce extents), never
-/// across an extent boundary.
-pub(super) fn piece(
-    extents: &[Extent],
-    pos: u64,
-    remaining: u64,
-    chunk: u64,
-    bounce_chunk: u64,
-) -> Result<Piece> {
-    let e = extents
-        .iter()
-        .find(|e| e.offset <= pos && pos < e.offset + e.len)
-        .ok_or_else(|| {
-            Error::Config(format!(
-                "the server's extents do not cover offset {pos} of the region"
-            ))
-        })?;
-    let mut len = remaining.min(chunk).min(e.offset + e.len - pos);
-    if e.path != DataPath::Direct {
-        len = len.min(bounce_chunk);
-    }
-    Ok(Piece {
-        path: e.path,
-        pos,
-        len,
-    })
 }
 
 /// Start moving `buf[..p.len]` to (`to_region`) or from the region at `p.pos`: a one-sided RDMA
@@ -260,6 +225,20 @@ async fn pull(
             Err(e.into())
         }
     }
+}
+
+/// READ a chunk the server has already staged (the first chunk of a fetch, staged with its
+/// open) into `buf`: the pull in flight.
+pub(super) async fn pull_staged(
+    rdma: &mut Rdma,
+    conn: &mut Conn,
+    buf: RegisteredBuffer,
+    n: u64,
+    slot: u32,
+    remote: RemoteSlice,
+) -> Result<Slot> {
+    let (p, slot) = pull(rdma, conn, buf, n, Ok((slot, remote))).await?;
+    Ok(Slot::Pull(p, slot, n))
 }
 
 /// Turn the requested staged fetches whose `Staged` replies have arrived into READs in
@@ -536,30 +515,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn pieces_respect_chunks_and_never_cross_an_extent() {
-        let ext = [
-            Extent {
-                offset: 0,
-                len: 1000,
-                path: DataPath::Direct,
-            },
-            Extent {
-                offset: 1000,
-                len: 9000,
-                path: DataPath::Bounce,
-            },
-        ];
-        let p = piece(&ext, 900, 5000, 512, 64).unwrap();
-        assert_eq!((p.path, p.pos, p.len), (DataPath::Direct, 900, 100));
-        let p = piece(&ext, 1000, 5000, 512, 64).unwrap();
-        assert_eq!((p.path, p.len), (DataPath::Bounce, 64));
-        let p = piece(&ext, 0, 10, 512, 64).unwrap();
-        assert_eq!(p.len, 10);
-        let e = piece(&ext, 10_000, 1, 512, 64).unwrap_err().to_string();
-        assert!(e.contains("do not cover offset 10000"), "{e}");
-    }
-
-    #[test]
     fn a_piece_goes_to_the_segment_that_holds_it() {
         use crate::protocol::{AccessMode, Segment};
         use verbs::RemoteSlice;
@@ -576,6 +531,7 @@ mod tests {
             bounce_chunk: 1 << 20,
             pull_depth: 0,
             write: true,
+            open_ms: 0.0,
         };
         // one MR: the remote slice itself
         let one = r.remote_at(G - 4096, 4096).unwrap();

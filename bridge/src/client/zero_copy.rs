@@ -177,6 +177,8 @@ impl Client {
         buf: LocalBuffer,
         put: bool,
     ) -> std::result::Result<(Rdma, LocalBuffer, Vec<Result<()>>), Stranded> {
+        // a batch stages its chunks itself: a first chunk staged by an open goes back
+        self.release_first();
         let rdma = match self.take_rdma(None).await {
             Ok(r) => r,
             Err(error) => {

@@ -79,6 +79,33 @@ pub struct Segment {
     pub rkey: u32,
 }
 
+/// A range of a region that a fetch is about to read ([`Msg::Open`]'s `first`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Span {
+    /// Start in the region.
+    pub offset: u64,
+    /// Length (the client's chunk at most: the server stages one piece of it).
+    pub len: u64,
+}
+
+/// The first chunk of a fetch, staged by the open that named it ([`Msg::Opened`]'s `first`):
+/// what a [`Msg::Staged`] reply to `Stage { offset, len }` would say. The client reads it and
+/// releases `slot` with [`Msg::Unstage`], as any staged chunk, and releases it unread if its
+/// fetch starts elsewhere.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StagedChunk {
+    /// Start in the region.
+    pub offset: u64,
+    /// Bytes staged.
+    pub len: u64,
+    /// The staging slot that holds them.
+    pub slot: u32,
+    /// Remote address of the first staged byte.
+    pub addr: u64,
+    /// Remote key (a read-only window on the connection's QP).
+    pub rkey: u32,
+}
+
 /// One of a server's RDMA devices, as [`Msg::Welcome`] announces it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ServerNic {
@@ -314,6 +341,13 @@ pub enum Msg {
         region: String,
         /// Whether the client wants to write.
         write: bool,
+        /// The range a fetch will read next, on a handle opened for reading: the server may
+        /// stage its first piece (one chunk, within one extent) with the open, as for a
+        /// [`Msg::Stage`], so that the fetch's first READ needs no exchange before it. Where
+        /// it cannot (the piece is direct, the handle does not stage, no slot), it opens
+        /// without.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        first: Option<Span>,
     },
     /// Server → client: what one-sided access needs.
     Opened {
@@ -339,6 +373,10 @@ pub enum Msg {
         /// handle's bounce fetches go by [`Msg::Bounce`], the server writing the client's buffer).
         #[serde(default, skip_serializing_if = "is_zero_u32")]
         pull_depth: u32,
+        /// The first piece of the open's `first` range, staged (None: it was not asked for,
+        /// is direct, or could not be staged; the fetch asks for it as usual).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        first: Option<Box<StagedChunk>>,
     },
     /// Client → server: checksum (CRC-32C) of a range, for end-to-end verification.
     Checksum {

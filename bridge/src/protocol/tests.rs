@@ -79,16 +79,43 @@ fn sample() -> Vec<Msg> {
         Msg::Open {
             region: "ram".into(),
             write: true,
+            first: None,
         },
         Msg::Opened {
             handle: 1,
-            info,
+            info: info.clone(),
             addr: u64::MAX,
             rkey: 7,
             len: 64 << 20,
             bounce_chunk: 1 << 20,
             segments: Vec::new(),
             pull_depth: 8,
+            first: None,
+        },
+        Msg::Open {
+            region: "ram".into(),
+            write: false,
+            first: Some(Span {
+                offset: 3 << 20,
+                len: 1 << 20,
+            }),
+        },
+        Msg::Opened {
+            handle: 3,
+            info: info.clone(),
+            addr: 0,
+            rkey: 0,
+            len: 0,
+            bounce_chunk: 1 << 20,
+            segments: Vec::new(),
+            pull_depth: 8,
+            first: Some(Box::new(StagedChunk {
+                offset: 3 << 20,
+                len: 1 << 20,
+                slot: 0,
+                addr: 1 << 44,
+                rkey: 0x55,
+            })),
         },
         Msg::Opened {
             handle: 2,
@@ -124,6 +151,7 @@ fn sample() -> Vec<Msg> {
                 },
             ],
             pull_depth: 0,
+            first: None,
         },
         Msg::error(ErrorCode::OutOfRange, "offset 5 + length 9 > 10"),
         Msg::Bye,
@@ -283,7 +311,16 @@ fn arb_msg() -> impl Strategy<Value = Msg> {
         s.prop_map(|region| Msg::Locate { region }),
         proptest::option::of(s).prop_map(|nic| Msg::Located { nic }),
         Just(Msg::List),
-        (s, any::<bool>()).prop_map(|(region, write)| Msg::Open { region, write }),
+        (
+            s,
+            any::<bool>(),
+            proptest::option::of((any::<u64>(), any::<u64>()))
+        )
+            .prop_map(|(region, write, first)| Msg::Open {
+                region,
+                write,
+                first: first.map(|(offset, len)| Span { offset, len }),
+            }),
         (
             any::<u32>(),
             s,
@@ -326,6 +363,15 @@ fn arb_msg() -> impl Strategy<Value = Msg> {
                     }]
                 },
                 pull_depth: (rkey % 17),
+                first: (rkey % 3 == 0).then(|| {
+                    Box::new(StagedChunk {
+                        offset: size / 7,
+                        len: size / 11,
+                        slot: rkey % 64,
+                        addr: addr ^ 5,
+                        rkey: rkey.rotate_left(3),
+                    })
+                }),
             }),
         (
             any::<u16>(),

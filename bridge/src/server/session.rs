@@ -14,7 +14,7 @@
 
 use slab::Slab;
 
-use crate::protocol::{AccessMode, ErrorCode, Msg, RegionInfo, WireEndpoint, VERSION};
+use crate::protocol::{AccessMode, ErrorCode, Msg, RegionInfo, Span, WireEndpoint, VERSION};
 use crate::token::{find_grant, Grant, Scope};
 
 /// A refusal sent back to the client: a code and a message that says what to do.
@@ -130,8 +130,14 @@ pub(crate) enum Step<T> {
     /// client's endpoint.
     Connect(WireEndpoint, Option<String>),
     /// Register the direct part of region `region` (with remote write if `writable`), then
-    /// call [`Session::opened`].
-    Open { region: usize, writable: bool },
+    /// call [`Session::opened`]. `first`: the range a fetch will read next (only on a handle
+    /// opened for reading): once opened, the driver may stage its first piece
+    /// ([`Session::stage_first`]).
+    Open {
+        region: usize,
+        writable: bool,
+        first: Option<Span>,
+    },
     /// Reply with the CRC-32C of a range (checked) of a region.
     Checksum {
         region: usize,
@@ -390,7 +396,11 @@ impl<T> Session<T> {
                 }
                 Step::Connect(endpoint, nic)
             }
-            Msg::Open { region, write } => self.open(&region, write, regions),
+            Msg::Open {
+                region,
+                write,
+                first,
+            } => self.open(&region, write, first, regions),
             Msg::Locate { region } => match self.visible(&region, regions) {
                 Ok(idx) => Step::Reply(Msg::Located {
                     nic: regions.info(idx).nic.clone(),
@@ -567,7 +577,13 @@ impl<T> Session<T> {
         }
     }
 
-    fn open(&mut self, name: &str, write: bool, regions: &dyn Catalog) -> Step<T> {
+    fn open(
+        &mut self,
+        name: &str,
+        write: bool,
+        first: Option<Span>,
+        regions: &dyn Catalog,
+    ) -> Step<T> {
         if self.draining {
             return refuse(
                 ErrorCode::ShuttingDown,
@@ -602,6 +618,7 @@ impl<T> Session<T> {
         Step::Open {
             region,
             writable: write,
+            first: first.filter(|_| !write),
         }
     }
 
@@ -776,5 +793,6 @@ fn split_handle(handle: u32) -> (usize, u16) {
     ((handle & 0xffff) as usize, (handle >> 16) as u16)
 }
 
+mod first;
 #[cfg(test)]
 mod tests;

@@ -16,7 +16,9 @@
 //! it on this connection: the first chunk of a slot zeroes the rest of the buffer (pooled
 //! across connections, it may hold another client's bytes) before the window is bound, and a
 //! slot bound ahead is zeroed whole. Slot buffers are registered once per
-//! device, at start (`bounce_depth` of them, within the staging budget).
+//! device, at start (`bounce_depth` of them, within the staging budget). An open that names
+//! its fetch's range has the first chunk staged with it ([`ConnState::stage_first`]), so that
+//! the fetch's first READ waits for no `Stage` exchange.
 
 use std::sync::atomic::Ordering;
 use std::sync::Mutex;
@@ -30,7 +32,7 @@ use super::regions::removed;
 use super::session::{Refusal, MAX_STAGED};
 use super::Shared;
 use crate::metrics::{BounceStage, Direction};
-use crate::protocol::{ErrorCode, Msg};
+use crate::protocol::{ErrorCode, Msg, RegionInfo, Span, StagedChunk};
 
 /// Bytes of replies a connection may hold back at once (a `Staged` reply is under 100
 /// bytes): past it, a reply goes out at once.
@@ -144,6 +146,57 @@ impl ConnState {
             rkey: remote.rkey,
             len,
         })
+    }
+
+    /// The first piece of an open's `first` range, staged with the open (see
+    /// `Session::stage_first`): what its `Opened` reply carries, so that the fetch's first
+    /// READ needs no `Stage` exchange. Best effort: a piece that is direct, a handle that does
+    /// not stage or a stage that fails gives None, and the fetch asks for the piece as usual.
+    pub(super) async fn stage_first(
+        &mut self,
+        shared: &Shared,
+        handle: u32,
+        span: Span,
+        info: &RegionInfo,
+    ) -> Option<Box<StagedChunk>> {
+        let started = Instant::now();
+        let f = match self
+            .session
+            .stage_first(handle, span, &info.extents(), &shared.regions)?
+        {
+            Ok(f) => f,
+            Err((code, message)) => {
+                tracing::debug!(%code, message, "no first chunk staged with the open");
+                return None;
+            }
+        };
+        match self.stage(shared, f.region, f.offset, f.len, f.slot).await {
+            Ok(Msg::Staged {
+                slot,
+                addr,
+                rkey,
+                len,
+            }) => {
+                shared.metrics().observe_stage(
+                    Direction::of(false),
+                    BounceStage::open,
+                    started.elapsed().as_secs_f64(),
+                );
+                Some(Box::new(StagedChunk {
+                    offset: f.offset,
+                    len,
+                    slot,
+                    addr,
+                    rkey,
+                }))
+            }
+            Ok(_) => None,
+            Err((code, message)) => {
+                self.session.unstaged(f.slot);
+                tracing::debug!(%code, message, "no first chunk staged with the open");
+                None
+            }
+        }
     }
 
     /// Bind slot 0's window before the client's first `Stage`, once its QP is connected and

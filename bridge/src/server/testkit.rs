@@ -143,8 +143,16 @@ impl Model {
         let c = &self.catalog;
         let step = self.session.step(m.clone(), c);
         match step {
-            Step::Open { region, writable } => {
+            Step::Open {
+                region,
+                writable,
+                first,
+            } => {
                 assert!(!self.draining, "an open while draining");
+                assert!(
+                    first.is_none() || !writable,
+                    "a first range on an open to write"
+                );
                 assert!(self.handles.len() < RULES.max_open, "over the open limit");
                 assert!(!c.removed[region], "a removed region opened");
                 assert!(
@@ -170,6 +178,34 @@ impl Model {
                     self.pulls.insert(h);
                 } else {
                     self.pulls.remove(&h);
+                }
+                if let Some(span) = first {
+                    let extents = c.infos[region].extents();
+                    match self.session.stage_first(h, span, &extents, c) {
+                        Some(Ok(f)) => {
+                            assert!(pull, "a first chunk staged on a handle without pulls");
+                            assert!(self.qp, "a first chunk staged without a QP");
+                            assert_eq!(f.region, region);
+                            assert_eq!(f.offset, span.offset, "staged from elsewhere");
+                            assert!((1..=RULES.bounce_chunk.min(span.len)).contains(&f.len));
+                            assert!(f.offset >= c.direct[region], "staging a direct byte");
+                            assert!(f.offset + f.len <= c.infos[region].size);
+                            assert!(f.slot < RULES.pull_depth, "slot {} past the depth", f.slot);
+                            assert!(self.staged.insert(f.slot), "slot {} given twice", f.slot);
+                        }
+                        Some(Err((code, message))) => {
+                            assert!(!message.is_empty());
+                            assert!(
+                                !self.qp
+                                    || self.staged.len() == RULES.pull_depth as usize
+                                    || code != ErrorCode::Busy,
+                                "busy with {} of {} slots held",
+                                self.staged.len(),
+                                RULES.pull_depth
+                            );
+                        }
+                        None => {}
+                    }
                 }
             }
             Step::Close {
@@ -411,6 +447,10 @@ impl<'a> Script<'a> {
             0 => Msg::Open {
                 region: ["rw", "ro", "gone", "held", "x", ""][self.raw(1) as usize % 6].into(),
                 write: self.raw(1) % 2 == 0,
+                first: (self.raw(1) % 2 == 0).then(|| crate::protocol::Span {
+                    offset: self.u64(),
+                    len: self.u64(),
+                }),
             },
             1 => Msg::Close {
                 handle: self.handle(),

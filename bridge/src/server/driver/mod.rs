@@ -516,7 +516,11 @@ impl ConnState {
                     .collect(),
             }),
             Step::Connect(endpoint, nic) => self.connect(shared, endpoint, nic.as_deref()),
-            Step::Open { region, writable } => {
+            Step::Open {
+                region,
+                writable,
+                first,
+            } => {
                 let r = shared.regions.get(region);
                 // the region's MRs (and windows over them) live on its own device: a QP on
                 // another one reaches it through bounce buffers only (a region without a
@@ -561,6 +565,10 @@ impl ConnState {
                 } else {
                     elsewhere(&r.info, shared.nics.get(self.nic).name())
                 };
+                let first = match first {
+                    Some(span) => self.stage_first(shared, handle, span, &info).await,
+                    None => None,
+                };
                 Ok(Msg::Opened {
                     handle,
                     info,
@@ -570,6 +578,7 @@ impl ConnState {
                     bounce_chunk: shared.cfg.bounce_chunk as u64,
                     segments,
                     pull_depth: if pull { self.session.pull_depth() } else { 0 },
+                    first,
                 })
             }
             Step::Checksum {

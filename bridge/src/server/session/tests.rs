@@ -6,6 +6,7 @@ use crate::server::testkit::{Fake, ENDPOINT, RULES};
 use crate::token::Token;
 
 mod any_sequence;
+mod first;
 
 fn fake() -> Fake {
     Fake::new()
@@ -31,10 +32,13 @@ fn open(s: &mut Session<u32>, c: &Fake, name: &str, write: bool, p: u32) -> u32 
         Msg::Open {
             region: name.into(),
             write,
+            first: None,
         },
         c,
     ) {
-        Step::Open { region, writable } => s.opened(region, writable, c.direct[region], true, p),
+        Step::Open {
+            region, writable, ..
+        } => s.opened(region, writable, c.direct[region], true, p),
         other => panic!("open {name}: {other:?}"),
     }
 }
@@ -120,6 +124,7 @@ fn opens_are_checked_and_bounded() {
         Msg::Open {
             region: "nope".into(),
             write: false,
+            first: None,
         },
         &c,
     ));
@@ -128,7 +133,8 @@ fn opens_are_checked_and_bounded() {
         code(s.step(
             Msg::Open {
                 region: "gone".into(),
-                write: false
+                write: false,
+                first: None,
             },
             &c
         )),
@@ -139,7 +145,8 @@ fn opens_are_checked_and_bounded() {
         code(s.step(
             Msg::Open {
                 region: "ro".into(),
-                write: true
+                write: true,
+                first: None,
             },
             &c
         )),
@@ -156,7 +163,8 @@ fn opens_are_checked_and_bounded() {
         code(s.step(
             Msg::Open {
                 region: "ro".into(),
-                write: false
+                write: false,
+                first: None,
             },
             &c
         )),
@@ -335,7 +343,8 @@ fn draining_refuses_opens_and_lets_an_idle_client_go() {
         code(s.step(
             Msg::Open {
                 region: "rw".into(),
-                write: false
+                write: false,
+                first: None,
             },
             &c
         )),
@@ -484,6 +493,7 @@ fn a_scoped_token_sees_and_writes_only_what_it_grants() {
         Msg::Open {
             region: "ro".into(),
             write: false,
+            first: None,
         },
         &c,
     ));
@@ -495,7 +505,8 @@ fn a_scoped_token_sees_and_writes_only_what_it_grants() {
         code(s.step(
             Msg::Open {
                 region: "rw".into(),
-                write: true
+                write: true,
+                first: None,
             },
             &c
         )),
@@ -600,6 +611,7 @@ fn a_handle_opened_without_a_direct_part_bounces_every_byte() {
         Msg::Open {
             region: "rw".into(),
             write: true,
+            first: None,
         },
         &c,
     ) {
@@ -690,10 +702,13 @@ fn staged_fetches_take_free_slots_up_to_the_depth_and_only_on_handles_that_may_s
         Msg::Open {
             region: "ro".into(),
             write: false,
+            first: None,
         },
         &c,
     ) {
-        Step::Open { region, writable } => s.opened(region, writable, 0, false, 2),
+        Step::Open {
+            region, writable, ..
+        } => s.opened(region, writable, 0, false, 2),
         other => panic!("open: {other:?}"),
     };
     let m = message(s.step(
@@ -754,10 +769,13 @@ fn a_staged_fetch_is_expected_once_a_qp_and_a_handle_read_past_its_direct_part_a
             Msg::Open {
                 region: name.into(),
                 write,
+                first: None,
             },
             &c,
         ) {
-            Step::Open { region, writable } => {
+            Step::Open {
+                region, writable, ..
+            } => {
                 s.opened(region, writable, c.direct[region], pull, 0);
             }
             other => panic!("open {name}: {other:?}"),

@@ -25,10 +25,16 @@ fn any_msg() -> impl Strategy<Value = Msg> {
         Just("x")
     ];
     prop_oneof![
-        (name, any::<bool>()).prop_map(|(n, write)| Msg::Open {
-            region: n.into(),
-            write
-        }),
+        (
+            name,
+            any::<bool>(),
+            proptest::option::of((offset.clone(), len.clone()))
+        )
+            .prop_map(|(n, write, first)| Msg::Open {
+                region: n.into(),
+                write,
+                first: first.map(|(offset, len)| crate::protocol::Span { offset, len }),
+            }),
         handle.clone().prop_map(|handle| Msg::Close { handle }),
         (handle.clone(), offset.clone(), len.clone(), any::<bool>())
             .prop_map(|(handle, offset, len, to_region)| bounce(handle, offset, len, to_region)),
