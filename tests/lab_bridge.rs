@@ -137,6 +137,19 @@ async fn lab_bridge_a_fetch_reads_the_first_chunk_its_open_staged() {
     let buf = c.buffer(3 << 20).await.unwrap();
     let landed = c.fetch_into(&r4, 5 << 20, 3 << 20, buf, 0).await.unwrap();
     assert!(landed.buffer.as_slice()[..] == d[5 << 20..]);
+    // a batch whose first piece is the chunk staged with the open reads it (8 chunks, 8
+    // copies)
+    let copy0 = stage_count(&s, "copy");
+    let r5 = c.open_to_fetch("bnc", 6 << 20, 2 << 20).await.unwrap();
+    let buf = c.buffer(2 << 20).await.unwrap();
+    let landed = c.fetch_into(&r5, 6 << 20, 2 << 20, buf, 0).await.unwrap();
+    assert!(landed.buffer.as_slice()[..] == d[6 << 20..]);
+    assert_eq!(landed.bounce_bytes, 2 << 20);
+    assert_eq!(
+        stage_count(&s, "copy"),
+        copy0 + 8,
+        "the batch asked for the first chunk again"
+    );
     c.bye().await.unwrap();
 
     // a plain open: the server binds the first slot's window while the client sets up, for

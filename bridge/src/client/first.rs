@@ -1,6 +1,7 @@
 //! A fetch whose first chunk is staged by its open: [`Client::open_to_fetch`] names the range,
 //! the server stages the first piece of it with the `Open` (when that piece is on the bounce
-//! path) and its `Opened` says where, so the fetch's first READ is posted at once, as on the
+//! path) and its `Opened` says where, so the fetch's first READ ([`Client::fetch`], or a
+//! batch's: [`Client::fetch_into`], [`Client::fetch_many`]) is posted at once, as on the
 //! direct path, instead of after a `Stage` exchange.
 
 use verbs::RemoteSlice;
@@ -25,8 +26,12 @@ impl Client {
     /// about 4 ms of a 30 ms fetch of 1 MiB). The open takes that much longer instead (the
     /// server copies the chunk before it replies; [`OpenRegion::open_ms`]). Where nothing can
     /// be staged (a direct range, a server that does not stage, a client over TCP), it is
-    /// [`Client::open`]. A chunk that is not read (a fetch of another range, a put, a batch,
-    /// a close, another open) goes back to the server with the next request.
+    /// [`Client::open`]. A chunk that is not read (a fetch or a batch that does not start
+    /// with it, a put, a close, another open) goes back to the server with the next request.
+    ///
+    /// The chunk holds the region's bytes as they were at the open: a put acknowledged
+    /// between this open and the fetch may be missing from it. Open and fetch back to back
+    /// (as `p2p-rdma fetch` does), or open with [`Client::open`] where a put comes between.
     pub async fn open_to_fetch(
         &mut self,
         region: &str,
@@ -84,6 +89,12 @@ impl Client {
         }
         self.conn.defer(&Msg::Unstage { slot: f.chunk.slot });
         None
+    }
+
+    /// The staged first chunk and its handle, for a batch to READ if it starts with that
+    /// chunk (the batch gives it back otherwise).
+    pub(super) fn take_first_staged(&mut self) -> Option<(u32, StagedChunk)> {
+        self.first.take().map(|f| (f.handle, f.chunk))
     }
 
     /// Give an unread staged first chunk back (with the next request).

@@ -14,7 +14,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use verbs::{
-    Access, HostBuffer, Local, Pending, RegMode, RegisteredBuffer, SendOp, SendWr, SinkBuffer,
+    Access, HostBuffer, Local, Pending, RegMode, RegisteredBuffer, RemoteSlice, SendOp, SendWr,
+    SinkBuffer,
 };
 
 use super::window::{
@@ -24,7 +25,7 @@ use super::window::{
 use super::{Client, OpenRegion, Rdma, KEEPALIVE};
 use crate::conn::Conn;
 use crate::error::{Error, Result};
-use crate::protocol::{DataPath, Extent, Msg};
+use crate::protocol::{DataPath, Extent, Msg, StagedChunk};
 
 /// Host memory the application owns, registered for zero-copy transfers on one [`Client`]
 /// (see [`Client::buffer`]). Only local work requests write it, so its bytes may be borrowed.
@@ -177,8 +178,10 @@ impl Client {
         buf: LocalBuffer,
         put: bool,
     ) -> std::result::Result<(Rdma, LocalBuffer, Vec<Result<()>>), Stranded> {
-        // a batch stages its chunks itself: a first chunk staged by an open goes back
-        self.release_first();
+        if put {
+            // a first chunk staged by an open for a fetch goes back
+            self.release_first();
+        }
         let rdma = match self.take_rdma(None).await {
             Ok(r) => r,
             Err(error) => {
@@ -306,10 +309,29 @@ impl Client {
             window: VecDeque::new(),
             direct_by_range: vec![0; ranges.len()],
             bounce_bytes: 0,
+            first: None,
         };
+        // the first chunk an open staged, if the batch starts with it: its READ is then the
+        // batch's first staged piece. Any other goes back before the batch asks for its own
+        // (held meanwhile, it would leave the batch one slot short of the depth)
+        match self.take_first_staged() {
+            Some((h, f))
+                if ranges
+                    .first()
+                    .is_some_and(|r| r.region.handle == h && r.offset == f.offset) =>
+            {
+                batch.first = Some((h, f));
+            }
+            Some((_, f)) => self.conn.defer(&Msg::Unstage { slot: f.slot }),
+            None => {}
+        }
         let start = Instant::now();
         let run = batch.run(&mut rdma, &mut self.conn).await;
         let seconds = start.elapsed().as_secs_f64();
+        if let Some((_, f)) = batch.first.take() {
+            // no piece of the batch was that chunk
+            self.conn.defer(&Msg::Unstage { slot: f.slot });
+        }
         if let Err(error) = run {
             batch.settle(&mut rdma, &mut self.conn).await;
             self.put_back(rdma);
@@ -366,6 +388,9 @@ struct Batch<'r, 'a> {
     window: VecDeque<Flight>,
     direct_by_range: Vec<u64>,
     bounce_bytes: u64,
+    /// A first chunk staged by an open ([`Client::open_to_fetch`]) with its handle, until a
+    /// piece of the batch READs it (what is left goes back when the batch ends).
+    first: Option<(u32, StagedChunk)>,
 }
 
 impl Batch<'_, '_> {
@@ -427,6 +452,36 @@ impl Batch<'_, '_> {
                     let pending = rdma.qp.post_send(vec![wr])?;
                     self.window.push_back(Flight::Direct(pending, p.pos));
                     self.direct_by_range[i] += p.len;
+                } else if self
+                    .first
+                    .is_some_and(|(h, f)| h == region.handle && f.offset == p.pos && f.len == p.len)
+                    && staged(region, &p, false)
+                {
+                    // staged by the open (`open_to_fetch`): READ it now, no `Stage` to ask
+                    if !self.share_with_reads() {
+                        break;
+                    }
+                    let (Some((_, f)), Some(Held::Sink(sink))) = (self.first.take(), &self.held)
+                    else {
+                        unreachable!("share_with_reads, and the first chunk matched")
+                    };
+                    let wr = SendWr {
+                        op: SendOp::Read(RemoteSlice {
+                            addr: f.addr,
+                            rkey: f.rkey,
+                            len: f.len,
+                        }),
+                        local: Local::sink(Arc::clone(sink), dst..dst + p.len as usize)?,
+                    };
+                    let pending = match rdma.qp.post_send(vec![wr]) {
+                        Ok(pending) => pending,
+                        Err(e) => {
+                            conn.defer(&Msg::Unstage { slot: f.slot });
+                            return Err(e.into());
+                        }
+                    };
+                    self.window
+                        .push_back(Flight::Pull(pending, f.slot, p.pos, p.len));
                 } else if staged(region, &p, false) {
                     // the server stages the chunk and we READ it straight into the buffer; the
                     // `Stage`s of a batch go out together (see `may_stage`)
