@@ -39,14 +39,25 @@ async fn put(
     .unwrap()
 }
 
-async fn fetch(c: &mut Client, region: &str, offset: u64, len: u64) -> Vec<u8> {
+/// Open `region` (a plain open) and fetch a range of it, verified: the bytes and the report.
+async fn fetch_verified(
+    c: &mut Client,
+    region: &str,
+    offset: u64,
+    len: u64,
+) -> (Vec<u8>, p2p_rdma::bridge::TransferReport) {
     let r = c.open(region, false).await.unwrap();
     let mut out = Vec::new();
     let rep = c
         .fetch(&r, offset, len, &mut out, true, &mut |_| {})
         .await
         .unwrap();
-    assert!(rep.verified);
+    assert!(rep.verified, "{rep:?}");
+    (out, rep)
+}
+
+async fn fetch(c: &mut Client, region: &str, offset: u64, len: u64) -> Vec<u8> {
+    let (out, rep) = fetch_verified(c, region, offset, len).await;
     assert_eq!(rep.direct_bytes, len);
     // the time to first byte is within the fetch
     let first = rep.first_bytes_ms.expect("a fetch's first bytes");
@@ -158,7 +169,7 @@ async fn lab_bridge_a_fetch_reads_the_first_chunk_its_open_staged() {
     for k in 0..3u64 {
         let mut c = Client::connect(cfg(s.addr)).await.unwrap();
         let at = k << 20;
-        let got = fetch_any(&mut c, "bnc", at, 256 << 10).await;
+        let (got, _) = fetch_verified(&mut c, "bnc", at, 256 << 10).await;
         assert!(got[..] == d[at as usize..(at as usize) + (256 << 10)]);
         c.bye().await.unwrap();
     }
@@ -168,18 +179,6 @@ async fn lab_bridge_a_fetch_reads_the_first_chunk_its_open_staged() {
         "{pre} of 3 first windows bound ahead"
     );
     s.stop().await;
-}
-
-/// [`fetch`] through either path, after a plain open.
-async fn fetch_any(c: &mut Client, region: &str, offset: u64, len: u64) -> Vec<u8> {
-    let r = c.open(region, false).await.unwrap();
-    let mut out = Vec::new();
-    let rep = c
-        .fetch(&r, offset, len, &mut out, true, &mut |_| {})
-        .await
-        .unwrap();
-    assert!(rep.verified, "{rep:?}");
-    out
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -566,6 +566,8 @@ impl Client {
         let chunk = self.cfg.chunk as u64;
         let depth = self.depth();
         let stall = self.cfg.timeout;
+        // QP and staging buffers are set up once per client: not part of the transfer's time
+        let mut rdma = self.take_staged_rdma(len).await?;
         let extents = r.info.extents();
         // the first piece, if the open staged it (`open_to_fetch`); any other chunk it staged
         // goes back
@@ -576,8 +578,6 @@ impl Client {
                 None
             }
         };
-        // QP and staging buffers are set up once per client: not part of the transfer's time
-        let mut rdma = self.take_staged_rdma(len).await?;
         let start = Instant::now();
         let mut window: VecDeque<Slot> = VecDeque::with_capacity(depth);
         let mut next = 0u64;

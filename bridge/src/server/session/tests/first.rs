@@ -4,7 +4,7 @@ use super::{connect, connected, fake, open};
 use crate::protocol::{DataPath, ErrorCode, Extent, Msg, Span};
 use crate::server::session::first::FirstStage;
 use crate::server::session::{Session, Step};
-use crate::server::testkit::RULES;
+use crate::server::testkit::{Fake, RULES};
 use crate::token::Scope;
 
 /// `rw`'s extents as its `Opened` shows them: 64 KiB one-sided, then bounce, cut in two.
@@ -32,11 +32,17 @@ fn span(offset: u64, len: u64) -> Span {
     Span { offset, len }
 }
 
-#[test]
-fn the_first_piece_is_cut_as_the_client_cuts_its_fetch_and_holds_a_slot() {
+/// The fake catalog and a session with a QP and `rw` open for reading (its handle).
+fn reading() -> (Fake, Session<u32>, u32) {
     let c = fake();
     let mut s = connected(&c);
     let h = open(&mut s, &c, "rw", false, 1);
+    (c, s, h)
+}
+
+#[test]
+fn the_first_piece_is_cut_as_the_client_cuts_its_fetch_and_holds_a_slot() {
+    let (c, mut s, h) = reading();
     let e = extents();
     // at most the client's span and the bounce chunk (64 KiB in these rules)
     let f = s.stage_first(h, span(64 << 10, 1 << 20), &e, &c);
@@ -82,9 +88,7 @@ fn the_first_piece_is_cut_as_the_client_cuts_its_fetch_and_holds_a_slot() {
 
 #[test]
 fn nothing_is_staged_for_a_direct_piece_an_empty_range_or_one_past_the_end() {
-    let c = fake();
-    let mut s = connected(&c);
-    let h = open(&mut s, &c, "rw", false, 1);
+    let (c, mut s, h) = reading();
     let e = extents();
     for (offset, len) in [
         (0, 1 << 20),
