@@ -190,10 +190,12 @@ impl ConnState {
                     rkey,
                 }))
             }
-            Ok(_) => None,
-            Err((code, message)) => {
+            other => {
+                // the slot goes back: the client is told of no chunk in it
                 self.session.unstaged(f.slot);
-                tracing::debug!(%code, message, "no first chunk staged with the open");
+                if let Err((code, message)) = other {
+                    tracing::debug!(%code, message, "no first chunk staged with the open");
+                }
                 None
             }
         }
