@@ -10,6 +10,15 @@ use super::{Client, OpenRegion};
 use crate::error::Result;
 use crate::protocol::{Msg, Span, StagedChunk};
 
+/// Where a staged chunk is READ: its address and key on the server, its length.
+pub(super) fn readable(c: &StagedChunk) -> RemoteSlice {
+    RemoteSlice {
+        addr: c.addr,
+        rkey: c.rkey,
+        len: c.len,
+    }
+}
+
 /// A first chunk staged by an open, held for this client until its fetch reads it (or it
 /// goes back unread).
 #[derive(Debug, Clone, Copy)]
@@ -77,15 +86,7 @@ impl Client {
     ) -> Option<(u32, RemoteSlice)> {
         let f = self.first.take()?;
         if f.handle == handle && f.chunk.offset == pos && f.chunk.len == len {
-            let c = f.chunk;
-            return Some((
-                c.slot,
-                RemoteSlice {
-                    addr: c.addr,
-                    rkey: c.rkey,
-                    len: c.len,
-                },
-            ));
+            return Some((f.chunk.slot, readable(&f.chunk)));
         }
         self.conn.defer(&Msg::Unstage { slot: f.chunk.slot });
         None

@@ -14,8 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use verbs::{
-    Access, HostBuffer, Local, Pending, RegMode, RegisteredBuffer, RemoteSlice, SendOp, SendWr,
-    SinkBuffer,
+    Access, HostBuffer, Local, Pending, RegMode, RegisteredBuffer, SendOp, SendWr, SinkBuffer,
 };
 
 use super::window::{
@@ -466,11 +465,7 @@ impl Batch<'_, '_> {
                         unreachable!("share_with_reads, and the first chunk matched")
                     };
                     let wr = SendWr {
-                        op: SendOp::Read(RemoteSlice {
-                            addr: f.addr,
-                            rkey: f.rkey,
-                            len: f.len,
-                        }),
+                        op: SendOp::Read(super::first::readable(&f)),
                         local: Local::sink(Arc::clone(sink), dst..dst + p.len as usize)?,
                     };
                     let pending = match rdma.qp.post_send(vec![wr]) {
