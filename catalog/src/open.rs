@@ -22,14 +22,16 @@ pub struct Opened {
     pub rest: Vec<Replica>,
 }
 
-/// Resolve `region` and open it on the best node that answers. `node` restricts the choice
-/// to one node; `config` makes a client configuration for an endpoint (the token, device and
-/// timeouts of the caller). A write open (`write`) is refused when several nodes publish the
-/// name and none was named: a put to one replica would leave the others different.
+/// Resolve `region` and open it for `purpose` on the best node that answers (a fetch's open
+/// names its range, so that the node stages its first chunk: [`bridge::Client::open_for`]).
+/// `node` restricts the choice to one node; `config` makes a client configuration for an
+/// endpoint (the token, device and timeouts of the caller). A write open is refused when
+/// several nodes publish the name and none was named: a put to one replica would leave the
+/// others different.
 pub async fn open(
     catalog: &Catalog,
     region: &str,
-    write: bool,
+    purpose: bridge::OpenFor,
     node: Option<&str>,
     config: &dyn Fn(String) -> bridge::ClientConfig,
 ) -> Result<Opened> {
@@ -45,7 +47,7 @@ pub async fn open(
             });
         }
     }
-    if write && replicas.len() > 1 {
+    if purpose.writes() && replicas.len() > 1 {
         let all: Vec<&str> = replicas.iter().map(|r| r.entry.node.as_str()).collect();
         return Err(Error::Config(format!(
             "region '{region}' has {} replicas ({}): a put would change only one of them; \
@@ -54,14 +56,15 @@ pub async fn open(
             all.join(", ")
         )));
     }
-    open_among(region, replicas, write, config).await
+    open_among(region, replicas, purpose, config).await
 }
 
-/// Open `region` on the first of `replicas` that answers (each endpoint of each in turn).
+/// Open `region` for `purpose` on the first of `replicas` that answers (each endpoint of each
+/// in turn).
 pub async fn open_among(
     region: &str,
     replicas: Vec<Replica>,
-    write: bool,
+    purpose: bridge::OpenFor,
     config: &dyn Fn(String) -> bridge::ClientConfig,
 ) -> Result<Opened> {
     let mut failed = Vec::new();
@@ -70,7 +73,7 @@ pub async fn open_among(
         for ep in &replica.entry.endpoints {
             let attempt = async {
                 let mut c = bridge::Client::connect(config(ep.clone())).await?;
-                let r = c.open(region, write).await?;
+                let r = c.open_for(region, purpose).await?;
                 Ok::<_, bridge::Error>((c, r))
             };
             match attempt.await {

@@ -238,18 +238,16 @@ fn at(base: &bridge::ClientConfig, addr: String) -> bridge::ClientConfig {
     }
 }
 
-/// Connect and open `region` for `fetch` or `put`: at a server's address, or by name through
-/// an `etcd://` catalog on the best node that answers (`--node`: that one only), saying on
-/// stderr which node serves it and which failed before. `fetch`: the range a fetch reads next
-/// (offset, length), whose first chunk a server opens with ([`bridge::Client::open_to_fetch`];
-/// at a server's address only).
+/// Connect and open `region` for `purpose` (a fetch names its range, whose first chunk the
+/// server stages with the open: [`bridge::Client::open_for`]): at a server's address, or by
+/// name through an `etcd://` catalog on the best node that answers (`--node`: that one only),
+/// saying on stderr which node serves it and which failed before.
 pub(crate) async fn open(
     addr: &str,
     region: &str,
-    write: bool,
+    purpose: bridge::OpenFor,
     base: &bridge::ClientConfig,
     a: &super::transfer::ClientArgs,
-    fetch: Option<(u64, u64)>,
 ) -> anyhow::Result<Target> {
     if !CatalogUrl::is_catalog(addr) {
         if a.node.is_some() {
@@ -259,11 +257,7 @@ pub(crate) async fn open(
             .into());
         }
         let mut client = bridge::Client::connect(at(base, addr.to_string())).await?;
-        let region = match fetch {
-            // the fetch's first chunk staged with the open, where it is on the bounce path
-            Some((offset, len)) if !write => client.open_to_fetch(region, offset, len).await?,
-            _ => client.open(region, write).await?,
-        };
+        let region = client.open_for(region, purpose).await?;
         return Ok(Target {
             client,
             region,
@@ -272,7 +266,7 @@ pub(crate) async fn open(
     }
     let c = Catalog::connect(&url(addr)?, &a.etcd.options(&Default::default())?).await?;
     let opened =
-        catalog::open::open(&c, region, write, a.node.as_deref(), &|e| at(base, e)).await?;
+        catalog::open::open(&c, region, purpose, a.node.as_deref(), &|e| at(base, e)).await?;
     Ok(said(opened))
 }
 
@@ -280,10 +274,10 @@ pub(crate) async fn open(
 pub(crate) async fn next(
     region: &str,
     rest: Vec<catalog::Replica>,
-    write: bool,
+    purpose: bridge::OpenFor,
     base: &bridge::ClientConfig,
 ) -> anyhow::Result<Target> {
-    let opened = catalog::open::open_among(region, rest, write, &|e| at(base, e)).await?;
+    let opened = catalog::open::open_among(region, rest, purpose, &|e| at(base, e)).await?;
     Ok(said(opened))
 }
 

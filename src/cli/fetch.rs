@@ -85,20 +85,17 @@ pub(crate) async fn fetch(a: FetchArgs) -> anyhow::Result<()> {
         .into());
     }
     let base = client_config(String::new(), &client)?;
+    // the range named with the open (its first chunk is staged with it, on the bounce path);
+    // with --qps, the first stripe starts with the same piece
+    let purpose = bridge::OpenFor::Fetch {
+        offset,
+        len: length.unwrap_or(u64::MAX),
+    };
     let super::catalog::Target {
         client: mut c,
         region: r,
         mut rest,
-    } = super::catalog::open(
-        &addr,
-        &region,
-        false,
-        &base,
-        &client,
-        // stripes start their own fetches: no single first chunk
-        (client.qps <= 1).then(|| (offset, length.unwrap_or(u64::MAX))),
-    )
-    .await?;
+    } = super::catalog::open(&addr, &region, purpose, &base, &client).await?;
     let len = match length {
         Some(l) => l,
         None => r
@@ -136,7 +133,7 @@ pub(crate) async fn fetch(a: FetchArgs) -> anyhow::Result<()> {
             break;
         }
         eprintln!("p2p-rdma: catalog: node failed mid-way ({e}); trying the next replica");
-        match super::catalog::next(&region, std::mem::take(&mut rest), false, &base).await {
+        match super::catalog::next(&region, std::mem::take(&mut rest), purpose, &base).await {
             Ok(b) => (c, r, rest) = (b.client, b.region, b.rest),
             Err(e2) => {
                 eprintln!("p2p-rdma: {e2:#}");
@@ -166,7 +163,17 @@ async fn into_file(
     bridge::Result<bridge::TransferReport>,
 )> {
     if qps > 1 {
-        let mut lanes = Lanes::open((c, r), base, region, false, qps).await;
+        // each further lane opens naming its stripe (as planned for all `qps` of them)
+        let planned = stripe::cut(offset, len, qps, base.chunk as u64);
+        let mut lanes = Lanes::open((c, r), base, region, qps, |i| {
+            planned
+                .get(i)
+                .map_or(bridge::OpenFor::Read, |s| bridge::OpenFor::Fetch {
+                    offset: s.offset,
+                    len: s.len,
+                })
+        })
+        .await;
         let rep = stripe::fetch(
             &mut lanes,
             offset,
@@ -235,10 +242,13 @@ pub(crate) async fn put(a: PutArgs) -> anyhow::Result<()> {
         client: mut c,
         region: r,
         ..
-    } = super::catalog::open(&addr, &region, true, &base, &client, None).await?;
+    } = super::catalog::open(&addr, &region, bridge::OpenFor::Write, &base, &client).await?;
     let mut bar = Progress::new(limit.unwrap_or(r.info.size.saturating_sub(offset)), json);
     if let (true, Some(len)) = (client.qps > 1, limit) {
-        let mut lanes = Lanes::open((c, r), &base, &region, true, usize::from(client.qps)).await;
+        let mut lanes = Lanes::open((c, r), &base, &region, usize::from(client.qps), |_| {
+            bridge::OpenFor::Write
+        })
+        .await;
         let rep = stripe::put(
             &mut lanes,
             offset,

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use bridge::stripe::{merge, plan, Stripe};
-use bridge::{Client, ClientConfig, OpenRegion, TransferReport};
+use bridge::{Client, ClientConfig, OpenFor, OpenRegion, TransferReport};
 
 use super::transfer::Progress;
 
@@ -19,38 +19,56 @@ pub(crate) struct Lanes {
 }
 
 impl Lanes {
-    /// `first` and up to `n - 1` more connections to its server, each opening `region`. A
-    /// server that refuses more (its connection limit) leaves fewer stripes, said on stderr.
+    /// `first` and up to `n - 1` more connections to its server, opened at once (each one's
+    /// handshake and open overlap the others'), the `i`th opening `region` for `purpose(i)` (a
+    /// fetch's lane names its stripe). A server that refuses some (its connection limit)
+    /// leaves fewer stripes, said on stderr; the stripes are then cut again, and a first chunk
+    /// staged for another cut goes back unread.
     pub(crate) async fn open(
         first: (Client, OpenRegion),
         base: &ClientConfig,
         region: &str,
-        write: bool,
         n: usize,
+        purpose: impl Fn(usize) -> OpenFor,
     ) -> Lanes {
         let addr = first.0.addr().to_string();
-        let mut lanes = vec![first];
-        while lanes.len() < n {
-            let more = async {
-                let mut c = Client::connect(ClientConfig {
-                    addr: addr.clone(),
-                    ..base.clone()
-                })
-                .await?;
-                let r = c.open(region, write).await?;
-                Ok::<_, bridge::Error>((c, r))
+        let mut set = tokio::task::JoinSet::new();
+        for i in 1..n {
+            let cfg = ClientConfig {
+                addr: addr.clone(),
+                ..base.clone()
             };
-            match more.await {
-                Ok(l) => lanes.push(l),
-                Err(e) => {
-                    eprintln!(
-                        "p2p-rdma: --qps {n}: connection {} to {addr} failed ({e}); striping over {}",
-                        lanes.len() + 1,
-                        lanes.len()
-                    );
-                    break;
-                }
+            let (region, purpose) = (region.to_string(), purpose(i));
+            set.spawn(async move {
+                let lane = async {
+                    let mut c = Client::connect(cfg).await?;
+                    let r = c.open_for(&region, purpose).await?;
+                    Ok::<_, bridge::Error>((c, r))
+                };
+                (i, lane.await)
+            });
+        }
+        let mut more = Vec::new();
+        let mut failed = Vec::new();
+        while let Some(done) = set.join_next().await {
+            match done {
+                Ok((i, Ok(lane))) => more.push((i, lane)),
+                Ok((i, Err(e))) => failed.push((i, e.to_string())),
+                Err(e) => failed.push((n, format!("its task ended abnormally: {e}"))),
             }
+        }
+        more.sort_by_key(|(i, _)| *i);
+        failed.sort_by_key(|(i, _)| *i);
+        let mut lanes = vec![first];
+        lanes.extend(more.into_iter().map(|(_, lane)| lane));
+        for (i, e) in &failed {
+            eprintln!(
+                "p2p-rdma: --qps {n}: connection {} to {addr} failed ({e})",
+                i + 1
+            );
+        }
+        if !failed.is_empty() {
+            eprintln!("p2p-rdma: --qps {n}: striping over {}", lanes.len());
         }
         Lanes { lanes }
     }
@@ -231,7 +249,7 @@ pub(crate) async fn put(
 
 /// The stripes of the range; an empty range is one empty stripe (a transfer of no bytes still
 /// opens, checks and reports like any other).
-fn cut(offset: u64, len: u64, n: usize, chunk: u64) -> Vec<Stripe> {
+pub(crate) fn cut(offset: u64, len: u64, n: usize, chunk: u64) -> Vec<Stripe> {
     match plan(offset, len, n, chunk) {
         s if s.is_empty() => vec![Stripe { offset, len: 0 }],
         s => s,

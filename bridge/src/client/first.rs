@@ -19,6 +19,32 @@ pub(super) fn readable(c: &StagedChunk) -> RemoteSlice {
     }
 }
 
+/// What a region is opened for ([`Client::open_for`]): callers that open for several
+/// purposes (a fetch, a put, a striped transfer's lanes, a replica picked by name) say it
+/// with one value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpenFor {
+    /// Reading, no range named ([`Client::open`]).
+    Read,
+    /// Writing: puts ([`Client::open`]).
+    Write,
+    /// A fetch of `len` bytes at `offset`, whose first chunk the server stages with the open
+    /// where it is on the bounce path ([`Client::open_to_fetch`]).
+    Fetch {
+        /// Where the fetch starts in the region.
+        offset: u64,
+        /// How many bytes it reads (more than the region holds: to its end).
+        len: u64,
+    },
+}
+
+impl OpenFor {
+    /// Whether the handle is opened for writing.
+    pub fn writes(self) -> bool {
+        self == OpenFor::Write
+    }
+}
+
 /// A first chunk staged by an open, held for this client until its fetch reads it (or it
 /// goes back unread).
 #[derive(Debug, Clone, Copy)]
@@ -52,6 +78,16 @@ impl Client {
             len: len.min(self.cfg.chunk as u64),
         });
         self.open_with(region, false, first).await
+    }
+
+    /// Open `region` for `purpose`: [`Client::open`] for reading or writing,
+    /// [`Client::open_to_fetch`] for a fetch of a named range.
+    pub async fn open_for(&mut self, region: &str, purpose: OpenFor) -> Result<OpenRegion> {
+        match purpose {
+            OpenFor::Read => self.open(region, false).await,
+            OpenFor::Write => self.open(region, true).await,
+            OpenFor::Fetch { offset, len } => self.open_to_fetch(region, offset, len).await,
+        }
     }
 
     /// Keep the chunk an `Opened` reply staged for `asked`, if it is one: else it goes back.

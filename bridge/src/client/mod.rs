@@ -25,6 +25,7 @@ mod zero_copy;
 mod zero_copy_put;
 use checksum::Checksum;
 pub use config::{ClientConfig, Transport, DEFAULT_INLINE};
+pub use first::OpenFor;
 pub use report::TransferReport;
 use report::{millis, report};
 use window::{

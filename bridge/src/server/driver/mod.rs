@@ -163,6 +163,7 @@ pub(super) async fn connection(
             limit = shared.cfg.max_connections,
             "connection refused: limit reached"
         );
+        shared.metrics().error(&ErrorCode::Busy.to_string());
         let _ = conn
             .send(&Msg::error(
                 ErrorCode::Busy,
