@@ -240,7 +240,7 @@ impl Metrics {
             let mut r = m.registry.lock().unwrap_or_else(|p| p.into_inner());
             r.register_with_unit(
                 "transferred",
-                "Bytes moved, by region, direction and path (direct: reported by the client when its one-sided transfer completed)",
+                "Bytes moved, by region, direction and path (direct: reported by the client when its one-sided transfer completed; a bounce fetch's: staged for the client to read, counting a first chunk staged with an open and given back unread)",
                 Unit::Bytes,
                 m.bytes.clone(),
             );
