@@ -189,8 +189,10 @@ pub(crate) struct ClientArgs {
     #[arg(long, default_value = "1M", value_parser = parse_size_arg)]
     pub(crate) chunk: u64,
     /// Stripe the transfer over N connections to the server, each with its own queue pair,
-    /// in parts of whole --chunk's (at most 64; default 1: one stream). A file only (-o FILE,
-    /// -i FILE), not a pipe; the CRC-32C and --verify cover the whole range.
+    /// in parts of whole --chunk's (at most 64; default 1: one stream), the connections opened
+    /// at once. A file only (-o FILE, -i FILE), not a pipe; the CRC-32C and --verify cover the
+    /// whole range. A server that takes fewer connections (its limit) leaves fewer stripes,
+    /// said on stderr.
     #[arg(long, value_name = "N", default_value_t = 1,
           value_parser = clap::value_parser!(u16).range(1..=64))]
     pub(crate) qps: u16,
