@@ -6,6 +6,7 @@
 
 use verbs::RemoteSlice;
 
+use super::window::{piece, staged};
 use super::{Client, OpenRegion};
 use crate::error::Result;
 use crate::protocol::{Msg, Span, StagedChunk};
@@ -114,12 +115,7 @@ impl Client {
 
     /// The staged first chunk, if it is `len` bytes at `pos` of `handle`'s region (where to
     /// READ it and its slot); any other goes back (its release rides on the next request).
-    pub(super) fn take_first(
-        &mut self,
-        handle: u32,
-        pos: u64,
-        len: u64,
-    ) -> Option<(u32, RemoteSlice)> {
+    fn take_first(&mut self, handle: u32, pos: u64, len: u64) -> Option<(u32, RemoteSlice)> {
         let f = self.first.take()?;
         if f.handle == handle && f.chunk.offset == pos && f.chunk.len == len {
             return Some((f.chunk.slot, readable(&f.chunk)));
@@ -128,10 +124,24 @@ impl Client {
         None
     }
 
-    /// The staged first chunk and its handle, for a batch to READ if it starts with that
-    /// chunk (the batch gives it back otherwise).
-    pub(super) fn take_first_staged(&mut self) -> Option<(u32, StagedChunk)> {
-        self.first.take().map(|f| (f.handle, f.chunk))
+    /// The staged first chunk, if it is the first piece of a fetch of `len` bytes at `offset`
+    /// of `r`, cut as every fetch cuts its range (`chunk`, the region's extents and bounce
+    /// chunk): where to READ it and its slot. Any other goes back (with the next request).
+    /// `fetch` and the batches ask so, for their first range.
+    pub(super) fn take_first_for(
+        &mut self,
+        r: &OpenRegion,
+        offset: u64,
+        len: u64,
+        chunk: u64,
+    ) -> Option<(u32, RemoteSlice)> {
+        match piece(&r.info.extents(), offset, len, chunk, r.bounce_chunk) {
+            Ok(p) if len > 0 && staged(r, &p, false) => self.take_first(r.handle, p.pos, p.len),
+            _ => {
+                self.release_first();
+                None
+            }
+        }
     }
 
     /// Give an unread staged first chunk back (with the next request).

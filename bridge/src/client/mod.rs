@@ -572,13 +572,7 @@ impl Client {
         let extents = r.info.extents();
         // the first piece, if the open staged it (`open_to_fetch`); any other chunk it staged
         // goes back
-        let mut pre = match piece(&extents, offset, len, chunk, r.bounce_chunk) {
-            Ok(p) if len > 0 && staged(r, &p, false) => self.take_first(r.handle, p.pos, p.len),
-            _ => {
-                self.release_first();
-                None
-            }
-        };
+        let mut pre = self.take_first_for(r, offset, len, chunk);
         let start = Instant::now();
         let mut window: VecDeque<Slot> = VecDeque::with_capacity(depth);
         let mut next = 0u64;

@@ -14,7 +14,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use verbs::{
-    Access, HostBuffer, Local, Pending, RegMode, RegisteredBuffer, SendOp, SendWr, SinkBuffer,
+    Access, HostBuffer, Local, Pending, RegMode, RegisteredBuffer, RemoteSlice, SendOp, SendWr,
+    SinkBuffer,
 };
 
 use super::window::{
@@ -24,7 +25,7 @@ use super::window::{
 use super::{Client, OpenRegion, Rdma, KEEPALIVE};
 use crate::conn::Conn;
 use crate::error::{Error, Result};
-use crate::protocol::{DataPath, Extent, Msg, StagedChunk};
+use crate::protocol::{DataPath, Extent, Msg};
 
 /// Host memory the application owns, registered for zero-copy transfers on one [`Client`]
 /// (see [`Client::buffer`]). Only local work requests write it, so its bytes may be borrowed.
@@ -310,26 +311,24 @@ impl Client {
             bounce_bytes: 0,
             first: None,
         };
-        // the first chunk an open staged, if the batch starts with it: its READ is then the
-        // batch's first staged piece. Any other goes back before the batch asks for its own
+        // the first chunk an open staged, if it is the first piece of the batch's first range:
+        // its READ is then that piece's. Any other goes back before the batch asks for its own
         // (held meanwhile, it would leave the batch one slot short of the depth)
-        match self.take_first_staged() {
-            Some((h, f))
-                if ranges
-                    .first()
-                    .is_some_and(|r| r.region.handle == h && r.offset == f.offset) =>
-            {
-                batch.first = Some((h, f));
+        batch.first = match ranges.first().filter(|_| batch.ok.first() == Some(&true)) {
+            Some(r) => self
+                .take_first_for(r.region, r.offset, r.len, batch.chunk)
+                .map(|(slot, at)| (r.offset, slot, at)),
+            None => {
+                self.release_first();
+                None
             }
-            Some((_, f)) => self.conn.defer(&Msg::Unstage { slot: f.slot }),
-            None => {}
-        }
+        };
         let start = Instant::now();
         let run = batch.run(&mut rdma, &mut self.conn).await;
         let seconds = start.elapsed().as_secs_f64();
-        if let Some((_, f)) = batch.first.take() {
-            // no piece of the batch was that chunk
-            self.conn.defer(&Msg::Unstage { slot: f.slot });
+        if let Some((_, slot, _)) = batch.first.take() {
+            // the batch ended before that piece
+            self.conn.defer(&Msg::Unstage { slot });
         }
         if let Err(error) = run {
             batch.settle(&mut rdma, &mut self.conn).await;
@@ -387,9 +386,10 @@ struct Batch<'r, 'a> {
     window: VecDeque<Flight>,
     direct_by_range: Vec<u64>,
     bounce_bytes: u64,
-    /// A first chunk staged by an open ([`Client::open_to_fetch`]) with its handle, until a
-    /// piece of the batch READs it (what is left goes back when the batch ends).
-    first: Option<(u32, StagedChunk)>,
+    /// A first chunk staged by an open ([`Client::open_to_fetch`]), the first piece of the
+    /// first range (its offset, slot, and where to READ it), until that piece READs it (if the
+    /// batch ends before, it goes back).
+    first: Option<(u64, u32, RemoteSlice)>,
 }
 
 impl Batch<'_, '_> {
@@ -451,32 +451,30 @@ impl Batch<'_, '_> {
                     let pending = rdma.qp.post_send(vec![wr])?;
                     self.window.push_back(Flight::Direct(pending, p.pos));
                     self.direct_by_range[i] += p.len;
-                } else if self
-                    .first
-                    .is_some_and(|(h, f)| h == region.handle && f.offset == p.pos && f.len == p.len)
-                    && staged(region, &p, false)
-                {
-                    // staged by the open (`open_to_fetch`): READ it now, no `Stage` to ask
+                } else if i == 0 && self.first.is_some_and(|(at, ..)| at == p.pos) {
+                    // the first range's first piece, staged by the open (`open_to_fetch`) and
+                    // cut as this one: READ it now, no `Stage` to ask
                     if !self.share_with_reads() {
                         break;
                     }
-                    let (Some((_, f)), Some(Held::Sink(sink))) = (self.first.take(), &self.held)
+                    let (Some((_, slot, at)), Some(Held::Sink(sink))) =
+                        (self.first.take(), &self.held)
                     else {
                         unreachable!("share_with_reads, and the first chunk matched")
                     };
                     let wr = SendWr {
-                        op: SendOp::Read(super::first::readable(&f)),
+                        op: SendOp::Read(at),
                         local: Local::sink(Arc::clone(sink), dst..dst + p.len as usize)?,
                     };
                     let pending = match rdma.qp.post_send(vec![wr]) {
                         Ok(pending) => pending,
                         Err(e) => {
-                            conn.defer(&Msg::Unstage { slot: f.slot });
+                            conn.defer(&Msg::Unstage { slot });
                             return Err(e.into());
                         }
                     };
                     self.window
-                        .push_back(Flight::Pull(pending, f.slot, p.pos, p.len));
+                        .push_back(Flight::Pull(pending, slot, p.pos, p.len));
                 } else if staged(region, &p, false) {
                     // the server stages the chunk and we READ it straight into the buffer; the
                     // `Stage`s of a batch go out together (see `may_stage`)
