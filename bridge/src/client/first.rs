@@ -12,7 +12,7 @@ use crate::error::Result;
 use crate::protocol::{Msg, Span, StagedChunk};
 
 /// Where a staged chunk is READ: its address and key on the server, its length.
-pub(super) fn readable(c: &StagedChunk) -> RemoteSlice {
+fn readable(c: &StagedChunk) -> RemoteSlice {
     RemoteSlice {
         addr: c.addr,
         rkey: c.rkey,

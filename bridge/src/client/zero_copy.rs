@@ -315,9 +315,7 @@ impl Client {
         // its READ is then that piece's. Any other goes back before the batch asks for its own
         // (held meanwhile, it would leave the batch one slot short of the depth)
         batch.first = match ranges.first().filter(|_| batch.ok.first() == Some(&true)) {
-            Some(r) => self
-                .take_first_for(r.region, r.offset, r.len, batch.chunk)
-                .map(|(slot, at)| (r.offset, slot, at)),
+            Some(r) => self.take_first_for(r.region, r.offset, r.len, batch.chunk),
             None => {
                 self.release_first();
                 None
@@ -326,7 +324,7 @@ impl Client {
         let start = Instant::now();
         let run = batch.run(&mut rdma, &mut self.conn).await;
         let seconds = start.elapsed().as_secs_f64();
-        if let Some((_, slot, _)) = batch.first.take() {
+        if let Some((slot, _)) = batch.first.take() {
             // the batch ended before that piece
             self.conn.defer(&Msg::Unstage { slot });
         }
@@ -387,9 +385,9 @@ struct Batch<'r, 'a> {
     direct_by_range: Vec<u64>,
     bounce_bytes: u64,
     /// A first chunk staged by an open ([`Client::open_to_fetch`]), the first piece of the
-    /// first range (its offset, slot, and where to READ it), until that piece READs it (if the
-    /// batch ends before, it goes back).
-    first: Option<(u64, u32, RemoteSlice)>,
+    /// first range (its slot, and where to READ it), until that piece READs it (if the batch
+    /// ends before, it goes back).
+    first: Option<(u32, RemoteSlice)>,
 }
 
 impl Batch<'_, '_> {
@@ -451,13 +449,13 @@ impl Batch<'_, '_> {
                     let pending = rdma.qp.post_send(vec![wr])?;
                     self.window.push_back(Flight::Direct(pending, p.pos));
                     self.direct_by_range[i] += p.len;
-                } else if i == 0 && self.first.is_some_and(|(at, ..)| at == p.pos) {
+                } else if i == 0 && p.pos == self.ranges[0].offset && self.first.is_some() {
                     // the first range's first piece, staged by the open (`open_to_fetch`) and
                     // cut as this one: READ it now, no `Stage` to ask
                     if !self.share_with_reads() {
                         break;
                     }
-                    let (Some((_, slot, at)), Some(Held::Sink(sink))) =
+                    let (Some((slot, at)), Some(Held::Sink(sink))) =
                         (self.first.take(), &self.held)
                     else {
                         unreachable!("share_with_reads, and the first chunk matched")
