@@ -155,6 +155,18 @@ fn sample(
         .map(|s| s.2)
 }
 
+/// How many bounce fetch requests went through `stage` (copy, bind, open, ...) on the server.
+fn fetch_stage(
+    samples: &[(String, serde_json::Map<String, serde_json::Value>, f64)],
+    stage: &str,
+) -> Option<f64> {
+    sample(
+        samples,
+        "p2p_rdma_bounce_stage_duration_seconds_count",
+        &[("direction", "fetch"), ("stage", stage)],
+    )
+}
+
 fn client(args: &[&str], dir: &Path) -> std::process::Output {
     bin()
         .args(args)
@@ -244,13 +256,7 @@ fn lab_ops_metrics_show_a_fetch_under_its_region_and_path() {
     // windows kept bound), but posted no RDMA of its own. `fetch` opens naming its range (each
     // stripe's connection its stripe), so each connection's first chunk was staged with its
     // open (its slot's window bound there), and none was left to bind ahead
-    let stage = |stage| {
-        sample(
-            &after,
-            "p2p_rdma_bounce_stage_duration_seconds_count",
-            &[("direction", "fetch"), ("stage", stage)],
-        )
-    };
+    let stage = |stage| fetch_stage(&after, stage);
     assert_eq!(stage("copy"), Some(9.0), "{after:?}");
     assert_eq!(
         stage("open"),
@@ -674,14 +680,7 @@ fn lab_ops_a_striped_fetch_past_the_connection_limit_stripes_over_fewer() {
     assert!(err.contains("2 connections"), "{err}");
 
     let m = parse_metrics(&http_get(&s.metrics, "/metrics").unwrap().1);
-    let stage = |stage| {
-        sample(
-            &m,
-            "p2p_rdma_bounce_stage_duration_seconds_count",
-            &[("direction", "fetch"), ("stage", stage)],
-        )
-        .unwrap_or(0.0)
-    };
+    let stage = |stage| fetch_stage(&m, stage).unwrap_or(0.0);
     assert_eq!(stage("open"), 2.0, "both lanes' first chunks: {m:?}");
     // four chunks fetched; one more copied where the lane that got in was not the one whose
     // stripe still starts where its open named (the third)
