@@ -236,24 +236,152 @@ pub async fn prove_segments(
     }
 }
 
-/// Whether the NIC can reach an `nvme` region's CMB staging ring (the last leg of SSD → CMB →
-/// NIC): the same registration attempts and canaries as a region's. One line for the legs'
-/// report.
+/// The NIC's access to an `nvme` region's CMB staging ring, proved: the server lends ring
+/// slots to clients through memory windows over `mr`.
+#[derive(Debug)]
+pub struct RingNic {
+    /// The whole ring, registered with the strategy a canary proved, for memory windows only
+    /// (`MW_BIND`, no remote access of its own).
+    pub mr: Arc<peermem::canary::DeviceMr>,
+    /// The access was proved only from the start of a page (a canary starting partway into a
+    /// page failed): only chunks that start on a page may be read from the ring.
+    pub page_start: bool,
+}
+
+/// What the NIC can do with an `nvme` region's ring (the last leg of SSD → CMB → NIC).
+#[derive(Debug)]
+pub struct RingLeg {
+    /// One line for the legs' report.
+    pub report: String,
+    /// The registration to lend slots through, when the NIC was proved to reach the ring and
+    /// `lend` was asked.
+    pub nic: Option<RingNic>,
+}
+
+/// Whether the NIC can reach an `nvme` region's CMB staging ring: the same registration
+/// attempts and canaries as a region's. Ring slots are only ever read from the start of the
+/// chunk staged in them, and a chunk that starts on a block starts on a page of its slot, so
+/// when the canary partway into a page fails, the strategies it failed get a second canary
+/// from the start of a page: rxe's ODP READs copy each packet from the start of its page
+/// (LAB.md), so at path MTU 4096 they move page-aligned chunks right and others wrong. `lend`:
+/// the caller isolates clients with memory windows and will lend slots (else the report says
+/// why the CPU copies them).
 pub async fn ring_nic_leg(
     pd: &ProtectionDomain,
     ring: &Arc<dyn Provider>,
     reg: RegChoice,
-) -> String {
+    lend: bool,
+) -> RingLeg {
+    use peermem::canary::{register_mode, register_with_canary_at, CanaryAt};
     let choice =
         crate::spec::RegionOptions::default().choice(ring.len(), reg, P2pPolicy::Preferred);
-    match decide_path(pd, ring, choice).await {
-        Ok(p) if p.decision.path == peermem::plan::PathKind::Direct => format!(
-            "the NIC reaches the ring ({}, proved by a canary), but serving the NIC from the \
-             ring is not built",
-            p.decision.mode.map(|m| m.to_string()).unwrap_or_default()
-        ),
-        Ok(p) => format!("the NIC cannot reach the ring ({})", p.decision.reason),
-        Err(r) => format!("the NIC cannot reach the ring ({r})"),
+    let copies = "the CPU copies each slot to host staging";
+    let planned = match decide_path(pd, ring, choice).await {
+        Ok(p) => p,
+        Err(r) => {
+            return RingLeg {
+                report: format!("the NIC cannot reach the ring ({r}): {copies}"),
+                nic: None,
+            }
+        }
+    };
+    let (mode, page_start, how) = match planned.decision.mode {
+        Some(mode) if planned.decision.path == peermem::plan::PathKind::Direct => {
+            (mode, false, format!("{mode}, proved by a canary"))
+        }
+        _ => {
+            let failed: Vec<verbs::RegMode> = planned
+                .decision
+                .attempts
+                .iter()
+                .filter(|a| matches!(a.outcome, AttemptOutcome::CanaryFailed { .. }))
+                .map(|a| a.mode)
+                .collect();
+            let at_page = if failed.is_empty() {
+                None
+            } else {
+                Some(
+                    register_with_canary_at(pd, ring, 0..ring.len(), &failed, CanaryAt::PageStart)
+                        .await,
+                )
+            };
+            match at_page.as_ref().and_then(|r| r.region.as_ref()) {
+                Some(mr) => {
+                    let mode = mr.mode();
+                    let mid_page: Vec<_> = planned
+                        .decision
+                        .attempts
+                        .iter()
+                        .filter(|a| a.mode == mode)
+                        .cloned()
+                        .collect();
+                    (
+                        mode,
+                        true,
+                        format!(
+                            "{mode}: a canary from the start of a page passed, one partway into \
+                             a page did not ({}), so only chunks that start on a page are read \
+                             from the ring",
+                            peermem::plan::summary(&mid_page)
+                        ),
+                    )
+                }
+                None => {
+                    let also = at_page
+                        .map(|r| {
+                            format!(
+                                "; from the start of a page: {}",
+                                peermem::plan::summary(&r.attempts)
+                            )
+                        })
+                        .unwrap_or_default();
+                    return RingLeg {
+                        report: format!(
+                            "the NIC cannot reach the ring ({}{also}): {copies}",
+                            planned.decision.reason
+                        ),
+                        nic: None,
+                    };
+                }
+            }
+        }
+    };
+    drop(planned);
+    if !lend {
+        return RingLeg {
+            report: format!(
+                "the NIC reaches the ring ({how}), but this server does not isolate clients \
+                 with memory windows (serve --sharing per-connection), and a slot is lent only \
+                 through one: {copies}"
+            ),
+            nic: None,
+        };
+    }
+    let access = verbs::Access::LOCAL_WRITE | verbs::Access::MW_BIND;
+    match register_mode(pd, ring, 0..ring.len(), access, mode) {
+        Ok(mr) => RingLeg {
+            report: format!(
+                "the NIC reads each chunk from its ring slot through a read-only memory window \
+                 ({how}); a chunk the ring cannot lend (longer than a slot, no slot free{}) is \
+                 copied by the CPU to host staging",
+                if page_start {
+                    ", or starting partway into a page"
+                } else {
+                    ""
+                }
+            ),
+            nic: Some(RingNic {
+                mr: Arc::new(mr),
+                page_start,
+            }),
+        },
+        Err(e) => RingLeg {
+            report: format!(
+                "the NIC reaches the ring ({how}), but registering it for memory windows \
+                 failed ({e}): {copies}"
+            ),
+            nic: None,
+        },
     }
 }
 

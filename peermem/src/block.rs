@@ -32,6 +32,10 @@ use crate::provider::{check_range, Provider};
 /// The largest piece one direct I/O moves (requests are split into pieces of this size).
 const PIECE: u64 = 1 << 20;
 
+/// Ring slots are a whole number of pages, so that a chunk lent to the NIC from the start of a
+/// block at the start of a slot starts on a page ([`BlockStorage::lend_slot`]).
+const PAGE: u64 = 4096;
+
 /// An open namespace (or file) range served as a region.
 #[derive(Debug)]
 pub struct BlockStorage {
@@ -66,6 +70,8 @@ struct Moved {
     dev_to_host: AtomicU64,
     /// Host memory → device.
     host_to_dev: AtomicU64,
+    /// CMB → NIC: bytes of ring slots lent to the NIC (peer to peer).
+    cmb_to_nic: AtomicU64,
 }
 
 /// A ring of staging slots in a CMB, and what its legs were proved to do.
@@ -73,11 +79,29 @@ struct Moved {
 struct Ring {
     cmb: Arc<CmbMemory>,
     slot: u64,
-    free: Mutex<Vec<u64>>,
+    /// Offsets of the free slots (a [`RingLease`] gives its slot back here).
+    free: Arc<Mutex<Vec<u64>>>,
     /// Device → CMB works (else why not).
     read: Result<(), String>,
     /// CMB → device works (else why not; read-only regions never try).
     write: Result<(), String>,
+}
+
+/// A ring slot lent out with a chunk the device read into it, peer to peer, for the NIC to
+/// read from the CMB itself ([`BlockStorage::lend_slot`]). The slot goes back to the ring when
+/// the lease is dropped: whoever lends the bytes to a peer revokes the peer's access first.
+#[derive(Debug)]
+pub struct RingLease {
+    free: Arc<Mutex<Vec<u64>>>,
+    slot: u64,
+    /// Where the chunk's bytes are in the ring's memory (offsets into [`BlockStorage::ring`]).
+    pub range: std::ops::Range<u64>,
+}
+
+impl Drop for RingLease {
+    fn drop(&mut self) {
+        lock(&self.free).push(self.slot);
+    }
 }
 
 /// What `via=cmb:DEV:SIZE` asks for.
@@ -213,8 +237,10 @@ impl BlockStorage {
     /// the CMB must give the bytes a read into host memory gives; a write of those same bytes
     /// back from the CMB must read back unchanged (the device's bytes stay what they were).
     fn prove_ring(&self, cmb: CmbMemory) -> Result<Ring, Error> {
-        // eight slots (at most 1 MiB each), so that several requests use the ring at once
-        let slot = ((cmb.len() / 8).min(PIECE) / self.block * self.block).max(self.block);
+        // eight slots (at most 1 MiB each), so that several requests use the ring at once; a
+        // whole number of pages (and of blocks) each
+        let unit = self.block.max(PAGE);
+        let slot = ((cmb.len() / 8).min(PIECE) / unit * unit).max(self.block);
         if slot > cmb.len() {
             return Err(Error::InvalidArgument(format!(
                 "the CMB ring ({} bytes) is smaller than one {}-byte block",
@@ -261,7 +287,7 @@ impl BlockStorage {
         }
         let slots = (cmb.len() / slot).max(1);
         Ok(Ring {
-            free: Mutex::new((0..slots).rev().map(|i| i * slot).collect()),
+            free: Arc::new(Mutex::new((0..slots).rev().map(|i| i * slot).collect())),
             cmb: Arc::new(cmb),
             slot,
             read,
@@ -294,6 +320,42 @@ impl BlockStorage {
             .map(|r| Arc::clone(&r.cmb) as Arc<dyn Provider>)
     }
 
+    /// Read the `len` bytes at region offset `offset` from the device into a free ring slot,
+    /// peer to peer, and lend the slot: the caller lets the NIC read `range` of the ring's
+    /// memory (registered by the caller on the NIC, [`BlockStorage::ring`]) and drops the
+    /// lease once the NIC is done. `Ok(None)` when the chunk cannot be lent this way, and the
+    /// caller copies it as usual: no ring, a device → CMB leg that was not proved, a chunk
+    /// whose blocks span more than one slot, no free slot, or (`page_start`: the NIC's access
+    /// was proved only from the start of a page) a chunk that would not start on a page.
+    pub fn lend_slot(
+        &self,
+        offset: u64,
+        len: u64,
+        page_start: bool,
+    ) -> Result<Option<RingLease>, Error> {
+        check_range("region", offset, len, self.len)?;
+        let at = self.base + offset;
+        let (a0, a1) = self.cover(at, len);
+        let skip = at - a0;
+        // every slot starts on a page (`prove_ring`): the chunk does when `skip` is one
+        if len == 0 || (page_start && skip % PAGE != 0) {
+            return Ok(None);
+        }
+        let Some((ring, slot)) = self.take_slot(false, a1 - a0) else {
+            return Ok(None);
+        };
+        let lease = RingLease {
+            free: Arc::clone(&ring.free),
+            slot,
+            range: slot + skip..slot + skip + len,
+        };
+        // (a read that fails gives the slot back with the lease)
+        cmb_mem(ring).fill_from_fd(slot, (a1 - a0) as usize, self.fd(), a0)?;
+        self.moved.dev_to_cmb.fetch_add(a1 - a0, Ordering::Relaxed);
+        self.moved.cmb_to_nic.fetch_add(len, Ordering::Relaxed);
+        Ok(Some(lease))
+    }
+
     /// Record what registering the ring on the NIC found, for the legs' report.
     pub fn set_nic_leg(&self, what: String) {
         *lock(&self.nic_leg) = Some(what);
@@ -304,15 +366,16 @@ impl BlockStorage {
         self.block
     }
 
-    /// Bytes moved device → CMB and CMB → device (peer to peer), and device → host and host →
-    /// device.
-    pub fn moved(&self) -> [u64; 4] {
+    /// Bytes moved device → CMB and CMB → device (peer to peer), device → host and host →
+    /// device, and CMB → NIC (slots lent to the NIC, peer to peer).
+    pub fn moved(&self) -> [u64; 5] {
         let m = &self.moved;
         [
             m.dev_to_cmb.load(Ordering::Relaxed),
             m.cmb_to_dev.load(Ordering::Relaxed),
             m.dev_to_host.load(Ordering::Relaxed),
             m.host_to_dev.load(Ordering::Relaxed),
+            m.cmb_to_nic.load(Ordering::Relaxed),
         ]
     }
 
@@ -566,13 +629,15 @@ impl Provider for BlockStorage {
         true
     }
     fn residency(&self) -> Option<String> {
-        let [dc, cd, dh, hd] = self.moved();
+        let [dc, cd, dh, hd, cn] = self.moved();
         Some(format!(
-            "moved: device → CMB {}, CMB → device {}, device → host {}, host → device {}",
+            "moved: device → CMB {}, CMB → device {}, device → host {}, host → device {}, \
+             CMB → NIC {}",
             mib(dc),
             mib(cd),
             mib(dh),
-            mib(hd)
+            mib(hd),
+            mib(cn)
         ))
     }
 }
@@ -591,12 +656,12 @@ impl BlockStorage {
                     Err(why) => format!("{p2p}: through host memory ({why})"),
                 };
                 format!(
-                    "{}; {}; CMB → NIC: {}: the CPU copies each slot to host staging",
+                    "{}; {}; CMB → NIC: {}",
                     leg(&r.read, "device → CMB"),
                     leg(&r.write, "CMB → device"),
-                    lock(&self.nic_leg)
-                        .clone()
-                        .unwrap_or_else(|| "not tried".into())
+                    lock(&self.nic_leg).clone().unwrap_or_else(|| {
+                        "not tried: the CPU copies each slot to host staging".into()
+                    })
                 )
             }
         }

@@ -295,14 +295,42 @@ pub fn register_mode(
     })
 }
 
+/// The scratch range of a canary for memory whose every access starts on a page (a staging
+/// ring's slots): from byte 0, over more than one path MTU and into a further page.
+pub fn page_start_range(len: u64, path_mtu: u32) -> (u64, u64) {
+    let want = 2 * u64::from(path_mtu.max(256)) + 4096 + 123;
+    (0, want.min(len))
+}
+
+/// Where a canary's scratch range starts: the access pattern it proves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CanaryAt {
+    /// Partway into a page ([`scratch_range`]): proves access at any offset.
+    MidPage,
+    /// On a page ([`page_start_range`]): proves only accesses that start on a page.
+    PageStart,
+}
+
 /// Run the canary through `region`'s MR. The memory is restored afterwards. On read-only
 /// memory only the READ half runs (against the CPU's view of the bytes).
 pub async fn run_canary(pd: &ProtectionDomain, region: &DeviceMr) -> Result<CanaryReport, Error> {
+    run_canary_at(pd, region, CanaryAt::MidPage).await
+}
+
+/// [`run_canary`] over the scratch range `at` names.
+pub async fn run_canary_at(
+    pd: &ProtectionDomain,
+    region: &DeviceMr,
+    at: CanaryAt,
+) -> Result<CanaryReport, Error> {
     let prov = region.provider();
     let (a, b) = QueuePair::loopback_pair(pd, QpOptions::default())?;
     let path_mtu = verbs::negotiate_mtu(a.endpoint().mtu, b.endpoint().mtu);
     let region_len = region.mr().len() as u64;
-    let (offset, len) = scratch_range(region_len, path_mtu);
+    let (offset, len) = match at {
+        CanaryAt::MidPage => scratch_range(region_len, path_mtu),
+        CanaryAt::PageStart => page_start_range(region_len, path_mtu),
+    };
     if len == 0 {
         return Err(Error::InvalidArgument(
             "the region is too small for a canary".into(),
@@ -371,6 +399,7 @@ pub async fn run_canary(pd: &ProtectionDomain, region: &DeviceMr) -> Result<Cana
 async fn scratch_canary(
     pd: &ProtectionDomain,
     mode: RegMode,
+    at: CanaryAt,
 ) -> Result<Option<CanaryReport>, Error> {
     if !matches!(mode, RegMode::Pinned | RegMode::OnDemand) {
         return Ok(None);
@@ -382,7 +411,7 @@ async fn scratch_canary(
         Refusal::Failed(e) => Error::from(e),
         Refusal::NotApplicable(m) => Error::from(verbs::Error::InvalidArgument(m)),
     })?;
-    let report = run_canary(pd, &reg).await?;
+    let report = run_canary_at(pd, &reg, at).await?;
     Ok((!report.ok()).then_some(report))
 }
 
@@ -394,6 +423,18 @@ pub async fn register_with_canary(
     provider: &Arc<dyn Provider>,
     range: Range<u64>,
     modes: &[RegMode],
+) -> Registration {
+    register_with_canary_at(pd, provider, range, modes, CanaryAt::MidPage).await
+}
+
+/// [`register_with_canary`] with the canary's scratch range where `at` says: what the MR is
+/// then proved for.
+pub async fn register_with_canary_at(
+    pd: &ProtectionDomain,
+    provider: &Arc<dyn Provider>,
+    range: Range<u64>,
+    modes: &[RegMode],
+    at: CanaryAt,
 ) -> Registration {
     let mut attempts = Vec::new();
     let mut chosen = None;
@@ -425,9 +466,9 @@ pub async fn register_with_canary(
                 continue;
             }
         };
-        let outcome = match run_canary(pd, &reg).await {
+        let outcome = match run_canary_at(pd, &reg, at).await {
             // the canary could only read bytes it did not choose
-            Ok(c) if c.ok() && !c.write_checked => match scratch_canary(pd, mode).await {
+            Ok(c) if c.ok() && !c.write_checked => match scratch_canary(pd, mode, at).await {
                 Ok(None) => AttemptOutcome::Works { canary: c },
                 Ok(Some(bad)) => AttemptOutcome::CanaryError {
                     message: format!(
@@ -478,6 +519,20 @@ mod tests {
         }
         let (o, l) = scratch_range(1000, 1024);
         assert!(o + l == 1000 && l > 0);
+    }
+
+    #[test]
+    fn a_page_start_canary_starts_on_a_page_and_spans_pages_and_mtus() {
+        for mtu in [256u32, 1024, 4096] {
+            let (o, l) = page_start_range(1 << 20, mtu);
+            assert_eq!(o, 0);
+            assert!(
+                l > u64::from(mtu) && l > 4096,
+                "more than one MTU and one page"
+            );
+        }
+        // a smaller memory: all of it
+        assert_eq!(page_start_range(5000, 4096), (0, 5000));
     }
 
     #[test]

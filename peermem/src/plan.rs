@@ -144,7 +144,8 @@ pub struct Refused {
     pub attempts: Vec<Attempt>,
 }
 
-fn summary(attempts: &[Attempt]) -> String {
+/// Every attempt's outcome in one line.
+pub fn summary(attempts: &[Attempt]) -> String {
     if attempts.is_empty() {
         return "no strategy was tried".into();
     }

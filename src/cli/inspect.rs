@@ -169,7 +169,9 @@ pub(crate) async fn doctor(
         .as_any()
         .downcast_ref::<peermem::block::BlockStorage>();
     if let Some((b, ring)) = block.and_then(|b| b.ring().map(|r| (b, r))) {
-        b.set_nic_leg(bridge::path::ring_nic_leg(&pd, &ring, reg).await);
+        // as `serve` would with its default sharing (memory windows)
+        let leg = bridge::path::ring_nic_leg(&pd, &ring, reg, true).await;
+        b.set_nic_leg(leg.report);
     }
     let legs = block.map(|b| b.legs_plan());
     // block storage moves no pages: its residency is the bytes each leg moved

@@ -117,7 +117,14 @@ fn record_bounce(shared: &Shared, meta: BounceMeta, len: u64, zero_copy: u64) {
 }
 
 /// A staged fetch's bytes (the client reads them itself: the server's part ends here).
-pub(super) fn record_staged(shared: &Shared, region: usize, len: u64, started: Instant) {
+/// `lent`: read from a CMB ring slot by the NIC, so they never crossed host memory.
+pub(super) fn record_staged(
+    shared: &Shared,
+    region: usize,
+    len: u64,
+    started: Instant,
+    lent: bool,
+) {
     record_bounce(
         shared,
         BounceMeta {
@@ -127,7 +134,7 @@ pub(super) fn record_staged(shared: &Shared, region: usize, len: u64, started: I
             posted: None,
         },
         len,
-        0,
+        if lent { len } else { 0 },
     );
 }
 

@@ -33,6 +33,9 @@ pub(super) struct Region {
     /// Device-private regions: the strategy a canary proved for MRs of window mappings, so the
     /// NIC moves windowed units straight to and from the client (None: the CPU copies them).
     pub(super) window_mode: Option<RegMode>,
+    /// Block storage staged through a CMB ring that the NIC was proved to reach: staged
+    /// fetches lend it ring slots instead of copying them to host staging.
+    pub(super) ring_nic: Option<crate::path::RingNic>,
     /// The one registration of the direct part (an MR per segment) that every open binds its
     /// memory windows over (empty: registered per connection, no direct part, or removed).
     pub(super) shared: Mutex<Vec<Arc<DeviceMr>>>,
@@ -264,8 +267,11 @@ pub(super) async fn build_region(
     let block = (*provider)
         .as_any()
         .downcast_ref::<peermem::block::BlockStorage>();
+    let mut ring_nic = None;
     if let Some((b, ring)) = block.and_then(|b| b.ring().map(|r| (b, r))) {
-        b.set_nic_leg(crate::path::ring_nic_leg(pd, &ring, cfg.reg).await);
+        let leg = crate::path::ring_nic_leg(pd, &ring, cfg.reg, sharing.windows()).await;
+        b.set_nic_leg(leg.report);
+        ring_nic = leg.nic;
     }
     let choice = opts.choice(len, cfg.reg, cfg.p2p);
     let residency_before = provider.residency();
@@ -448,6 +454,7 @@ pub(super) async fn build_region(
         attempts: d.attempts,
         removed: AtomicBool::new(false),
         window_mode,
+        ring_nic,
         shared: Mutex::new(shared),
     })
 }

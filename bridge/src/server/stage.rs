@@ -21,10 +21,14 @@
 //! the fetch's first READ waits for no `Stage` exchange.
 
 use std::sync::atomic::Ordering;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use verbs::{Access, HostBuffer, ProtectionDomain, RegMode, RegisteredBuffer, StandingWindow};
+use peermem::block::{BlockStorage, RingLease};
+use verbs::{
+    Access, HostBuffer, MemoryWindow, ProtectionDomain, RegMode, RegionRef, RegisteredBuffer,
+    StandingWindow,
+};
 
 use super::bounce::{copy_error_code, record_staged, reserve, BOUNCE_STALL};
 use super::driver::{internal, ConnState};
@@ -63,6 +67,15 @@ pub(super) enum PullSlot {
     Bound(StandingWindow),
 }
 
+/// A chunk staged in a slot of a region's CMB ring and lent to the client through a window
+/// over its bytes. Field order is drop order: the window is revoked before the slot goes
+/// back to the ring.
+#[derive(Debug)]
+pub(super) struct LentChunk {
+    _window: MemoryWindow,
+    _lease: RingLease,
+}
+
 impl ConnState {
     /// Stage `len` bytes of region `region` at `offset` into slot `slot` (the session checked
     /// the range, the handle and that the client does not hold the slot): the `Staged` reply.
@@ -80,6 +93,15 @@ impl ConnState {
             return Err(removed(&r.info.name));
         }
         let provider = r.provider()?;
+        // (a chunk still lent in this slot number is the client's no more: the session lets
+        // it stage here only after releasing the slot)
+        self.lent.remove(&slot);
+        if let Some(staged) = self
+            .stage_in_ring(shared, region, &*provider, offset, len, slot, started)
+            .await
+        {
+            return Ok(staged);
+        }
         let idx = slot as usize;
         if self.pulls.len() <= idx {
             self.pulls.resize_with(idx + 1, PullSlot::default);
@@ -139,8 +161,89 @@ impl ConnState {
         let remote = w
             .remote(0, len)
             .map_err(|e| internal(format!("staging slot {slot}: {e}")))?;
-        record_staged(shared, region, len, started);
+        record_staged(shared, region, len, started, false);
         Ok(Msg::Staged {
+            slot,
+            addr: remote.addr,
+            rkey: remote.rkey,
+            len,
+        })
+    }
+
+    /// Stage the chunk in a slot of the region's CMB ring and lend the slot to the client
+    /// through a read-only window over the chunk's bytes, bound on this connection's QP: the
+    /// SSD DMAs into the CMB and the client's NIC reads from there, so the bytes never cross
+    /// host memory. None when the region has no ring the NIC was proved to reach (or not on
+    /// this connection's device), the ring cannot lend this chunk (see
+    /// [`BlockStorage::lend_slot`]), or the bind fails: the chunk is then staged in host
+    /// memory as usual (an error of the device shows there, with its reply).
+    ///
+    /// Whatever a window shows is the region's own bytes (the ring is the region's alone), to
+    /// a client whose handle reads the region: a bind that completes after its timeout (the
+    /// window is deallocated then, see [`verbs::QueuePair::bind_window`]) shows that client
+    /// nothing it may not read.
+    #[allow(clippy::too_many_arguments)]
+    async fn stage_in_ring(
+        &mut self,
+        shared: &Shared,
+        region: usize,
+        provider: &dyn peermem::Provider,
+        offset: u64,
+        len: u64,
+        slot: u32,
+        started: Instant,
+    ) -> Option<Msg> {
+        let r = shared.regions.get(region);
+        let nic = r.ring_nic.as_ref().filter(|_| self.nic == r.nic)?;
+        let block = provider.as_any().downcast_ref::<BlockStorage>()?;
+        let qp = self.qp.as_ref()?;
+        let queued = started.elapsed();
+        let read = Instant::now();
+        let lease = match block.lend_slot(offset, len, nic.page_start) {
+            Ok(Some(l)) => l,
+            Ok(None) => return None,
+            Err(e) => {
+                tracing::debug!(error = %e, offset, len, "no ring slot lent");
+                return None;
+            }
+        };
+        let read = read.elapsed();
+        let binding = Instant::now();
+        let mr: Arc<dyn RegionRef> = nic.mr.clone();
+        let bound = tokio::time::timeout(
+            BOUNCE_STALL,
+            qp.bind_window(mr, lease.range.clone(), Access::REMOTE_READ),
+        )
+        .await;
+        let window = match bound {
+            Ok(Ok(w)) => w,
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, slot, "no window over a CMB ring slot: staged in host memory");
+                return None;
+            }
+            Err(_) => {
+                tracing::warn!(
+                    slot,
+                    "no window over a CMB ring slot in {} s: staged in host memory",
+                    BOUNCE_STALL.as_secs()
+                );
+                return None;
+            }
+        };
+        let (dir, m) = (Direction::of(false), shared.metrics());
+        m.observe_stage(dir, BounceStage::queued, queued.as_secs_f64());
+        m.observe_stage(dir, BounceStage::copy, read.as_secs_f64());
+        m.observe_stage(dir, BounceStage::bind, binding.elapsed().as_secs_f64());
+        let remote = window.remote();
+        self.lent.insert(
+            slot,
+            LentChunk {
+                _window: window,
+                _lease: lease,
+            },
+        );
+        record_staged(shared, region, len, started, true);
+        Some(Msg::Staged {
             slot,
             addr: remote.addr,
             rkey: remote.rkey,
@@ -325,6 +428,7 @@ impl ConnState {
     /// device's pool (still within the staging budget). A buffer a bind still holds (one that
     /// timed out) goes with it, and the connection's staging bytes release its budget.
     pub(super) fn release_slots(&mut self, shared: &Shared) {
+        self.lent.clear();
         let chunk = shared.cfg.bounce_chunk as u64;
         let m = shared.metrics();
         let pool = &shared.nics.get(self.nic).slots;

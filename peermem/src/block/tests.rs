@@ -262,12 +262,84 @@ fn a_ring_carries_every_byte_of_fetches_and_puts_and_slots_come_back() {
         model[off..off + len].copy_from_slice(&d);
     }
     assert_eq!(std::fs::read(&path).unwrap(), model);
-    let [dc, cd, dh, hd] = b.moved();
+    let [dc, cd, dh, hd, cn] = b.moved();
     assert!(dc > 3 << 20 && cd > 1 << 20, "{:?}", b.moved());
-    assert_eq!((dh, hd), (0, 0), "nothing went through host memory");
+    assert_eq!((dh, hd, cn), (0, 0, 0), "nothing went through host memory");
     // every slot is free again
     let ring = b.via.as_ref().unwrap();
     assert_eq!(lock(&ring.free).len() as u64, (2 << 20) / ring.slot);
+}
+
+#[test]
+fn a_lent_slot_holds_the_chunk_until_the_lease_ends() {
+    let (_d, path, model) = image(4 << 20);
+    let sysfs = fake_p2pmem(2 << 20);
+    let via = ViaCmb {
+        device: "0000:03:00.0".into(),
+        size: 2 << 20,
+    };
+    let b = BlockStorage::open(&path, None, false, Some(&via), &sysfs.0).unwrap();
+    let ring = b.ring().unwrap();
+    let slot = b.via.as_ref().unwrap().slot;
+    assert_eq!(
+        (slot, slot % PAGE),
+        (256 << 10, 0),
+        "a whole number of pages"
+    );
+    let free = || lock(&b.via.as_ref().unwrap().free).len() as u64;
+    let slots = free();
+    // a chunk that starts on a page, one that starts on a block only, and the region's end
+    let mut leases = Vec::new();
+    for (off, len, page_start) in [
+        (8192u64, 100_000u64, true),
+        (512, 4096, false),
+        ((4 << 20) - 4096, 4096, true),
+    ] {
+        let l = b.lend_slot(off, len, page_start).unwrap().unwrap();
+        assert_eq!(l.range.end - l.range.start, len);
+        let block = b.block_size();
+        assert_eq!(
+            l.range.start % slot,
+            off % block,
+            "the chunk's place in its slot"
+        );
+        if page_start {
+            assert_eq!(l.range.start % PAGE, 0);
+        }
+        let mut got = vec![0; len as usize];
+        ring.copy_out(l.range.start, &mut got).unwrap();
+        assert!(
+            got == model[off as usize..(off + len) as usize],
+            "{off}+{len}"
+        );
+        leases.push(l);
+    }
+    assert_eq!(free(), slots - 3, "each lease holds its slot");
+    // not lent: mid-page where only page starts were proved, or blocks longer than a slot
+    assert!(b.lend_slot(512, 4096, true).unwrap().is_none());
+    assert!(b.lend_slot(100, 4096, true).unwrap().is_none());
+    assert!(b.lend_slot(512, slot, false).unwrap().is_none());
+    // a range past the end is an error, not a lease
+    assert!(b.lend_slot(4 << 20, 1, false).is_err());
+    // the ring runs dry: no lease, nothing blocks
+    while let Some(l) = b.lend_slot(0, 4096, true).unwrap() {
+        leases.push(l);
+    }
+    assert_eq!(free(), 0);
+    let mut out = vec![0; 10_000];
+    b.copy_out(77, &mut out).unwrap();
+    assert_eq!(
+        out,
+        model[77..10_077],
+        "copies go through host memory meanwhile"
+    );
+    let lent: u64 = leases.iter().map(|l| l.range.end - l.range.start).sum();
+    drop(leases);
+    assert_eq!(free(), slots, "every slot came back");
+    let [dc, _, dh, _, cn] = b.moved();
+    assert_eq!(cn, lent);
+    assert!(dc >= lent && dh > 0, "{:?}", b.moved());
+    assert!(b.residency().unwrap().contains("CMB → NIC"));
 }
 
 #[test]

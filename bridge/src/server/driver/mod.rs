@@ -55,6 +55,9 @@ pub(super) struct ConnState {
     pub(super) ring: Vec<RegisteredBuffer>,
     /// Staging slots of staged fetches, by slot number.
     pub(super) pulls: Vec<super::stage::PullSlot>,
+    /// Chunks lent from a region's CMB ring, by staging slot number, until the client
+    /// releases the slot (their windows are revoked then).
+    pub(super) lent: HashMap<u32, super::stage::LentChunk>,
     /// MRs of device-private window mappings, by the mapping's address (the MR holds the
     /// mapping, so the address is not reused while the entry exists). Entries whose mapping the
     /// region gave up (evicted or invalidated: the MR holds the last reference) are dropped.
@@ -357,7 +360,9 @@ async fn serve_connection(
                 }
             },
             Step::Unstage(slot) => {
-                // the session marked the slot free; its window stays bound for the next chunk
+                // the session marked the slot free; its window stays bound for the next chunk,
+                // but a chunk lent from a CMB ring goes back: its window is revoked first
+                st.lent.remove(&slot);
                 tracing::trace!(slot, "staging slot released");
                 continue;
             }
@@ -452,6 +457,7 @@ impl ConnState {
             cache: None,
             ring: Vec::new(),
             pulls: Vec::new(),
+            lent: HashMap::new(),
             window_mrs: HashMap::new(),
             qp: None,
             pd: None,
