@@ -46,7 +46,8 @@ pub enum XferPath {
     direct,
     /// Copied through the server's staging buffers.
     bounce,
-    /// RDMA by the server straight from or to a device-private window mapping.
+    /// RDMA straight from or to device memory, by the server (a device-private window
+    /// mapping) or by the client (a chunk lent from an `nvme` region's CMB ring).
     zero_copy,
     /// Over the TCP control connection (clients without an RDMA device).
     tcp,
@@ -240,7 +241,7 @@ impl Metrics {
             let mut r = m.registry.lock().unwrap_or_else(|p| p.into_inner());
             r.register_with_unit(
                 "transferred",
-                "Bytes moved, by region, direction and path (direct: reported by the client when its one-sided transfer completed; a bounce fetch's: staged for the client to read, counting a first chunk staged with an open and given back unread)",
+                "Bytes moved, by region, direction and path (direct: reported by the client when its one-sided transfer completed; a bounce fetch's: staged for the client to read, counting a first chunk staged with an open and given back unread; zero_copy: moved by a NIC straight from or to device memory, a device-private window or a CMB ring slot lent to the client)",
                 Unit::Bytes,
                 m.bytes.clone(),
             );

@@ -238,7 +238,7 @@ pub async fn prove_segments(
 
 /// The NIC's access to an `nvme` region's CMB staging ring, proved: the server lends ring
 /// slots to clients through memory windows over `mr`.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct RingNic {
     /// The whole ring, registered with the strategy a canary proved, for memory windows only
     /// (`MW_BIND`, no remote access of its own).

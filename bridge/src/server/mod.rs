@@ -446,6 +446,7 @@ impl ServerHandle {
         let name = r.info.name.as_str();
         r.removed.store(true, Ordering::SeqCst);
         drop(r.provider.lock().unwrap_or_else(|p| p.into_inner()).take());
+        drop(r.ring_nic.lock().unwrap_or_else(|p| p.into_inner()).take());
         if !std::mem::take(&mut *r.shared.lock().unwrap_or_else(|p| p.into_inner())).is_empty() {
             self.shared
                 .metrics()

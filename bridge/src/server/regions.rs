@@ -35,7 +35,9 @@ pub(super) struct Region {
     pub(super) window_mode: Option<RegMode>,
     /// Block storage staged through a CMB ring that the NIC was proved to reach: staged
     /// fetches lend it ring slots instead of copying them to host staging.
-    pub(super) ring_nic: Option<crate::path::RingNic>,
+    /// Taken at removal, so that the ring's registration (and the CMB with it) is released
+    /// once the windows lent over it are gone.
+    pub(super) ring_nic: Mutex<Option<crate::path::RingNic>>,
     /// The one registration of the direct part (an MR per segment) that every open binds its
     /// memory windows over (empty: registered per connection, no direct part, or removed).
     pub(super) shared: Mutex<Vec<Arc<DeviceMr>>>,
@@ -454,7 +456,7 @@ pub(super) async fn build_region(
         attempts: d.attempts,
         removed: AtomicBool::new(false),
         window_mode,
-        ring_nic,
+        ring_nic: Mutex::new(ring_nic),
         shared: Mutex::new(shared),
     })
 }

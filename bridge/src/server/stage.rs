@@ -74,6 +74,8 @@ pub(super) enum PullSlot {
 pub(super) struct LentChunk {
     _window: MemoryWindow,
     _lease: RingLease,
+    /// The region's index.
+    pub(super) region: usize,
 }
 
 impl ConnState {
@@ -194,7 +196,7 @@ impl ConnState {
         started: Instant,
     ) -> Option<Msg> {
         let r = shared.regions.get(region);
-        let nic = r.ring_nic.as_ref().filter(|_| self.nic == r.nic)?;
+        let nic = lock(&r.ring_nic).clone().filter(|_| self.nic == r.nic)?;
         let block = provider.as_any().downcast_ref::<BlockStorage>()?;
         let qp = self.qp.as_ref()?;
         let queued = started.elapsed();
@@ -240,6 +242,7 @@ impl ConnState {
             LentChunk {
                 _window: window,
                 _lease: lease,
+                region,
             },
         );
         record_staged(shared, region, len, started, true);

@@ -489,6 +489,8 @@ impl ConnState {
     fn revoke_removed(&mut self, shared: &Shared) {
         self.sweep_window_mrs();
         let gone = |idx: &usize| shared.regions.is_removed(*idx);
+        // chunks lent from a removed region's CMB ring: their windows are revoked
+        self.lent.retain(|_, c| !gone(&c.region));
         for (handle, region, lease) in self.session.payloads_mut() {
             if gone(&region) && lease.take().is_some() {
                 tracing::info!(
