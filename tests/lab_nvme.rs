@@ -304,27 +304,13 @@ async fn lab_nvme_region_through_a_cmb_proves_each_leg_or_names_the_refusal() {
     let lends = kernel != "6.12" && nic_reads_ring && through_cmb;
     let h = c.open("d", true).await.unwrap();
     for (off, len) in ranges(size, 6) {
-        let mut sink = Vec::new();
-        c.fetch(&h, off, len, &mut sink, true, &mut |_| {})
-            .await
-            .unwrap();
-        assert!(
-            sink == model[off as usize..(off + len) as usize],
-            "{off}+{len}"
-        );
+        fetch_matches(&mut c, &h, off, len, &model).await;
     }
     // chunks that start on a page: lent from the ring where the NIC reads it; and one that
     // does not (copied by the CPU), checked against the device
     let lent_before = cmb_to_nic(&mut c).await;
     for (off, len) in [(1 << 20, 2 << 20), (4096 * 3, 300_000), (777, 1 << 20)] {
-        let mut sink = Vec::new();
-        c.fetch(&h, off, len, &mut sink, true, &mut |_| {})
-            .await
-            .unwrap();
-        assert!(
-            sink == model[off as usize..(off + len) as usize],
-            "{off}+{len}"
-        );
+        fetch_matches(&mut c, &h, off, len, &model).await;
     }
     let lent = cmb_to_nic(&mut c).await - lent_before;
     if lends {
@@ -396,6 +382,118 @@ async fn lab_nvme_region_through_a_cmb_proves_each_leg_or_names_the_refusal() {
             "{legs}"
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_nvme_removing_a_region_mid_fetch_revokes_its_lent_slots_and_frees_its_cmb_ring() {
+    // a ring of 20 MiB in a 32 MiB CMB: a second one fits only once the first is freed, the
+    // registration the NIC reads it through and every window lent over it included
+    use std::time::Duration;
+    let dev = namespace_of("p2plabssd");
+    let cmb = controller_of("p2plab0");
+    let kernel = std::env::var("P2P_LAB_KERNEL").unwrap_or_default();
+    let size: u64 = 8 << 20;
+    let model = data(size as usize, 53);
+    write_image(&dev, &model);
+    let spec = format!("d=nvme:{dev}:0:8M:ro,via=cmb:{cmb}:20M");
+    let s = start(&[&spec], |c| c.bounce_chunk = 256 << 10).await;
+    let has_ring = |reason: &str| !reason.contains("no CMB staging ring");
+    let info = Client::connect(client(s.addr))
+        .await
+        .unwrap()
+        .list()
+        .await
+        .unwrap()
+        .remove(0);
+    if kernel == "6.12" {
+        // no P2PDMA: no ring to free; the removal is still clean
+        assert!(!has_ring(&info.reason), "{}", info.reason);
+    } else {
+        assert!(has_ring(&info.reason), "{}", info.reason);
+    }
+    let (nic_reads_ring, _) = ring_nic_leg_expected();
+    let mut c = Client::connect(client(s.addr)).await.unwrap();
+    let h = c.open("d", false).await.unwrap();
+    let want = model.clone();
+    let fetcher = tokio::spawn(async move {
+        let mut whole = 0;
+        loop {
+            let mut sink = Vec::new();
+            match c.fetch(&h, 0, size, &mut sink, false, &mut |_| {}).await {
+                Ok(_) => {
+                    assert!(sink == want, "a whole fetch with other bytes");
+                    whole += 1;
+                }
+                // the region went away mid-fetch: an error, never other bytes
+                Err(e) => return (whole, e),
+            }
+        }
+    });
+    // let some fetches through (a chunk or more lent from the ring where the NIC reads it)
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let gone = s
+        .handle
+        .remove_region("d", Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert!(gone.released, "{gone:?}");
+    let (whole, e) = tokio::time::timeout(Duration::from_secs(30), fetcher)
+        .await
+        .expect("the fetches end once the region is removed")
+        .unwrap();
+    eprintln!("{whole} whole fetches, then: {e}");
+    assert!(whole >= 1, "no fetch finished in 3 s: {e}");
+    // the same ring again: the CMB has room only if the first was released (connections
+    // revoke their windows on their own time, so give them a moment)
+    let mut tries = 0;
+    let reason = loop {
+        let spec: p2p_rdma::bridge::RegionSpec = spec.parse().unwrap();
+        let info = s.handle.add_region(spec).await.unwrap();
+        if has_ring(&info.reason) || kernel == "6.12" || tries == 20 {
+            break info.reason;
+        }
+        tries += 1;
+        s.handle
+            .remove_region("d", Duration::from_secs(10))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    if kernel != "6.12" {
+        assert!(
+            has_ring(&reason),
+            "the removed region's CMB ring was not freed: {reason}"
+        );
+    }
+    // and it serves again, from its new ring where the NIC reads it
+    let mut c = Client::connect(client(s.addr)).await.unwrap();
+    let h = c.open("d", false).await.unwrap();
+    fetch_matches(&mut c, &h, 1 << 20, 2 << 20, &model).await;
+    let lent = cmb_to_nic(&mut c).await;
+    if kernel != "6.12" && nic_reads_ring && reason.contains("device → CMB: peer to peer") {
+        assert!(lent >= 2.0, "{lent} MiB read by the NIC from the new ring");
+    }
+    c.bye().await.unwrap();
+    s.stop().await;
+}
+
+/// Fetch `len` bytes at `off` (with the client's check sum) and compare them with `model`'s.
+async fn fetch_matches(
+    c: &mut Client,
+    h: &p2p_rdma::bridge::OpenRegion,
+    off: u64,
+    len: u64,
+    model: &[u8],
+) {
+    let mut sink = Vec::new();
+    c.fetch(h, off, len, &mut sink, true, &mut |_| {})
+        .await
+        .unwrap();
+    assert!(
+        sink == model[off as usize..(off + len) as usize],
+        "{off}+{len}"
+    );
 }
 
 /// MiB the NIC read from region `d`'s CMB ring, as `ls` shows them.

@@ -225,15 +225,26 @@ fn fake_p2pmem(size: u64) -> tempdir::Dir {
     root
 }
 
-#[test]
-fn a_ring_carries_every_byte_of_fetches_and_puts_and_slots_come_back() {
-    let (_d, path, mut model) = image(4 << 20);
-    let sysfs = fake_p2pmem(2 << 20);
+/// An image of `len` bytes served (`writable` or not) through a ring of `ring` bytes in a
+/// [`fake_p2pmem`]: the directories to keep, the image's path and bytes, the region.
+fn with_ring(
+    len: usize,
+    ring: u64,
+    writable: bool,
+) -> ((tempdir::Dir, tempdir::Dir), PathBuf, Vec<u8>, BlockStorage) {
+    let (d, path, bytes) = image(len);
+    let sysfs = fake_p2pmem(ring);
     let via = ViaCmb {
         device: "0000:03:00.0".into(),
-        size: 2 << 20,
+        size: ring,
     };
-    let b = BlockStorage::open(&path, None, true, Some(&via), &sysfs.0).unwrap();
+    let b = BlockStorage::open(&path, None, writable, Some(&via), &sysfs.0).unwrap();
+    ((d, sysfs), path, bytes, b)
+}
+
+#[test]
+fn a_ring_carries_every_byte_of_fetches_and_puts_and_slots_come_back() {
+    let (_dirs, path, mut model, b) = with_ring(4 << 20, 2 << 20, true);
     let plan = b.legs_plan();
     assert!(
         plan.contains("device → CMB: peer to peer, verified")
@@ -272,13 +283,7 @@ fn a_ring_carries_every_byte_of_fetches_and_puts_and_slots_come_back() {
 
 #[test]
 fn a_lent_slot_holds_the_chunk_until_the_lease_ends() {
-    let (_d, path, model) = image(4 << 20);
-    let sysfs = fake_p2pmem(2 << 20);
-    let via = ViaCmb {
-        device: "0000:03:00.0".into(),
-        size: 2 << 20,
-    };
-    let b = BlockStorage::open(&path, None, false, Some(&via), &sysfs.0).unwrap();
+    let (_dirs, _, model, b) = with_ring(4 << 20, 2 << 20, false);
     let ring = b.ring().unwrap();
     let slot = b.via.as_ref().unwrap().slot;
     assert_eq!(
@@ -344,13 +349,7 @@ fn a_lent_slot_holds_the_chunk_until_the_lease_ends() {
 
 #[test]
 fn a_read_only_region_never_tries_the_write_leg() {
-    let (_d, path, bytes) = image(1 << 20);
-    let sysfs = fake_p2pmem(1 << 20);
-    let via = ViaCmb {
-        device: "0000:03:00.0".into(),
-        size: 1 << 20,
-    };
-    let b = BlockStorage::open(&path, None, false, Some(&via), &sysfs.0).unwrap();
+    let (_dirs, path, bytes, b) = with_ring(1 << 20, 1 << 20, false);
     assert!(b
         .legs_plan()
         .contains("CMB → device: through host memory (the region is read-only)"));
