@@ -213,14 +213,7 @@ async fn lab_nvme_region_serves_the_ssd_by_direct_io_and_puts_reach_it() {
         .await
         .unwrap_err();
     assert_eq!(e.code(), Some(ErrorCode::ReadOnly), "{e}");
-    let info = c
-        .list()
-        .await
-        .unwrap()
-        .into_iter()
-        .find(|r| r.name == "data")
-        .unwrap();
-    let moved = info.residency.unwrap_or_default();
+    let moved = moved(&mut c, "data").await;
     assert!(
         moved.contains("device → CMB 0.0 MiB") && !moved.contains("device → host 0.0"),
         "{moved}"
@@ -331,13 +324,7 @@ async fn lab_nvme_region_through_a_cmb_proves_each_leg_or_names_the_refusal() {
         dd_direct(&dev, 0, 1 << 20) == model[..1 << 20],
         "the put is not on the device"
     );
-    let moved = c
-        .list()
-        .await
-        .unwrap()
-        .remove(0)
-        .residency
-        .unwrap_or_default();
+    let moved = moved(&mut c, "d").await;
     eprintln!("moved: {moved}");
     if through_cmb {
         // every byte went through the ring (8 slots; one client has at most 8 in flight)
@@ -496,16 +483,21 @@ async fn fetch_matches(
     );
 }
 
-/// MiB the NIC read from region `d`'s CMB ring, as `ls` shows them.
-async fn cmb_to_nic(c: &mut Client) -> f64 {
-    let moved = c
-        .list()
+/// The bytes each leg of block-storage region `name` moved, as `ls` shows them.
+async fn moved(c: &mut Client, name: &str) -> String {
+    c.list()
         .await
         .unwrap()
         .into_iter()
-        .find(|r| r.name == "d")
-        .and_then(|r| r.residency)
-        .unwrap_or_default();
+        .find(|r| r.name == name)
+        .unwrap_or_else(|| panic!("no region '{name}' listed"))
+        .residency
+        .unwrap_or_default()
+}
+
+/// MiB the NIC read from region `d`'s CMB ring, as `ls` shows them.
+async fn cmb_to_nic(c: &mut Client) -> f64 {
+    let moved = moved(c, "d").await;
     moved
         .split("CMB → NIC ")
         .nth(1)

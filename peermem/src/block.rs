@@ -325,7 +325,7 @@ impl BlockStorage {
     /// memory (registered by the caller on the NIC, [`BlockStorage::ring`]) and drops the
     /// lease once the NIC is done. `Ok(None)` when the chunk cannot be lent this way, and the
     /// caller copies it as usual: no ring, a device → CMB leg that was not proved, a chunk
-    /// whose blocks span more than one slot, no free slot, or (`page_start`: the NIC's access
+    /// whose covering blocks are longer than a slot, no free slot, or (`page_start`: the NIC's access
     /// was proved only from the start of a page) a chunk that would not start on a page.
     pub fn lend_slot(
         &self,
