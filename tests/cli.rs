@@ -299,6 +299,7 @@ fn exit_2_for_bad_input_names_what_is_wrong() {
         ),
         (fetch_with("--offset", "1Q"), "unknown unit"),
         (fetch_with("--ack-timeout", "32"), "0..=31"),
+        (fetch_with("--mtu", "1500"), "an Ethernet MTU such as 1500"),
     ];
     for (args, want) in cases {
         let out = bin()

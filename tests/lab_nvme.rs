@@ -465,6 +465,62 @@ async fn lab_nvme_removing_a_region_mid_fetch_revokes_its_lent_slots_and_frees_i
     s.stop().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_nvme_ring_slots_proved_at_one_path_mtu_are_not_lent_to_a_connection_at_another() {
+    // where the NIC's access to the ring was proved only from page starts (at path MTU 4096,
+    // LAB.md), a client whose QP runs at 1024 reads packets that start partway into pages,
+    // which rxe's ODP READ gets wrong: its chunks are copied, and every byte matches
+    let dev = namespace_of("p2plabssd");
+    let cmb = controller_of("p2plab0");
+    let size: u64 = 8 << 20;
+    let model = data(size as usize, 59);
+    write_image(&dev, &model);
+    let s = start(&[&format!("d=nvme:{dev}:0:8M:ro,via=cmb:{cmb}:2M")], |c| {
+        c.bounce_chunk = 256 << 10
+    })
+    .await;
+    let (nic_reads_ring, _) = ring_nic_leg_expected();
+    let mut small = client(s.addr);
+    small.qp_path.max_mtu = Some(1024);
+    let mut c = Client::connect(small).await.unwrap();
+    let info = c.list().await.unwrap().remove(0);
+    let lends = nic_reads_ring && info.reason.contains("device → CMB: peer to peer, verified");
+    if lends {
+        assert!(
+            info.reason.contains("by connections at path MTU 4096"),
+            "{}",
+            info.reason
+        );
+    }
+    let h = c.open("d", false).await.unwrap();
+    let before = cmb_to_nic(&mut c).await;
+    for (off, len) in [(0, 2 << 20), (1 << 20, 3 << 20), (5 << 20, 1 << 20)] {
+        fetch_matches(&mut c, &h, off, len, &model).await;
+    }
+    assert_eq!(
+        cmb_to_nic(&mut c).await,
+        before,
+        "ring slots lent to a connection at path MTU 1024"
+    );
+    c.bye().await.unwrap();
+    // a client at the port's MTU is lent the same chunks (where the legs allow it)
+    let mut c = Client::connect(client(s.addr)).await.unwrap();
+    let h = c.open("d", false).await.unwrap();
+    fetch_matches(&mut c, &h, 0, 2 << 20, &model).await;
+    let lent = cmb_to_nic(&mut c).await - before;
+    if lends {
+        assert!(lent >= 2.0, "{lent} MiB read by the NIC from the ring");
+    } else {
+        assert_eq!(
+            lent, 0.0,
+            "nothing is lent where the NIC cannot read the ring"
+        );
+    }
+    c.bye().await.unwrap();
+    s.stop().await;
+}
+
 /// Fetch `len` bytes at `off` (with the client's check sum) and compare them with `model`'s.
 async fn fetch_matches(
     c: &mut Client,

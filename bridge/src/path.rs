@@ -243,9 +243,11 @@ pub struct RingNic {
     /// The whole ring, registered with the strategy a canary proved, for memory windows only
     /// (`MW_BIND`, no remote access of its own).
     pub mr: Arc<peermem::canary::DeviceMr>,
-    /// The access was proved only from the start of a page (a canary starting partway into a
-    /// page failed): only chunks that start on a page may be read from the ring.
-    pub page_start: bool,
+    /// `Some(path MTU)`: the access was proved only from the start of a page (a canary
+    /// starting partway into a page failed), at this path MTU: only chunks that start on a
+    /// page may be read from the ring, and only by a connection at this path MTU (at a smaller
+    /// one, a READ's packets start partway into pages). None: proved at any offset.
+    pub page_start: Option<u32>,
 }
 
 /// What the NIC can do with an `nvme` region's ring (the last leg of SSD → CMB → NIC).
@@ -287,7 +289,7 @@ pub async fn ring_nic_leg(
     };
     let (mode, page_start, how) = match planned.decision.mode {
         Some(mode) if planned.decision.path == peermem::plan::PathKind::Direct => {
-            (mode, false, format!("{mode}, proved by a canary"))
+            (mode, None, format!("{mode}, proved by a canary"))
         }
         _ => {
             let failed: Vec<verbs::RegMode> = planned
@@ -305,9 +307,13 @@ pub async fn ring_nic_leg(
                         .await,
                 )
             };
-            match at_page.as_ref().and_then(|r| r.region.as_ref()) {
-                Some(mr) => {
+            match at_page.as_ref().and_then(|r| Some((r, r.region.as_ref()?))) {
+                Some((reg, mr)) => {
                     let mode = mr.mode();
+                    let mtu = reg.attempts.iter().find_map(|a| match &a.outcome {
+                        AttemptOutcome::Works { canary } if a.mode == mode => Some(canary.path_mtu),
+                        _ => None,
+                    });
                     let mid_page: Vec<_> = planned
                         .decision
                         .attempts
@@ -315,13 +321,20 @@ pub async fn ring_nic_leg(
                         .filter(|a| a.mode == mode)
                         .cloned()
                         .collect();
+                    let Some(mtu) = mtu else {
+                        return RingLeg {
+                            report: format!("the NIC cannot reach the ring (a canary from the start of a page passed with no report of its path MTU): {copies}"),
+                            nic: None,
+                        };
+                    };
                     (
                         mode,
-                        true,
+                        Some(mtu),
                         format!(
-                            "{mode}: a canary from the start of a page passed, one partway into \
-                             a page did not ({}), so only chunks that start on a page are read \
-                             from the ring",
+                            "{mode}: a canary from the start of a page passed at path MTU \
+                             {mtu}, one partway into a page did not ({}), so only chunks that \
+                             start on a page are read from the ring, by connections at path MTU \
+                             {mtu}",
                             peermem::plan::summary(&mid_page)
                         ),
                     )
@@ -364,8 +377,8 @@ pub async fn ring_nic_leg(
                 "the NIC reads each chunk from its ring slot through a read-only memory window \
                  ({how}); a chunk the ring cannot lend (longer than a slot, no slot free{}) is \
                  copied by the CPU to host staging",
-                if page_start {
-                    ", or starting partway into a page"
+                if page_start.is_some() {
+                    ", starting partway into a page, or asked on a connection at another path MTU"
                 } else {
                     ""
                 }

@@ -1,9 +1,10 @@
 //! The RoCE path settings of our QPs: which GID (and so which interface and RoCE version),
-//! traffic class, service level and ACK timeout. Fleets that reserve a lossless class for RoCE
-//! need these set on every QP, or traffic lands in a lossy queue and "works on one host, hangs
-//! on another".
+//! traffic class, service level, ACK timeout and largest path MTU. Fleets that reserve a
+//! lossless class for RoCE need these set on every QP, or traffic lands in a lossy queue and
+//! "works on one host, hangs on another".
 
-/// GID, traffic class, service level and ACK timeout of the QPs a server or client creates.
+/// GID, traffic class, service level, ACK timeout and largest path MTU of the QPs a server or
+/// client creates.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct QpPath {
     /// GID index (default: the RoCE v2 GID carrying the control connection's local address,
@@ -17,6 +18,9 @@ pub struct QpPath {
     /// again, at most 7 times before the QP fails (0: wait forever). Default: verbs' 18,
     /// about 1.07 s (see [`verbs::QpOptions::timeout`] for the measurement behind it).
     pub ack_timeout: u8,
+    /// The largest path MTU our QPs take (256–4096, an IB size; None: the port's active MTU).
+    /// A connection runs at the smaller of both ends'.
+    pub max_mtu: Option<u32>,
 }
 
 impl Default for QpPath {
@@ -26,6 +30,7 @@ impl Default for QpPath {
             traffic_class: 0,
             service_level: 0,
             ack_timeout: verbs::QpOptions::default().timeout,
+            max_mtu: None,
         }
     }
 }
@@ -44,6 +49,7 @@ impl QpPath {
             traffic_class: self.traffic_class,
             service_level: self.service_level,
             timeout: self.ack_timeout,
+            max_path_mtu: self.max_mtu,
             ..opts
         }
     }
@@ -65,6 +71,7 @@ mod tests {
             traffic_class: 106,
             service_level: 5,
             ack_timeout: 14,
+            max_mtu: Some(1024),
         };
         let ip = Some(std::net::IpAddr::from([10, 0, 0, 1]));
         let o = p.apply(
@@ -80,5 +87,6 @@ mod tests {
             (Some(3), 106, 5, 14)
         );
         assert_eq!((o.local_ip, o.max_send_wr), (ip, 7));
+        assert_eq!((o.max_path_mtu, d.max_mtu), (Some(1024), None));
     }
 }

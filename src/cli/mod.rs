@@ -12,9 +12,9 @@ pub(crate) mod serve;
 pub(crate) mod stripe;
 pub(crate) mod transfer;
 
-/// GID, traffic class, service level and ACK timeout of the QPs a command creates (serve,
-/// fetch, put, bench). A RoCE fleet that reserves a lossless class must set the same on every
-/// host.
+/// GID, traffic class, service level, ACK timeout and path MTU of the QPs a command creates
+/// (serve, fetch, put, bench). A RoCE fleet that reserves a lossless class must set the same on
+/// every host.
 #[derive(clap::Args, Debug, Clone)]
 pub(crate) struct PathArgs {
     /// GID index of our QPs (`p2p-rdma devices` lists the table). Default: the RoCE v2 GID
@@ -40,6 +40,21 @@ pub(crate) struct PathArgs {
     #[arg(long, value_name = "N", default_value_t = verbs::QpOptions::default().timeout,
           value_parser = clap::value_parser!(u8).range(0..=31))]
     pub(crate) ack_timeout: u8,
+    /// Largest path MTU of our QPs: 256, 512, 1024, 2048 or 4096 bytes (the IB sizes; RoCE
+    /// carries them in Ethernet frames of that much plus headers). A connection runs at the
+    /// smaller of both ends'. Default: the port's active MTU (`p2p-rdma devices` shows it).
+    #[arg(long, value_name = "BYTES", value_parser = parse_mtu)]
+    pub(crate) mtu: Option<u32>,
+}
+
+fn parse_mtu(s: &str) -> Result<u32, String> {
+    match s.parse::<u32>() {
+        Ok(m) if [256, 512, 1024, 2048, 4096].contains(&m) => Ok(m),
+        _ => Err(format!(
+            "'{s}' is not a path MTU: 256, 512, 1024, 2048 or 4096 (an Ethernet MTU such as 1500 \
+             or 9000 is the interface's, set with ip link)"
+        )),
+    }
 }
 
 impl PathArgs {
@@ -49,6 +64,7 @@ impl PathArgs {
             traffic_class: self.traffic_class,
             service_level: self.sl,
             ack_timeout: self.ack_timeout,
+            max_mtu: self.mtu,
         }
     }
 }

@@ -98,6 +98,10 @@ pub struct QpOptions {
     /// DMA read of one. 0 (the default): no inline data. A device refuses the QP if it
     /// cannot carry this many (rxe: up to 400 bytes on the kernels of the lab).
     pub max_inline_data: u32,
+    /// The largest path MTU this side takes (256, 512, 1024, 2048 or 4096): the endpoint
+    /// advertises the smaller of it and the port's active MTU, and the connection runs at the
+    /// smaller of both ends' (None: the port's).
+    pub max_path_mtu: Option<u32>,
 }
 
 impl Default for QpOptions {
@@ -118,6 +122,7 @@ impl Default for QpOptions {
             psn: None,
             memory_windows: false,
             max_inline_data: 0,
+            max_path_mtu: None,
         }
     }
 }
@@ -133,6 +138,8 @@ pub(crate) struct QpInner {
     gid: GidInfo,
     psn: u32,
     mtu: u32,
+    /// The path MTU agreed at [`QueuePair::connect`] (0 before).
+    path_mtu: std::sync::atomic::AtomicU32,
     pub(crate) opts: QpOptions,
     span: tracing::Span,
     /// A [`crate::PreparedSend`] holds the send queue (see [`QueuePair::prepare_send`]).
@@ -190,8 +197,19 @@ impl QueuePair {
                 opts.service_level
             )));
         }
+        if let Some(m) = opts.max_path_mtu {
+            if ![256, 512, 1024, 2048, 4096].contains(&m) {
+                return Err(Error::InvalidArgument(format!(
+                    "path MTU {m} is not 256, 512, 1024, 2048 or 4096"
+                )));
+            }
+        }
         let (port, gid) = select_port_gid(ctx, opts.port, opts.gid_index, opts.local_ip)?;
         let port_info = ctx.port(port)?;
+        let mtu = match opts.max_path_mtu {
+            Some(m) => negotiate_mtu(port_info.active_mtu, m),
+            None => port_info.active_mtu,
+        };
         let max_rd = opts
             .max_rd_atomic
             .min(info.caps.max_qp_rd_atom.clamp(1, 255) as u8)
@@ -264,7 +282,8 @@ impl QueuePair {
                 port,
                 gid,
                 psn,
-                mtu: port_info.active_mtu,
+                mtu,
+                path_mtu: std::sync::atomic::AtomicU32::new(0),
                 opts,
                 span,
                 prepared: std::sync::atomic::AtomicBool::new(false),
@@ -361,8 +380,22 @@ impl QueuePair {
                 io_of(&e),
             )
         })?;
+        i.path_mtu.store(mtu, std::sync::atomic::Ordering::Relaxed);
         i.span.in_scope(|| tracing::info!(remote_qpn = remote.qpn, remote_gid = %remote.gid, mtu, "QP connected (RTS)"));
         Ok(())
+    }
+
+    /// The path MTU agreed with the peer (the smaller of both ends' advertised MTUs); None
+    /// before [`QueuePair::connect`].
+    pub fn path_mtu(&self) -> Option<u32> {
+        match self
+            .inner
+            .path_mtu
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            0 => None,
+            m => Some(m),
+        }
     }
 
     /// Current state (`ibv_query_qp`): after a transport error this reports `Error`.

@@ -176,7 +176,8 @@ impl ConnState {
     /// through a read-only window over the chunk's bytes, bound on this connection's QP: the
     /// SSD DMAs into the CMB and the client's NIC reads from there, so the bytes never cross
     /// host memory. None when the region has no ring the NIC was proved to reach (or not on
-    /// this connection's device), the ring cannot lend this chunk (see
+    /// this connection's device, or proved from page starts at another path MTU than this
+    /// connection's), the ring cannot lend this chunk (see
     /// [`BlockStorage::lend_slot`]), or the bind fails: the chunk is then staged in host
     /// memory as usual (an error of the device shows there, with its reply).
     ///
@@ -199,9 +200,21 @@ impl ConnState {
         let nic = lock(&r.ring_nic).clone().filter(|_| self.nic == r.nic)?;
         let block = provider.as_any().downcast_ref::<BlockStorage>()?;
         let qp = self.qp.as_ref()?;
+        if let Some(proved) = nic.page_start {
+            // proved from page starts at `proved` only: a READ at a smaller path MTU sends
+            // packets that start partway into pages
+            if qp.path_mtu() != Some(proved) {
+                tracing::debug!(
+                    path_mtu = ?qp.path_mtu(),
+                    proved,
+                    "ring slot not lent: the NIC's access was proved at another path MTU"
+                );
+                return None;
+            }
+        }
         let queued = started.elapsed();
         let read = Instant::now();
-        let lease = match block.lend_slot(offset, len, nic.page_start) {
+        let lease = match block.lend_slot(offset, len, nic.page_start.is_some()) {
             Ok(Some(l)) => l,
             Ok(None) => return None,
             Err(e) => {
