@@ -519,6 +519,28 @@ async fn lab_nvme_ring_slots_proved_at_one_path_mtu_are_not_lent_to_a_connection
     }
     c.bye().await.unwrap();
     s.stop().await;
+    if !lends {
+        return;
+    }
+    // a server whose own QPs are capped below the proved MTU lends nothing, and says why
+    let s = start(&[&format!("d=nvme:{dev}:0:8M:ro,via=cmb:{cmb}:2M")], |c| {
+        c.bounce_chunk = 256 << 10;
+        c.qp_path.max_mtu = Some(1024);
+    })
+    .await;
+    let mut c = Client::connect(client(s.addr)).await.unwrap();
+    let info = c.list().await.unwrap().remove(0);
+    assert!(
+        info.reason
+            .contains("but this server's QPs run at path MTU 1024 at most (--mtu)"),
+        "{}",
+        info.reason
+    );
+    let h = c.open("d", false).await.unwrap();
+    fetch_matches(&mut c, &h, 0, 2 << 20, &model).await;
+    assert_eq!(cmb_to_nic(&mut c).await, 0.0, "lent under --mtu 1024");
+    c.bye().await.unwrap();
+    s.stop().await;
 }
 
 /// Fetch `len` bytes at `off` (with the client's check sum) and compare them with `model`'s.

@@ -267,12 +267,14 @@ pub struct RingLeg {
 /// from the start of a page: rxe's ODP READs copy each packet from the start of its page
 /// (LAB.md), so at path MTU 4096 they move page-aligned chunks right and others wrong. `lend`:
 /// the caller isolates clients with memory windows and will lend slots (else the report says
-/// why the CPU copies them).
+/// why the CPU copies them). `max_mtu`: the largest path MTU the caller's QPs take (its
+/// `--mtu`; None: the port's), below which a proof from page starts lends nothing.
 pub async fn ring_nic_leg(
     pd: &ProtectionDomain,
     ring: &Arc<dyn Provider>,
     reg: RegChoice,
     lend: bool,
+    max_mtu: Option<u32>,
 ) -> RingLeg {
     use peermem::canary::{register_mode, register_with_canary_at, CanaryAt};
     let choice =
@@ -360,6 +362,18 @@ pub async fn ring_nic_leg(
         }
     };
     drop(planned);
+    if let (Some(proved), Some(max)) = (page_start, max_mtu) {
+        if max < proved {
+            return RingLeg {
+                report: format!(
+                    "the NIC reaches the ring ({how}), but this server's QPs run at path MTU \
+                     {max} at most (--mtu), where READ packets start partway into pages: \
+                     {copies}"
+                ),
+                nic: None,
+            };
+        }
+    }
     if !lend {
         return RingLeg {
             report: format!(

@@ -271,7 +271,9 @@ pub(super) async fn build_region(
         .downcast_ref::<peermem::block::BlockStorage>();
     let mut ring_nic = None;
     if let Some((b, ring)) = block.and_then(|b| b.ring().map(|r| (b, r))) {
-        let leg = crate::path::ring_nic_leg(pd, &ring, cfg.reg, sharing.windows()).await;
+        let leg =
+            crate::path::ring_nic_leg(pd, &ring, cfg.reg, sharing.windows(), cfg.qp_path.max_mtu)
+                .await;
         b.set_nic_leg(leg.report);
         ring_nic = leg.nic;
     }
