@@ -58,6 +58,15 @@ fn write_image(dev: &str, img: &[u8]) {
     std::fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
 }
 
+/// The lab SSD's namespace (serial p2plabssd), with `data(len, seed)` written at 0 by
+/// [`write_image`]: the model a test compares against.
+fn ssd_with_image(len: usize, seed: u32) -> (String, Vec<u8>) {
+    let dev = namespace_of("p2plabssd");
+    let model = data(len, seed);
+    write_image(&dev, &model);
+    (dev, model)
+}
+
 /// `len` bytes at `offset` of `dev` as `dd iflag=direct` reads them.
 fn dd_direct(dev: &str, offset: u64, len: u64) -> Vec<u8> {
     assert!(offset % 4096 == 0 && len % 4096 == 0);
@@ -121,10 +130,8 @@ fn ranges(size: u64, n: usize) -> Vec<(u64, u64)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "lab"]
 async fn lab_nvme_region_serves_the_ssd_by_direct_io_and_puts_reach_it() {
-    let dev = namespace_of("p2plabssd");
     let size: u64 = 16 << 20;
-    let mut model = data(size as usize, 31);
-    write_image(&dev, &model);
+    let (dev, mut model) = ssd_with_image(size as usize, 31);
     let s = start(
         &[
             &format!("data=nvme:{dev}:0:16M"),
@@ -247,11 +254,9 @@ fn ring_nic_leg_expected() -> (bool, &'static str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "lab"]
 async fn lab_nvme_region_through_a_cmb_proves_each_leg_or_names_the_refusal() {
-    let dev = namespace_of("p2plabssd");
     let cmb = controller_of("p2plab0");
     let size: u64 = 8 << 20;
-    let mut model = data(size as usize, 47);
-    write_image(&dev, &model);
+    let (dev, mut model) = ssd_with_image(size as usize, 47);
     let s = start(&[&format!("d=nvme:{dev}:0:8M,via=cmb:{cmb}:2M")], |c| {
         c.bounce_chunk = 256 << 10
     })
@@ -377,12 +382,10 @@ async fn lab_nvme_removing_a_region_mid_fetch_revokes_its_lent_slots_and_frees_i
     // a ring of 20 MiB in a 32 MiB CMB: a second one fits only once the first is freed, the
     // registration the NIC reads it through and every window lent over it included
     use std::time::Duration;
-    let dev = namespace_of("p2plabssd");
     let cmb = controller_of("p2plab0");
     let kernel = std::env::var("P2P_LAB_KERNEL").unwrap_or_default();
     let size: u64 = 8 << 20;
-    let model = data(size as usize, 53);
-    write_image(&dev, &model);
+    let (dev, model) = ssd_with_image(size as usize, 53);
     let spec = format!("d=nvme:{dev}:0:8M:ro,via=cmb:{cmb}:20M");
     let s = start(&[&spec], |c| c.bounce_chunk = 256 << 10).await;
     let has_ring = |reason: &str| !reason.contains("no CMB staging ring");
@@ -471,15 +474,10 @@ async fn lab_nvme_ring_slots_proved_at_one_path_mtu_are_not_lent_to_a_connection
     // where the NIC's access to the ring was proved only from page starts (at path MTU 4096,
     // LAB.md), a client whose QP runs at 1024 reads packets that start partway into pages,
     // which rxe's ODP READ gets wrong: its chunks are copied, and every byte matches
-    let dev = namespace_of("p2plabssd");
     let cmb = controller_of("p2plab0");
-    let size: u64 = 8 << 20;
-    let model = data(size as usize, 59);
-    write_image(&dev, &model);
-    let s = start(&[&format!("d=nvme:{dev}:0:8M:ro,via=cmb:{cmb}:2M")], |c| {
-        c.bounce_chunk = 256 << 10
-    })
-    .await;
+    let (dev, model) = ssd_with_image(8 << 20, 59);
+    let spec = format!("d=nvme:{dev}:0:8M:ro,via=cmb:{cmb}:2M");
+    let s = start(&[&spec], |c| c.bounce_chunk = 256 << 10).await;
     let (nic_reads_ring, _) = ring_nic_leg_expected();
     let mut small = client(s.addr);
     small.qp_path.max_mtu = Some(1024);
@@ -523,7 +521,7 @@ async fn lab_nvme_ring_slots_proved_at_one_path_mtu_are_not_lent_to_a_connection
         return;
     }
     // a server whose own QPs are capped below the proved MTU lends nothing, and says why
-    let s = start(&[&format!("d=nvme:{dev}:0:8M:ro,via=cmb:{cmb}:2M")], |c| {
+    let s = start(&[&spec], |c| {
         c.bounce_chunk = 256 << 10;
         c.qp_path.max_mtu = Some(1024);
     })
@@ -597,9 +595,7 @@ fn lab_nvme_bench_reads_an_ssd_through_bounce_and_refuses_to_write_it() {
     // storage): a write benchmark would overwrite it and is refused by both sides (before a
     // path is chosen), a read benchmark measures it through bounce, and the SSD's bytes are
     // the same afterwards
-    let dev = namespace_of("p2plabssd");
-    let model = data(4 << 20, 53);
-    write_image(&dev, &model);
+    let (dev, model) = ssd_with_image(4 << 20, 53);
     let spec = format!("nvme:{dev}:0:4M");
     let addr = |port: u16| format!("{}:{port}", lab_ip());
     let serve = |op: &str, port: u16| {

@@ -309,13 +309,20 @@ pub async fn ring_nic_leg(
                         .await,
                 )
             };
-            match at_page.as_ref().and_then(|r| Some((r, r.region.as_ref()?))) {
-                Some((reg, mr)) => {
+            // the registration that passed, with the path MTU its canary passed at
+            let passed = at_page.as_ref().and_then(|r| {
+                let mr = r.region.as_ref()?;
+                let mtu = r.attempts.iter().find_map(|a| match &a.outcome {
+                    AttemptOutcome::Works { canary } if a.mode == mr.mode() => {
+                        Some(canary.path_mtu)
+                    }
+                    _ => None,
+                })?;
+                Some((mr, mtu))
+            });
+            match passed {
+                Some((mr, mtu)) => {
                     let mode = mr.mode();
-                    let mtu = reg.attempts.iter().find_map(|a| match &a.outcome {
-                        AttemptOutcome::Works { canary } if a.mode == mode => Some(canary.path_mtu),
-                        _ => None,
-                    });
                     let mid_page: Vec<_> = planned
                         .decision
                         .attempts
@@ -323,12 +330,6 @@ pub async fn ring_nic_leg(
                         .filter(|a| a.mode == mode)
                         .cloned()
                         .collect();
-                    let Some(mtu) = mtu else {
-                        return RingLeg {
-                            report: format!("the NIC cannot reach the ring (a canary from the start of a page passed with no report of its path MTU): {copies}"),
-                            nic: None,
-                        };
-                    };
                     (
                         mode,
                         Some(mtu),

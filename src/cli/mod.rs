@@ -49,7 +49,7 @@ pub(crate) struct PathArgs {
 
 fn parse_mtu(s: &str) -> Result<u32, String> {
     match s.parse::<u32>() {
-        Ok(m) if [256, 512, 1024, 2048, 4096].contains(&m) => Ok(m),
+        Ok(m) if verbs::IB_MTUS.contains(&m) => Ok(m),
         _ => Err(format!(
             "'{s}' is not a path MTU: 256, 512, 1024, 2048 or 4096 (an Ethernet MTU such as 1500 \
              or 9000 is the interface's, set with ip link)"

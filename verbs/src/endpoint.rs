@@ -41,7 +41,7 @@ impl Endpoint {
                 self.psn
             )));
         }
-        if ![256, 512, 1024, 2048, 4096].contains(&self.mtu) {
+        if !IB_MTUS.contains(&self.mtu) {
             return Err(Error::InvalidArgument(format!(
                 "peer endpoint: MTU {} is not 256, 512, 1024, 2048 or 4096",
                 self.mtu
@@ -50,6 +50,9 @@ impl Endpoint {
         Ok(())
     }
 }
+
+/// The path MTUs InfiniBand defines (RoCE carries them in Ethernet frames), smallest first.
+pub const IB_MTUS: [u32; 5] = [256, 512, 1024, 2048, 4096];
 
 pub(crate) fn mtu_enum(bytes: u32) -> Mtu {
     match bytes {
@@ -64,10 +67,7 @@ pub(crate) fn mtu_enum(bytes: u32) -> Mtu {
 /// The path MTU two ends agree on: the smaller one, as one of the IB MTU sizes.
 pub fn negotiate_mtu(local: u32, remote: u32) -> u32 {
     let m = local.min(remote);
-    [4096, 2048, 1024, 512, 256]
-        .into_iter()
-        .find(|&x| x <= m)
-        .unwrap_or(256)
+    IB_MTUS.into_iter().rev().find(|&x| x <= m).unwrap_or(256)
 }
 pub(crate) fn rand_psn() -> u32 {
     // no crypto needed: just not always 0, so that stale packets of an old QP are not accepted

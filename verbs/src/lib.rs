@@ -35,7 +35,7 @@ pub use device::{
     device_names, devices, gid_ipv4, no_device_error, pick_gid, Context, DeviceCaps, DeviceInfo,
     GidInfo, GidKind, OdpCaps, PortInfo,
 };
-pub use endpoint::{negotiate_mtu, Endpoint};
+pub use endpoint::{negotiate_mtu, Endpoint, IB_MTUS};
 pub use error::{meaning, Call, Error, Result, WcStatus};
 pub use local::{Local, RegionRef, SinkBuffer};
 pub use memory::{HostBuffer, SharedMemory};

@@ -198,7 +198,7 @@ impl QueuePair {
             )));
         }
         if let Some(m) = opts.max_path_mtu {
-            if ![256, 512, 1024, 2048, 4096].contains(&m) {
+            if !crate::IB_MTUS.contains(&m) {
                 return Err(Error::InvalidArgument(format!(
                     "path MTU {m} is not 256, 512, 1024, 2048 or 4096"
                 )));
