@@ -307,10 +307,18 @@ async fn lab_nvme_region_through_a_cmb_proves_each_leg_or_names_the_refusal() {
     // chunks that start on a page: lent from the ring where the NIC reads it; and one that
     // does not (copied by the CPU), checked against the device
     let lent_before = cmb_to_nic(&mut c).await;
+    let mut zero_copy = 0;
     for (off, len) in [(1 << 20, 2 << 20), (4096 * 3, 300_000), (777, 1 << 20)] {
-        fetch_matches(&mut c, &h, off, len, &model).await;
+        zero_copy += fetch_matches(&mut c, &h, off, len, &model)
+            .await
+            .zero_copy_bytes;
     }
     let lent = cmb_to_nic(&mut c).await - lent_before;
+    // the client counts the chunks it was lent as the server does
+    assert!(
+        same_as_server(zero_copy, lent),
+        "client: {zero_copy} bytes zero-copy, server: {lent} MiB CMB → NIC"
+    );
     if lends {
         // the first two fetches whole (2.3 MiB), maybe not a chunk of the third
         assert!(lent >= 2.2, "{lent} MiB read by the NIC from the ring");
@@ -494,7 +502,8 @@ async fn lab_nvme_ring_slots_proved_at_one_path_mtu_are_not_lent_to_a_connection
     let h = c.open("d", false).await.unwrap();
     let before = cmb_to_nic(&mut c).await;
     for (off, len) in [(0, 2 << 20), (1 << 20, 3 << 20), (5 << 20, 1 << 20)] {
-        fetch_matches(&mut c, &h, off, len, &model).await;
+        let rep = fetch_matches(&mut c, &h, off, len, &model).await;
+        assert_eq!(rep.zero_copy_bytes, 0, "{rep:?}");
     }
     assert_eq!(
         cmb_to_nic(&mut c).await,
@@ -505,8 +514,12 @@ async fn lab_nvme_ring_slots_proved_at_one_path_mtu_are_not_lent_to_a_connection
     // a client at the port's MTU is lent the same chunks (where the legs allow it)
     let mut c = Client::connect(client(s.addr)).await.unwrap();
     let h = c.open("d", false).await.unwrap();
-    fetch_matches(&mut c, &h, 0, 2 << 20, &model).await;
+    let rep = fetch_matches(&mut c, &h, 0, 2 << 20, &model).await;
     let lent = cmb_to_nic(&mut c).await - before;
+    assert!(
+        same_as_server(rep.zero_copy_bytes, lent),
+        "{rep:?}, {lent} MiB lent"
+    );
     if lends {
         assert!(lent >= 2.0, "{lent} MiB read by the NIC from the ring");
     } else {
@@ -541,22 +554,31 @@ async fn lab_nvme_ring_slots_proved_at_one_path_mtu_are_not_lent_to_a_connection
     s.stop().await;
 }
 
-/// Fetch `len` bytes at `off` (with the client's check sum) and compare them with `model`'s.
+/// Fetch `len` bytes at `off` (with the client's check sum) and compare them with `model`'s:
+/// the fetch's report.
 async fn fetch_matches(
     c: &mut Client,
     h: &p2p_rdma::bridge::OpenRegion,
     off: u64,
     len: u64,
     model: &[u8],
-) {
+) -> p2p_rdma::bridge::TransferReport {
     let mut sink = Vec::new();
-    c.fetch(h, off, len, &mut sink, true, &mut |_| {})
+    let rep = c
+        .fetch(h, off, len, &mut sink, true, &mut |_| {})
         .await
         .unwrap();
     assert!(
         sink == model[off as usize..(off + len) as usize],
         "{off}+{len}"
     );
+    rep
+}
+
+/// Whether the client's count of zero-copy bytes (chunks the server said it lent) is the
+/// server's CMB → NIC figure, `lent_mib` (as `ls` rounds it).
+fn same_as_server(zero_copy_bytes: u64, lent_mib: f64) -> bool {
+    (zero_copy_bytes as f64 / (1 << 20) as f64 - lent_mib).abs() < 0.06
 }
 
 /// The bytes each leg of block-storage region `name` moved, as `ls` shows them.

@@ -91,7 +91,7 @@ pub(crate) fn print_report(r: &bridge::TransferReport, json: bool) -> anyhow::Re
         human(r.bounce_bytes),
         if r.zero_copy_bytes > 0 {
             format!(
-                " of which {} zero-copy from the device's P2P window",
+                " of which {} zero-copy (not copied by the server)",
                 human(r.zero_copy_bytes)
             )
         } else {

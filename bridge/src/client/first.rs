@@ -6,17 +6,21 @@
 
 use verbs::RemoteSlice;
 
-use super::window::{piece, staged};
+use super::window::{piece, staged, StagedAt};
 use super::{Client, OpenRegion};
 use crate::error::Result;
 use crate::protocol::{Msg, Span, StagedChunk};
 
-/// Where a staged chunk is READ: its address and key on the server, its length.
-fn readable(c: &StagedChunk) -> RemoteSlice {
-    RemoteSlice {
-        addr: c.addr,
-        rkey: c.rkey,
-        len: c.len,
+/// Where a staged chunk is READ: its slot, its address and key on the server, its length.
+fn readable(c: &StagedChunk) -> StagedAt {
+    StagedAt {
+        slot: c.slot,
+        remote: RemoteSlice {
+            addr: c.addr,
+            rkey: c.rkey,
+            len: c.len,
+        },
+        lent: c.lent,
     }
 }
 
@@ -114,11 +118,11 @@ impl Client {
     }
 
     /// The staged first chunk, if it is `len` bytes at `pos` of `handle`'s region (where to
-    /// READ it and its slot); any other goes back (its release rides on the next request).
-    fn take_first(&mut self, handle: u32, pos: u64, len: u64) -> Option<(u32, RemoteSlice)> {
+    /// READ it); any other goes back (its release rides on the next request).
+    fn take_first(&mut self, handle: u32, pos: u64, len: u64) -> Option<StagedAt> {
         let f = self.first.take()?;
         if f.handle == handle && f.chunk.offset == pos && f.chunk.len == len {
-            return Some((f.chunk.slot, readable(&f.chunk)));
+            return Some(readable(&f.chunk));
         }
         self.conn.defer(&Msg::Unstage { slot: f.chunk.slot });
         None
@@ -126,7 +130,7 @@ impl Client {
 
     /// The staged first chunk, if it is the first piece of a fetch of `len` bytes at `offset`
     /// of `r`, cut as every fetch cuts its range (`chunk`, the region's extents and bounce
-    /// chunk): where to READ it and its slot. Any other goes back (with the next request).
+    /// chunk): where to READ it. Any other goes back (with the next request).
     /// `fetch` and the batches ask so, for their first range.
     pub(super) fn take_first_for(
         &mut self,
@@ -134,7 +138,7 @@ impl Client {
         offset: u64,
         len: u64,
         chunk: u64,
-    ) -> Option<(u32, RemoteSlice)> {
+    ) -> Option<StagedAt> {
         match piece(&r.info.extents(), offset, len, chunk, r.bounce_chunk) {
             Ok(p) if len > 0 && staged(r, &p, false) => self.take_first(r.handle, p.pos, p.len),
             _ => {

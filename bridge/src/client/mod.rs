@@ -591,11 +591,10 @@ impl Client {
                     // 343 ms between the lab hosts, and a one-piece fetch through it ran at 0.55x
                     // a direct fetch, against 0.75x staged
                     let pull = staged(r, &p, false);
-                    if let Some((slot, remote)) = pre.take().filter(|_| pull) {
+                    if let Some(at) = pre.take().filter(|_| pull) {
                         // staged by the open: READ it now, no `Stage` to ask
                         let buf = rdma.take(DataPath::Direct, false, chunk as usize)?;
-                        let s = pull_staged(&mut rdma, &mut self.conn, buf, p.len, slot, remote)
-                            .await?;
+                        let s = pull_staged(&mut rdma, &mut self.conn, buf, at).await?;
                         window.push_back(s);
                         next += p.len;
                         continue;
@@ -661,9 +660,9 @@ impl Client {
                 .map_err(|e| Error::io("flushing the fetched data", e))
         }
         .await;
-        if let Some((slot, _)) = pre {
+        if let Some(at) = pre {
             // the fetch failed before it read the staged chunk
-            self.conn.defer(&Msg::Unstage { slot });
+            self.conn.defer(&Msg::Unstage { slot: at.slot });
         }
         settle(&mut rdma, &mut self.conn, &mut window, stall).await;
         self.put_back(rdma);

@@ -28,7 +28,8 @@ pub struct TransferReport {
     /// Bytes that took the bounce path.
     pub bounce_bytes: u64,
     /// Of the bounce bytes, those the server's NIC moved straight between our buffer and the
-    /// device's P2P window (device-private regions whose window MRs work): no staging copy.
+    /// device's memory: no staging copy (device-private regions whose window MRs work, and
+    /// chunks of an NVMe region lent from its CMB ring, SSD → CMB → NIC).
     pub zero_copy_bytes: u64,
     /// Bytes that went over the TCP control connection (a client without an RDMA device,
     /// or `Transport::Tcp`).

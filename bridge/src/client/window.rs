@@ -25,9 +25,30 @@ pub(super) enum Slot {
     /// A staged fetch asked for: once the server's `Staged` reply is read, we RDMA-READ the
     /// chunk into this buffer.
     Stage(RegisteredBuffer, u64),
-    /// A staged chunk being read: the READ, the server's slot (released once the READ
-    /// completes) and the length.
-    Pull(Pending, u32, u64),
+    /// A staged chunk being read: the READ, and the chunk (its slot is released once the READ
+    /// completes).
+    Pull(Pending, StagedAt),
+}
+
+/// A chunk the server staged for us to READ: its slot there, where it is (`remote.len` is its
+/// length), and whether the server lent it as it is (a slot of the region's CMB ring: no copy
+/// on the server, and no byte of it in the server's host memory).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct StagedAt {
+    pub(super) slot: u32,
+    pub(super) remote: RemoteSlice,
+    pub(super) lent: bool,
+}
+
+impl StagedAt {
+    /// Bytes of it the server's NIC moved zero-copy: all of a lent chunk.
+    pub(super) fn zero_copy(&self) -> u64 {
+        if self.lent {
+            self.remote.len
+        } else {
+            0
+        }
+    }
 }
 
 /// A fetch piece that arrived: the buffer holding its bytes, how many, whether they came one-
@@ -153,11 +174,7 @@ pub(super) async fn bounce_reply(conn: &mut Conn, limit: Duration, n: u64) -> Re
 
 /// The server's answer to a staged fetch of `n` bytes: where to read them. Whatever this
 /// side deferred goes out first (the `Stage` awaited may be among it).
-pub(super) async fn staged_reply(
-    conn: &mut Conn,
-    limit: Duration,
-    n: u64,
-) -> Result<(u32, RemoteSlice)> {
+pub(super) async fn staged_reply(conn: &mut Conn, limit: Duration, n: u64) -> Result<StagedAt> {
     conn.send_deferred().await?;
     let m = conn.recv(Some(limit), "staged").await?;
     check_staged(conn, m, n).await
@@ -166,10 +183,7 @@ pub(super) async fn staged_reply(
 /// The server's answer to a staged fetch of `n` bytes if it has already arrived (`None` if not
 /// yet), without waiting: the replies of the chunks behind the oldest one are taken as they
 /// come, so that waiting for one never holds up landing another.
-pub(super) async fn staged_reply_ready(
-    conn: &mut Conn,
-    n: u64,
-) -> Result<Option<(u32, RemoteSlice)>> {
+pub(super) async fn staged_reply_ready(conn: &mut Conn, n: u64) -> Result<Option<StagedAt>> {
     match conn.try_recv()? {
         Some(m) => Ok(Some(check_staged(conn, m, n).await?)),
         None => Ok(None),
@@ -178,14 +192,19 @@ pub(super) async fn staged_reply_ready(
 
 /// `m` as the `Staged` reply of a fetch of `n` bytes: where to read them. A chunk of another
 /// length is released at once and refused.
-async fn check_staged(conn: &mut Conn, m: Msg, n: u64) -> Result<(u32, RemoteSlice)> {
+async fn check_staged(conn: &mut Conn, m: Msg, n: u64) -> Result<StagedAt> {
     match m {
         Msg::Staged {
             slot,
             addr,
             rkey,
             len,
-        } if len == n => Ok((slot, RemoteSlice { addr, rkey, len })),
+            lent,
+        } if len == n => Ok(StagedAt {
+            slot,
+            remote: RemoteSlice { addr, rkey, len },
+            lent,
+        }),
         Msg::Staged { slot, .. } => {
             conn.send(&Msg::Unstage { slot }).await?;
             Err(Error::Unexpected {
@@ -204,10 +223,9 @@ async fn pull(
     rdma: &mut Rdma,
     conn: &mut Conn,
     buf: RegisteredBuffer,
-    n: u64,
-    reply: Result<(u32, RemoteSlice)>,
-) -> Result<(Pending, u32)> {
-    let (slot, remote) = match reply {
+    reply: Result<StagedAt>,
+) -> Result<(Pending, StagedAt)> {
+    let at = match reply {
         Ok(s) => s,
         Err(e) => {
             rdma.pools.give(buf);
@@ -215,13 +233,13 @@ async fn pull(
         }
     };
     let wr = SendWr {
-        op: SendOp::Read(remote),
-        local: Local::owned_range(buf, 0..n as usize)?,
+        op: SendOp::Read(at.remote),
+        local: Local::owned_range(buf, 0..at.remote.len as usize)?,
     };
     match rdma.qp.post_send(vec![wr]) {
-        Ok(p) => Ok((p, slot)),
+        Ok(p) => Ok((p, at)),
         Err(e) => {
-            conn.send(&Msg::Unstage { slot }).await?;
+            conn.send(&Msg::Unstage { slot: at.slot }).await?;
             Err(e.into())
         }
     }
@@ -233,12 +251,10 @@ pub(super) async fn pull_staged(
     rdma: &mut Rdma,
     conn: &mut Conn,
     buf: RegisteredBuffer,
-    n: u64,
-    slot: u32,
-    remote: RemoteSlice,
+    at: StagedAt,
 ) -> Result<Slot> {
-    let (p, slot) = pull(rdma, conn, buf, n, Ok((slot, remote))).await?;
-    Ok(Slot::Pull(p, slot, n))
+    let (p, at) = pull(rdma, conn, buf, Ok(at)).await?;
+    Ok(Slot::Pull(p, at))
 }
 
 /// Turn the requested staged fetches whose `Staged` replies have arrived into READs in
@@ -261,11 +277,11 @@ pub(super) async fn start_pulls(
         let Some(reply) = staged_reply_ready(conn, n).await.transpose() else {
             break;
         };
-        let Some(Slot::Stage(buf, n)) = window.remove(i) else {
+        let Some(Slot::Stage(buf, _)) = window.remove(i) else {
             continue;
         };
-        let (p, slot) = pull(rdma, conn, buf, n, reply).await?;
-        window.insert(i, Slot::Pull(p, slot, n));
+        let (p, at) = pull(rdma, conn, buf, reply).await?;
+        window.insert(i, Slot::Pull(p, at));
     }
     Ok(())
 }
@@ -281,7 +297,7 @@ pub(super) async fn land(
     stall: Duration,
     at: u64,
 ) -> Result<Arrived> {
-    let (p, server_slot, n) = match slot {
+    let (p, staged_at, n) = match slot {
         Slot::Rdma(p, n) => (p, None, n),
         Slot::Bounce(buf, n) => {
             return match bounce_reply(conn, stall, n).await {
@@ -299,11 +315,12 @@ pub(super) async fn land(
         }
         Slot::Stage(buf, n) => {
             let reply = staged_reply(conn, stall, n).await;
-            let (p, s) = pull(rdma, conn, buf, n, reply).await?;
-            (p, Some(s), n)
+            let (p, at) = pull(rdma, conn, buf, reply).await?;
+            (p, Some(at), n)
         }
-        Slot::Pull(p, s, n) => (p, Some(s), n),
+        Slot::Pull(p, at) => (p, Some(at), at.remote.len),
     };
+    let server_slot = staged_at.map(|at| at.slot);
     let op = read_op(server_slot);
     let deadline = tokio::time::Instant::now() + stall;
     let mut done = std::pin::pin!(p.wait());
@@ -335,7 +352,7 @@ pub(super) async fn land(
         buf: l.into_owned().expect("owned buffer"),
         n,
         direct: server_slot.is_none(),
-        zero_copy: 0,
+        zero_copy: staged_at.map_or(0, |at| at.zero_copy()),
     })
 }
 
@@ -371,13 +388,15 @@ pub(super) async fn settle(
             Slot::Stage(buf, n) => {
                 if conn_ok {
                     match staged_reply(conn, stall, n).await {
-                        Ok((slot, _)) => conn_ok = conn.send(&Msg::Unstage { slot }).await.is_ok(),
+                        Ok(at) => {
+                            conn_ok = conn.send(&Msg::Unstage { slot: at.slot }).await.is_ok()
+                        }
                         Err(_) => conn_ok = false,
                     }
                 }
                 rdma.pools.give(buf);
             }
-            Slot::Pull(p, slot, _) => {
+            Slot::Pull(p, StagedAt { slot, .. }) => {
                 if let Ok(Ok(v)) = tokio::time::timeout(stall, p.wait()).await {
                     for b in v.into_iter().filter_map(Local::into_owned) {
                         rdma.pools.give(b);

@@ -14,13 +14,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use verbs::{
-    Access, HostBuffer, Local, Pending, RegMode, RegisteredBuffer, RemoteSlice, SendOp, SendWr,
-    SinkBuffer,
+    Access, HostBuffer, Local, Pending, RegMode, RegisteredBuffer, SendOp, SendWr, SinkBuffer,
 };
 
 use super::window::{
     bounce_reply, done_or_bytes, end_oldest, may_stage, piece, read_op, staged, staged_reply,
-    staged_reply_ready, Piece, Woke,
+    staged_reply_ready, Piece, StagedAt, Woke,
 };
 use super::{Client, OpenRegion, Rdma, KEEPALIVE};
 use crate::conn::Conn;
@@ -93,6 +92,9 @@ pub struct Landed {
     pub direct_bytes: u64,
     /// Bytes that came through the server's bounce buffers and one copy here.
     pub bounce_bytes: u64,
+    /// Of the bounce bytes, those the server did not copy either: chunks of an NVMe region
+    /// lent from its CMB ring (SSD → CMB → NIC), as [`super::TransferReport`]'s.
+    pub zero_copy_bytes: u64,
     /// Seconds from the first post to the last completion.
     pub seconds: f64,
 }
@@ -140,9 +142,9 @@ enum Flight {
     /// A staged fetch asked for (`len` bytes of the region at `pos`): once the server says
     /// where, they are READ straight into the buffer at `at`.
     Stage { len: u64, pos: u64, at: usize },
-    /// A staged chunk being READ into the buffer: the READ, the server's slot (released once
-    /// it completes), the region offset and the length.
-    Pull(Pending, u32, u64, u64),
+    /// A staged chunk being READ into the buffer: the READ, the chunk (its server slot is
+    /// released once the READ completes) and its region offset.
+    Pull(Pending, StagedAt, u64),
 }
 
 /// Where the batch is: range `i`, `done` bytes of it issued.
@@ -309,6 +311,7 @@ impl Client {
             window: VecDeque::new(),
             direct_by_range: vec![0; ranges.len()],
             bounce_bytes: 0,
+            zero_copy_bytes: 0,
             first: None,
         };
         // the first chunk an open staged, if it is the first piece of the batch's first range:
@@ -324,7 +327,7 @@ impl Client {
         let start = Instant::now();
         let run = batch.run(&mut rdma, &mut self.conn).await;
         let seconds = start.elapsed().as_secs_f64();
-        if let Some((slot, _)) = batch.first.take() {
+        if let Some(StagedAt { slot, .. }) = batch.first.take() {
             // the batch ended before that piece
             self.conn.defer(&Msg::Unstage { slot });
         }
@@ -367,6 +370,7 @@ impl Client {
             results,
             direct_bytes: batch.direct_by_range.iter().sum(),
             bounce_bytes: batch.bounce_bytes,
+            zero_copy_bytes: batch.zero_copy_bytes,
             seconds,
         })
     }
@@ -384,10 +388,10 @@ struct Batch<'r, 'a> {
     window: VecDeque<Flight>,
     direct_by_range: Vec<u64>,
     bounce_bytes: u64,
+    zero_copy_bytes: u64,
     /// A first chunk staged by an open ([`Client::open_to_fetch`]), the first piece of the
-    /// first range (its slot, and where to READ it), until that piece READs it (if the batch
-    /// ends before, it goes back).
-    first: Option<(u32, RemoteSlice)>,
+    /// first range, until that piece READs it (if the batch ends before, it goes back).
+    first: Option<StagedAt>,
 }
 
 impl Batch<'_, '_> {
@@ -455,24 +459,21 @@ impl Batch<'_, '_> {
                     if !self.share_with_reads() {
                         break;
                     }
-                    let (Some((slot, at)), Some(Held::Sink(sink))) =
-                        (self.first.take(), &self.held)
-                    else {
+                    let (Some(at), Some(Held::Sink(sink))) = (self.first.take(), &self.held) else {
                         unreachable!("share_with_reads, and the first chunk matched")
                     };
                     let wr = SendWr {
-                        op: SendOp::Read(at),
+                        op: SendOp::Read(at.remote),
                         local: Local::sink(Arc::clone(sink), dst..dst + p.len as usize)?,
                     };
                     let pending = match rdma.qp.post_send(vec![wr]) {
                         Ok(pending) => pending,
                         Err(e) => {
-                            conn.defer(&Msg::Unstage { slot });
+                            conn.defer(&Msg::Unstage { slot: at.slot });
                             return Err(e.into());
                         }
                     };
-                    self.window
-                        .push_back(Flight::Pull(pending, slot, p.pos, p.len));
+                    self.window.push_back(Flight::Pull(pending, at, p.pos));
                 } else if staged(region, &p, false) {
                     // the server stages the chunk and we READ it straight into the buffer; the
                     // `Stage`s of a batch go out together (see `may_stage`)
@@ -530,9 +531,10 @@ impl Batch<'_, '_> {
                 Flight::Direct(p, pos) => {
                     self.land(rdma, conn, p, None, pos).await?;
                 }
-                Flight::Pull(p, slot, pos, n) => {
-                    self.land(rdma, conn, p, Some(slot), pos).await?;
-                    self.bounce_bytes += n;
+                Flight::Pull(p, at, pos) => {
+                    self.land(rdma, conn, p, Some(at.slot), pos).await?;
+                    self.bounce_bytes += at.remote.len;
+                    self.zero_copy_bytes += at.zero_copy();
                 }
                 Flight::Stage { .. } => {
                     return Err(Error::Config(
@@ -635,7 +637,7 @@ impl Batch<'_, '_> {
         wait_first: bool,
     ) -> Result<()> {
         for i in 0..self.window.len() {
-            let (len, pos, at) = match self.window[i] {
+            let (len, pos, dst) = match self.window[i] {
                 Flight::Direct(..) | Flight::Pull(..) => continue,
                 Flight::Bounce(..) => break,
                 Flight::Stage { len, pos, at } => (len, pos, at),
@@ -645,7 +647,7 @@ impl Batch<'_, '_> {
                     "internal: a staged fetch without the buffer shared with READs".into(),
                 ));
             };
-            let (slot, remote) = if i == 0 && wait_first {
+            let at = if i == 0 && wait_first {
                 staged_reply(conn, self.stall, len).await?
             } else {
                 match staged_reply_ready(conn, len).await? {
@@ -654,17 +656,17 @@ impl Batch<'_, '_> {
                 }
             };
             let wr = SendWr {
-                op: SendOp::Read(remote),
-                local: Local::sink(Arc::clone(sink), at..at + len as usize)?,
+                op: SendOp::Read(at.remote),
+                local: Local::sink(Arc::clone(sink), dst..dst + len as usize)?,
             };
             let pending = match rdma.qp.post_send(vec![wr]) {
                 Ok(p) => p,
                 Err(e) => {
-                    conn.send(&Msg::Unstage { slot }).await?;
+                    conn.send(&Msg::Unstage { slot: at.slot }).await?;
                     return Err(e.into());
                 }
             };
-            self.window[i] = Flight::Pull(pending, slot, pos, len);
+            self.window[i] = Flight::Pull(pending, at, pos);
         }
         Ok(())
     }
@@ -730,12 +732,12 @@ impl Batch<'_, '_> {
                 Flight::Stage { len, .. } => {
                     if conn_ok {
                         conn_ok = match staged_reply(conn, self.stall, len).await {
-                            Ok((slot, _)) => conn.send(&Msg::Unstage { slot }).await.is_ok(),
+                            Ok(at) => conn.send(&Msg::Unstage { slot: at.slot }).await.is_ok(),
                             Err(_) => false,
                         };
                     }
                 }
-                Flight::Pull(p, slot, _, _) => {
+                Flight::Pull(p, StagedAt { slot, .. }, _) => {
                     let _ = tokio::time::timeout(self.stall, p.wait()).await;
                     if conn_ok {
                         conn_ok = conn.send(&Msg::Unstage { slot }).await.is_ok();

@@ -121,6 +121,7 @@ impl Client {
             results,
             direct_bytes: direct_by_range.iter().sum(),
             bounce_bytes,
+            zero_copy_bytes: 0,
             seconds,
         })
     }

@@ -104,6 +104,9 @@ pub struct StagedChunk {
     pub addr: u64,
     /// Remote key (a read-only window on the connection's QP).
     pub rkey: u32,
+    /// As [`Msg::Staged`]'s `lent`.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub lent: bool,
 }
 
 /// One of a server's RDMA devices, as [`Msg::Welcome`] announces it.
@@ -444,6 +447,11 @@ pub enum Msg {
         rkey: u32,
         /// Bytes staged.
         len: u64,
+        /// The chunk is in a slot of the region's CMB ring, lent as it is (SSD → CMB → NIC):
+        /// no copy on the server, no byte in its host memory. A client counts it as zero-copy.
+        /// (Absent: false, as from a server that predates it.)
+        #[serde(default, skip_serializing_if = "is_false")]
+        lent: bool,
     },
     /// Client → server, no reply: the client has read a staged slot, which may be staged
     /// again (under the same window). It need not come at once: the client sends it before

@@ -73,6 +73,14 @@ fn sample() -> Vec<Msg> {
             addr: 1 << 44,
             rkey: 0x1234,
             len: 1 << 20,
+            lent: false,
+        },
+        Msg::Staged {
+            slot: 8,
+            addr: 1 << 44,
+            rkey: 0x1235,
+            len: 1 << 20,
+            lent: true,
         },
         Msg::Unstage { slot: 7 },
         Msg::KeepAlive,
@@ -115,6 +123,7 @@ fn sample() -> Vec<Msg> {
                 slot: 0,
                 addr: 1 << 44,
                 rkey: 0x55,
+                lent: true,
             })),
         },
         Msg::Opened {
@@ -185,6 +194,29 @@ fn extents_default_to_the_region_path() {
     let old = r#"{"name":"r","size":10,"access":"read-only","kind":"host","path":"direct"}"#;
     r = serde_json::from_str(old).unwrap();
     assert_eq!(r.extents()[0].path, DataPath::Direct);
+}
+
+#[test]
+fn a_staged_reply_says_lent_only_when_the_chunk_is_lent() {
+    let copied = Msg::Staged {
+        slot: 1,
+        addr: 4096,
+        rkey: 9,
+        len: 512,
+        lent: false,
+    };
+    let json = serde_json::to_string(&copied).unwrap();
+    assert!(!json.contains("lent"), "{json}");
+    // an older server's reply (no `lent`) is a copied chunk
+    let old: Msg =
+        serde_json::from_str(r#"{"type":"staged","slot":1,"addr":4096,"rkey":9,"len":512}"#)
+            .unwrap();
+    assert_eq!(old, copied);
+    let lent: Msg = serde_json::from_str(
+        r#"{"type":"staged","slot":1,"addr":4096,"rkey":9,"len":512,"lent":true}"#,
+    )
+    .unwrap();
+    assert!(matches!(lent, Msg::Staged { lent: true, .. }));
 }
 
 #[test]
@@ -370,6 +402,7 @@ fn arb_msg() -> impl Strategy<Value = Msg> {
                         slot: rkey % 64,
                         addr: addr ^ 5,
                         rkey: rkey.rotate_left(3),
+                        lent: rkey % 2 == 0,
                     })
                 }),
             }),
@@ -419,14 +452,20 @@ fn arb_msg() -> impl Strategy<Value = Msg> {
             offset,
             len
         }),
-        (any::<u32>(), any::<u64>(), any::<u32>(), any::<u64>()).prop_map(
-            |(slot, addr, rkey, len)| Msg::Staged {
+        (
+            any::<u32>(),
+            any::<u64>(),
+            any::<u32>(),
+            any::<u64>(),
+            any::<bool>()
+        )
+            .prop_map(|(slot, addr, rkey, len, lent)| Msg::Staged {
                 slot,
                 addr,
                 rkey,
-                len
-            }
-        ),
+                len,
+                lent
+            }),
         any::<u32>().prop_map(|slot| Msg::Unstage { slot }),
         any::<u32>().prop_map(|handle| Msg::Close { handle }),
         s.prop_map(|m| Msg::error(ErrorCode::Internal, m)),

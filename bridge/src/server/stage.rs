@@ -169,6 +169,7 @@ impl ConnState {
             addr: remote.addr,
             rkey: remote.rkey,
             len,
+            lent: false,
         })
     }
 
@@ -264,6 +265,7 @@ impl ConnState {
             addr: remote.addr,
             rkey: remote.rkey,
             len,
+            lent: true,
         })
     }
 
@@ -295,6 +297,7 @@ impl ConnState {
                 addr,
                 rkey,
                 len,
+                lent,
             }) => {
                 shared.metrics().observe_stage(
                     Direction::of(false),
@@ -307,6 +310,7 @@ impl ConnState {
                     slot,
                     addr,
                     rkey,
+                    lent,
                 }))
             }
             other => {
@@ -514,6 +518,7 @@ mod tests {
             addr: 4096,
             rkey: 7,
             len: 1 << 20,
+            lent: false,
         };
         assert!(may_hold(&staged, 2, 0));
         assert!(may_hold(&staged, 8, MAX_HELD_REPLIES - 1));
