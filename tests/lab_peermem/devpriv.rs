@@ -171,6 +171,36 @@ async fn lab_window_units_move_zero_copy_on_window_mrs_and_the_rest_through_boun
         res.contains(&format!("{} window RDMA (zero-copy)", st.window_rdma_bytes)),
         "{res}"
     );
+    // the zero-copy batch calls count the same units as the transfers do
+    let r = c.open("aperture", true).await.unwrap();
+    let mut buf = c.buffer(bytes.len()).await.unwrap();
+    buf.as_mut_slice().copy_from_slice(&bytes);
+    let put = c
+        .put_from(&r, 3000, bytes.len() as u64, buf, 0)
+        .await
+        .unwrap();
+    let fetched = c
+        .fetch_into(&r, 3000, bytes.len() as u64, put.buffer, 0)
+        .await
+        .unwrap();
+    assert!(fetched.buffer.as_slice() == &bytes[..], "batch round trip");
+    for (what, l) in [
+        ("put_from", (put.bounce_bytes, put.zero_copy_bytes)),
+        (
+            "fetch_into",
+            (fetched.bounce_bytes, fetched.zero_copy_bytes),
+        ),
+    ] {
+        assert!(
+            l.0 == bytes.len() as u64 && l.1 > 0 && l.1 <= l.0,
+            "{what}: bounce and zero-copy bytes {l:?}"
+        );
+    }
+    assert_eq!(
+        dp.stats().window_rdma_bytes - st.window_rdma_bytes,
+        put.zero_copy_bytes + fetched.zero_copy_bytes,
+        "the region's zero-copy count against the batches'"
+    );
     c.bye().await.unwrap();
 
     let bytes = data((1 << 20) - 77, 32);

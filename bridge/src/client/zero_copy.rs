@@ -92,8 +92,9 @@ pub struct Landed {
     pub direct_bytes: u64,
     /// Bytes that came through the server's bounce buffers and one copy here.
     pub bounce_bytes: u64,
-    /// Of the bounce bytes, those the server did not copy either: chunks of an NVMe region
-    /// lent from its CMB ring (SSD → CMB → NIC), as [`super::TransferReport`]'s.
+    /// Of the bounce bytes, those the server's NIC moved straight between the client's buffers
+    /// and the device's memory, with no staging copy on the server (device-private window
+    /// units, chunks of an NVMe region lent from its CMB ring), as [`super::TransferReport`]'s.
     pub zero_copy_bytes: u64,
     /// Seconds from the first post to the last completion.
     pub seconds: f64,
@@ -543,15 +544,16 @@ impl Batch<'_, '_> {
                 }
                 Flight::Bounce(staging, n, dst) => {
                     let res = bounce_reply(conn, self.stall, n).await;
-                    let copied = res.and_then(|_| {
+                    let copied = res.and_then(|zero_copy| {
                         let Some(Held::Owned(b)) = &mut self.held else {
                             unreachable!("bounce pieces are issued only while the buffer is owned")
                         };
                         // the server may write the staging buffer at any time: copied out
-                        Ok(staging.read_at(0, &mut b.as_mut_slice()[dst..dst + n as usize])?)
+                        staging.read_at(0, &mut b.as_mut_slice()[dst..dst + n as usize])?;
+                        Ok(zero_copy)
                     });
                     rdma.pools.give(staging);
-                    copied?;
+                    self.zero_copy_bytes += copied?;
                     self.bounce_bytes += n;
                 }
             }

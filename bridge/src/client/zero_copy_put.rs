@@ -74,12 +74,15 @@ impl Client {
                 &mut bounce_bytes,
             )
             .await;
-        if let Err(error) = run {
-            settle(&mut rdma, &mut self.conn, &mut window, self.cfg.timeout).await;
-            self.put_back(rdma);
-            let buffer = Arc::try_unwrap(shared).ok().map(LocalBuffer);
-            return Err(Stranded { error, buffer });
-        }
+        let zero_copy_bytes = match run {
+            Ok(n) => n,
+            Err(error) => {
+                settle(&mut rdma, &mut self.conn, &mut window, self.cfg.timeout).await;
+                self.put_back(rdma);
+                let buffer = Arc::try_unwrap(shared).ok().map(LocalBuffer);
+                return Err(Stranded { error, buffer });
+            }
+        };
         self.put_back(rdma);
         let seconds = start.elapsed().as_secs_f64();
         let Ok(buffer) = Arc::try_unwrap(shared) else {
@@ -121,7 +124,7 @@ impl Client {
             results,
             direct_bytes: direct_by_range.iter().sum(),
             bounce_bytes,
-            zero_copy_bytes: 0,
+            zero_copy_bytes,
             seconds,
         })
     }
@@ -136,8 +139,9 @@ impl Client {
         window: &mut VecDeque<Flight>,
         direct_by_range: &mut [u64],
         bounce_bytes: &mut u64,
-    ) -> Result<()> {
+    ) -> Result<u64> {
         let chunk = self.cfg.chunk as u64;
+        let mut zero_copy = 0;
         let depth = self.depth();
         let stall = self.cfg.timeout;
         let mut alive = Instant::now();
@@ -149,7 +153,7 @@ impl Client {
             let mut done = 0u64;
             while done < r.len {
                 if window.len() >= depth {
-                    complete(rdma, &mut self.conn, window, stall).await?;
+                    zero_copy += complete(rdma, &mut self.conn, window, stall).await?;
                 }
                 let p = piece(
                     &extents,
@@ -203,31 +207,32 @@ impl Client {
             }
         }
         while !window.is_empty() {
-            complete(rdma, &mut self.conn, window, stall).await?;
+            zero_copy += complete(rdma, &mut self.conn, window, stall).await?;
         }
-        Ok(())
+        Ok(zero_copy)
     }
 }
 
-/// Wait for the oldest transfer in flight.
+/// Wait for the oldest transfer in flight: how many of its bytes the server's NIC moved
+/// zero-copy.
 async fn complete(
     rdma: &mut Rdma,
     conn: &mut Conn,
     window: &mut VecDeque<Flight>,
     stall: std::time::Duration,
-) -> Result<()> {
+) -> Result<u64> {
     match window.pop_front() {
         Some(Flight::Direct(p, pos)) => {
             await_or_stall(&rdma.qp, p, stall, "RDMA WRITE", pos).await?;
+            Ok(0)
         }
         Some(Flight::Bounce(staging, n)) => {
             let res = bounce_reply(conn, stall, n).await;
             rdma.pools.give(staging);
-            res?;
+            res
         }
-        None => {}
+        None => Ok(0),
     }
-    Ok(())
 }
 
 /// After an error: wait (bounded) for what is in flight, reading every bounce reply.
