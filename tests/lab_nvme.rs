@@ -494,7 +494,7 @@ async fn lab_nvme_ring_slots_proved_at_one_path_mtu_are_not_lent_to_a_connection
     let lends = nic_reads_ring && info.reason.contains("device → CMB: peer to peer, verified");
     if lends {
         assert!(
-            info.reason.contains("by connections at path MTU 4096"),
+            info.reason.contains("on connections at path MTU 4096"),
             "{}",
             info.reason
         );
@@ -533,7 +533,8 @@ async fn lab_nvme_ring_slots_proved_at_one_path_mtu_are_not_lent_to_a_connection
     if !lends {
         return;
     }
-    // a server whose own QPs are capped below the proved MTU lends nothing, and says why
+    // a server whose own QPs are capped below the port's MTU proves the ring at its own path
+    // MTU, where a canary from the start of a page fails too: it lends nothing, and says why
     let s = start(&[&spec], |c| {
         c.bounce_chunk = 256 << 10;
         c.qp_path.max_mtu = Some(1024);
@@ -543,13 +544,121 @@ async fn lab_nvme_ring_slots_proved_at_one_path_mtu_are_not_lent_to_a_connection
     let info = c.list().await.unwrap().remove(0);
     assert!(
         info.reason
-            .contains("but this server's QPs run at path MTU 1024 at most (--mtu)"),
+            .contains("CMB → NIC: the NIC cannot reach the ring (")
+            && info
+                .reason
+                .contains("; from the start of a page: odp: registered but the canary found")
+            && info.reason.contains("at path MTU 1024)"),
         "{}",
         info.reason
     );
     let h = c.open("d", false).await.unwrap();
     fetch_matches(&mut c, &h, 0, 2 << 20, &model).await;
     assert_eq!(cmb_to_nic(&mut c).await, 0.0, "lent under --mtu 1024");
+    c.bye().await.unwrap();
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_nvme_puts_of_whole_blocks_land_in_the_cmb_ring_and_reach_the_ssd() {
+    // NIC → CMB → SSD: where the NIC was proved to land READs in the ring (the landing canary)
+    // and the SSD to take a chunk from the CMB, a put's chunks of whole blocks are read from
+    // the client straight into ring slots; the rest (partly covered blocks) are patched by the
+    // CPU as before. Every byte reaches the device either way.
+    let cmb = controller_of("p2plab0");
+    let kernel = std::env::var("P2P_LAB_KERNEL").unwrap_or_default();
+    let size: u64 = 8 << 20;
+    let (dev, mut model) = ssd_with_image(size as usize, 61);
+    let spec = format!("d=nvme:{dev}:0:8M,via=cmb:{cmb}:2M");
+    let s = start(&[&spec], |c| c.bounce_chunk = 256 << 10).await;
+    let mut c = Client::connect(client(s.addr)).await.unwrap();
+    let info = c.list().await.unwrap().remove(0);
+    eprintln!("reason: {}", info.reason);
+    let (nic_reads_ring, _) = ring_nic_leg_expected();
+    let both_legs = info.reason.contains("device → CMB: peer to peer, verified")
+        && info.reason.contains("CMB → device: peer to peer, verified");
+    let lands = kernel != "6.12" && nic_reads_ring && both_legs;
+    if lands {
+        assert!(
+            info.reason.contains(
+                "NIC → CMB: the NIC writes each put's chunk of whole blocks into a ring slot, and \
+                 the device takes it from there (odp: landing canary passed: an RDMA READ of"
+            ) && info
+                .reason
+                .contains("(path MTU 4096) landed every byte right"),
+            "{}",
+            info.reason
+        );
+    } else if kernel == "6.12" {
+        assert!(
+            info.reason.contains("no CMB staging ring"),
+            "{}",
+            info.reason
+        );
+    } else {
+        assert!(info.reason.contains("NIC → CMB: "), "{}", info.reason);
+    }
+    let h = c.open("d", true).await.unwrap();
+    let nic_to_cmb = |moved: &str| -> f64 {
+        moved
+            .split("NIC → CMB ")
+            .nth(1)
+            .and_then(|v| v.trim_end_matches(" MiB").trim().parse().ok())
+            .unwrap_or_else(|| panic!("no NIC → CMB figure in {moved}"))
+    };
+    let before = nic_to_cmb(&moved(&mut c, "d").await);
+    // 1 MiB of whole blocks (four chunks), then a put whose last chunk covers a block partly
+    let mut zero_copy = 0;
+    for (off, len, seed) in [(1u64 << 20, 1u64 << 20, 3u32), (3 << 20, 300_000, 4)] {
+        let d = data(len as usize, seed);
+        let rep = c
+            .put(&h, off, &mut d.as_slice(), None, true, &mut |_| {})
+            .await
+            .unwrap();
+        zero_copy += rep.zero_copy_bytes;
+        model[off as usize..(off + len) as usize].copy_from_slice(&d);
+    }
+    assert!(
+        dd_direct(&dev, 0, size) == model,
+        "the puts are not on the device as put"
+    );
+    fetch_matches(&mut c, &h, 0, size, &model).await;
+    let moved_now = moved(&mut c, "d").await;
+    eprintln!("moved: {moved_now}");
+    let landed = nic_to_cmb(&moved_now) - before;
+    assert!(
+        same_as_server(zero_copy, landed),
+        "client: {zero_copy} bytes zero-copy, server: {landed} MiB NIC → CMB"
+    );
+    if lands {
+        // the whole first put and the first chunk of the second: 1.25 MiB
+        assert_eq!(zero_copy, (1 << 20) + (256 << 10), "{moved_now}");
+        assert!(moved_now.contains("host → device 0.0 MiB"), "{moved_now}");
+    } else {
+        assert_eq!(zero_copy, 0, "{moved_now}");
+    }
+    c.bye().await.unwrap();
+    // a client at path MTU 1024: where the landing was proved from page starts at 4096, its
+    // chunks go through host staging, and still reach the device
+    let mut small = client(s.addr);
+    small.qp_path.max_mtu = Some(1024);
+    let mut c = Client::connect(small).await.unwrap();
+    let h = c.open("d", true).await.unwrap();
+    let d = data(512 << 10, 5);
+    let rep = c
+        .put(&h, 6 << 20, &mut d.as_slice(), None, true, &mut |_| {})
+        .await
+        .unwrap();
+    model[6 << 20..(6 << 20) + d.len()].copy_from_slice(&d);
+    if lands && info.reason.contains("on connections at path MTU 4096") {
+        assert_eq!(rep.zero_copy_bytes, 0, "landed at path MTU 1024: {rep:?}");
+    }
+    assert!(
+        dd_direct(&dev, 6 << 20, 512 << 10) == d,
+        "the put at path MTU 1024 is not on the device"
+    );
+    fetch_matches(&mut c, &h, 0, size, &model).await;
     c.bye().await.unwrap();
     s.stop().await;
 }

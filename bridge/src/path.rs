@@ -237,26 +237,34 @@ pub async fn prove_segments(
 }
 
 /// The NIC's access to an `nvme` region's CMB staging ring, proved: the server lends ring
-/// slots to clients through memory windows over `mr`.
+/// slots to clients through memory windows over `mr` (fetches), and RDMA-READs puts straight
+/// into ring slots through it.
 #[derive(Debug, Clone)]
 pub struct RingNic {
-    /// The whole ring, registered with the strategy a canary proved, for memory windows only
-    /// (`MW_BIND`, no remote access of its own).
+    /// The whole ring, registered with the strategy a canary proved, with local write (and
+    /// `MW_BIND` when chunks are lent), no remote access of its own.
     pub mr: Arc<peermem::canary::DeviceMr>,
     /// `Some(path MTU)`: the access was proved only from the start of a page (a canary
     /// starting partway into a page failed), at this path MTU: only chunks that start on a
-    /// page may be read from the ring, and only by a connection at this path MTU (at a smaller
-    /// one, a READ's packets start partway into pages). None: proved at any offset.
+    /// page may be read from or land in the ring, and only on a connection at this path MTU
+    /// (at a smaller one, packets start partway into pages). None: proved at any offset.
     pub page_start: Option<u32>,
+    /// Chunks of fetches are lent to clients from ring slots (through memory windows).
+    pub lends: bool,
+    /// Puts land in ring slots: a landing canary proved an RDMA READ into `mr`.
+    pub puts: bool,
 }
 
-/// What the NIC can do with an `nvme` region's ring (the last leg of SSD → CMB → NIC).
+/// What the NIC can do with an `nvme` region's ring (the last leg of SSD → CMB → NIC, and the
+/// first of NIC → CMB → SSD).
 #[derive(Debug)]
 pub struct RingLeg {
-    /// One line for the legs' report.
+    /// One line for the legs' report: CMB → NIC (fetches).
     pub report: String,
-    /// The registration to lend slots through, when the NIC was proved to reach the ring and
-    /// `lend` was asked.
+    /// One line for the legs' report: NIC → CMB (puts).
+    pub put_report: String,
+    /// The registration to lend slots through and land puts in, when the NIC was proved to
+    /// reach the ring and either is used.
     pub nic: Option<RingNic>,
 }
 
@@ -265,152 +273,189 @@ pub struct RingLeg {
 /// chunk staged in them, and a chunk that starts on a block starts on a page of its slot, so
 /// when the canary partway into a page fails, the strategies it failed get a second canary
 /// from the start of a page: rxe's ODP READs copy each packet from the start of its page
-/// (LAB.md), so at path MTU 4096 they move page-aligned chunks right and others wrong. `lend`:
-/// the caller isolates clients with memory windows and will lend slots (else the report says
-/// why the CPU copies them). `max_mtu`: the largest path MTU the caller's QPs take (its
-/// `--mtu`; None: the port's), below which a proof from page starts lends nothing.
+/// (LAB.md), so at path MTU 4096 they move page-aligned chunks right and others wrong. That
+/// canary runs at the caller's path MTU (`max_mtu`, its `--mtu`; None: the port's), since a
+/// proof from page starts holds at one path MTU only.
+///
+/// `lend`: the caller isolates clients with memory windows and will lend slots to fetches
+/// (else the report says why the CPU copies them). `puts`: whether the region would take puts
+/// through the ring (writable, its CMB → device leg proved), else why not; then a landing
+/// canary proves that an RDMA READ lands in the ring (the NIC writing into the CMB), at the
+/// same offsets and path MTU as the rest.
 pub async fn ring_nic_leg(
     pd: &ProtectionDomain,
     ring: &Arc<dyn Provider>,
     reg: RegChoice,
     lend: bool,
+    puts: std::result::Result<(), String>,
     max_mtu: Option<u32>,
 ) -> RingLeg {
-    use peermem::canary::{register_mode, register_with_canary_at, CanaryAt};
+    use peermem::canary::{register_mode, run_landing_canary, CanaryAt};
+    let copies = "the CPU copies each slot to host staging";
+    let put_copies = "the CPU copies each put from host staging into a slot";
+    let refused = |report: String| RingLeg {
+        put_report: match &puts {
+            Err(why) => format!("not tried: {why}"),
+            Ok(()) => format!("the NIC cannot reach the ring (see CMB → NIC): {put_copies}"),
+        },
+        report,
+        nic: None,
+    };
+    let (mode, page_start, how) = match prove_ring_access(pd, ring, reg, max_mtu).await {
+        Ok(p) => p,
+        Err(why) => return refused(format!("the NIC cannot reach the ring ({why}): {copies}")),
+    };
+    let access = if lend {
+        verbs::Access::LOCAL_WRITE | verbs::Access::MW_BIND
+    } else {
+        verbs::Access::LOCAL_WRITE
+    };
+    let mr = match register_mode(pd, ring, 0..ring.len(), access, mode) {
+        Ok(mr) => Arc::new(mr),
+        Err(e) => {
+            return refused(format!(
+                "the NIC reaches the ring ({how}), but registering it{} failed ({e}): {copies}",
+                if lend { " for memory windows" } else { "" }
+            ))
+        }
+    };
+    let at = if page_start.is_some() {
+        CanaryAt::PageStart
+    } else {
+        CanaryAt::MidPage
+    };
+    let (lands, put_report) = match puts {
+        Err(why) => (false, format!("not tried: {why}")),
+        Ok(()) => match run_landing_canary(pd, &mr, at, max_mtu).await {
+            Ok(r) if r.ok() => (
+                true,
+                format!(
+                    "the NIC writes each put's chunk of whole blocks into a ring slot, and the \
+                     device takes it from there ({mode}: {r}); a chunk that is not whole \
+                     blocks, longer than a slot, finds no slot free{} goes through host staging",
+                    if page_start.is_some() {
+                        " or comes on a connection at another path MTU"
+                    } else {
+                        ""
+                    }
+                ),
+            ),
+            Ok(r) => (false, format!("{mode}: {r}: {put_copies}")),
+            Err(e) => (
+                false,
+                format!("{mode}: the landing canary could not run ({e}): {put_copies}"),
+            ),
+        },
+    };
+    let report = if lend {
+        format!(
+            "the NIC reads each chunk from its ring slot through a read-only memory window \
+             ({how}); a chunk the ring cannot lend (longer than a slot, no slot free{}) is \
+             copied by the CPU to host staging",
+            if page_start.is_some() {
+                ", starting partway into a page, or asked on a connection at another path MTU"
+            } else {
+                ""
+            }
+        )
+    } else {
+        format!(
+            "the NIC reaches the ring ({how}), but this server does not isolate clients with \
+             memory windows (serve --sharing per-connection), and a slot is lent only through \
+             one: {copies}"
+        )
+    };
+    RingLeg {
+        report,
+        put_report,
+        nic: (lend || lands).then_some(RingNic {
+            mr,
+            page_start,
+            lends: lend,
+            puts: lands,
+        }),
+    }
+}
+
+/// The registration strategy that reaches the ring, proved by canaries: at any offset (None),
+/// or else from the start of a page at a path MTU (`Some`), and how it was proved; or why no
+/// strategy does.
+async fn prove_ring_access(
+    pd: &ProtectionDomain,
+    ring: &Arc<dyn Provider>,
+    reg: RegChoice,
+    max_mtu: Option<u32>,
+) -> std::result::Result<(verbs::RegMode, Option<u32>, String), String> {
+    use peermem::canary::{register_with_canary_at, CanaryAt};
     let choice =
         crate::spec::RegionOptions::default().choice(ring.len(), reg, P2pPolicy::Preferred);
-    let copies = "the CPU copies each slot to host staging";
-    let planned = match decide_path(pd, ring, choice).await {
-        Ok(p) => p,
-        Err(r) => {
-            return RingLeg {
-                report: format!("the NIC cannot reach the ring ({r}): {copies}"),
-                nic: None,
-            }
+    let planned = decide_path(pd, ring, choice)
+        .await
+        .map_err(|r| r.to_string())?;
+    if let Some(mode) = planned.decision.mode {
+        if planned.decision.path == peermem::plan::PathKind::Direct {
+            return Ok((mode, None, format!("{mode}, proved by a canary")));
         }
+    }
+    let failed: Vec<verbs::RegMode> = planned
+        .decision
+        .attempts
+        .iter()
+        .filter(|a| matches!(a.outcome, AttemptOutcome::CanaryFailed { .. }))
+        .map(|a| a.mode)
+        .collect();
+    let at_page = if failed.is_empty() {
+        None
+    } else {
+        Some(
+            register_with_canary_at(
+                pd,
+                ring,
+                0..ring.len(),
+                &failed,
+                CanaryAt::PageStart,
+                max_mtu,
+            )
+            .await,
+        )
     };
-    let (mode, page_start, how) = match planned.decision.mode {
-        Some(mode) if planned.decision.path == peermem::plan::PathKind::Direct => {
-            (mode, None, format!("{mode}, proved by a canary"))
-        }
-        _ => {
-            let failed: Vec<verbs::RegMode> = planned
-                .decision
-                .attempts
-                .iter()
-                .filter(|a| matches!(a.outcome, AttemptOutcome::CanaryFailed { .. }))
-                .map(|a| a.mode)
-                .collect();
-            let at_page = if failed.is_empty() {
-                None
-            } else {
-                Some(
-                    register_with_canary_at(pd, ring, 0..ring.len(), &failed, CanaryAt::PageStart)
-                        .await,
+    // the registration that passed, with the path MTU its canary passed at
+    let passed = at_page.as_ref().and_then(|r| {
+        let mr = r.region.as_ref()?;
+        let mtu = r.attempts.iter().find_map(|a| match &a.outcome {
+            AttemptOutcome::Works { canary } if a.mode == mr.mode() => Some(canary.path_mtu),
+            _ => None,
+        })?;
+        Some((mr.mode(), mtu))
+    });
+    let Some((mode, mtu)) = passed else {
+        let also = at_page
+            .map(|r| {
+                format!(
+                    "; from the start of a page: {}",
+                    peermem::plan::summary(&r.attempts)
                 )
-            };
-            // the registration that passed, with the path MTU its canary passed at
-            let passed = at_page.as_ref().and_then(|r| {
-                let mr = r.region.as_ref()?;
-                let mtu = r.attempts.iter().find_map(|a| match &a.outcome {
-                    AttemptOutcome::Works { canary } if a.mode == mr.mode() => {
-                        Some(canary.path_mtu)
-                    }
-                    _ => None,
-                })?;
-                Some((mr, mtu))
-            });
-            match passed {
-                Some((mr, mtu)) => {
-                    let mode = mr.mode();
-                    let mid_page: Vec<_> = planned
-                        .decision
-                        .attempts
-                        .iter()
-                        .filter(|a| a.mode == mode)
-                        .cloned()
-                        .collect();
-                    (
-                        mode,
-                        Some(mtu),
-                        format!(
-                            "{mode}: a canary from the start of a page passed at path MTU \
-                             {mtu}, one partway into a page did not ({}), so only chunks that \
-                             start on a page are read from the ring, by connections at path MTU \
-                             {mtu}",
-                            peermem::plan::summary(&mid_page)
-                        ),
-                    )
-                }
-                None => {
-                    let also = at_page
-                        .map(|r| {
-                            format!(
-                                "; from the start of a page: {}",
-                                peermem::plan::summary(&r.attempts)
-                            )
-                        })
-                        .unwrap_or_default();
-                    return RingLeg {
-                        report: format!(
-                            "the NIC cannot reach the ring ({}{also}): {copies}",
-                            planned.decision.reason
-                        ),
-                        nic: None,
-                    };
-                }
-            }
-        }
+            })
+            .unwrap_or_default();
+        return Err(format!("{}{also}", planned.decision.reason));
     };
-    drop(planned);
-    if let (Some(proved), Some(max)) = (page_start, max_mtu) {
-        if max < proved {
-            return RingLeg {
-                report: format!(
-                    "the NIC reaches the ring ({how}), but this server's QPs run at path MTU \
-                     {max} at most (--mtu), where READ packets start partway into pages: \
-                     {copies}"
-                ),
-                nic: None,
-            };
-        }
-    }
-    if !lend {
-        return RingLeg {
-            report: format!(
-                "the NIC reaches the ring ({how}), but this server does not isolate clients \
-                 with memory windows (serve --sharing per-connection), and a slot is lent only \
-                 through one: {copies}"
-            ),
-            nic: None,
-        };
-    }
-    let access = verbs::Access::LOCAL_WRITE | verbs::Access::MW_BIND;
-    match register_mode(pd, ring, 0..ring.len(), access, mode) {
-        Ok(mr) => RingLeg {
-            report: format!(
-                "the NIC reads each chunk from its ring slot through a read-only memory window \
-                 ({how}); a chunk the ring cannot lend (longer than a slot, no slot free{}) is \
-                 copied by the CPU to host staging",
-                if page_start.is_some() {
-                    ", starting partway into a page, or asked on a connection at another path MTU"
-                } else {
-                    ""
-                }
-            ),
-            nic: Some(RingNic {
-                mr: Arc::new(mr),
-                page_start,
-            }),
-        },
-        Err(e) => RingLeg {
-            report: format!(
-                "the NIC reaches the ring ({how}), but registering it for memory windows \
-                 failed ({e}): {copies}"
-            ),
-            nic: None,
-        },
-    }
+    let mid_page: Vec<_> = planned
+        .decision
+        .attempts
+        .iter()
+        .filter(|a| a.mode == mode)
+        .cloned()
+        .collect();
+    Ok((
+        mode,
+        Some(mtu),
+        format!(
+            "{mode}: a canary from the start of a page passed at path MTU {mtu}, one partway \
+             into a page did not ({}), so only chunks that start on a page move through the \
+             ring, on connections at path MTU {mtu}",
+            peermem::plan::summary(&mid_page)
+        ),
+    ))
 }
 
 #[cfg(test)]

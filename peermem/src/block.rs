@@ -21,7 +21,7 @@ use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 
 use verbs::{HostBuffer, SharedMemory};
 
@@ -49,13 +49,16 @@ pub struct BlockStorage {
     writable: bool,
     /// Whether `path` is a block device (else a regular file).
     is_device: bool,
-    /// Held while a partly covered block is read, patched and written back.
-    rmw: Mutex<()>,
+    /// Held exclusively while a partly covered block is read, patched and written back, and
+    /// shared while whole blocks are written: a whole-block put cannot fall between the read
+    /// and the write of a patch (which would write the block's old bytes back over it).
+    rmw: RwLock<()>,
     via: Option<Ring>,
     /// Why there is no ring although one was asked for.
     via_refused: Option<String>,
-    /// What the NIC's registration attempts on the ring found (set by the server).
-    nic_leg: Mutex<Option<String>>,
+    /// What the NIC's registration attempts on the ring found (set by the server): CMB → NIC,
+    /// NIC → CMB.
+    nic_leg: Mutex<Option<(String, String)>>,
     moved: Moved,
 }
 
@@ -72,36 +75,8 @@ struct Moved {
     host_to_dev: AtomicU64,
     /// CMB → NIC: bytes of ring slots lent to the NIC (peer to peer).
     cmb_to_nic: AtomicU64,
-}
-
-/// A ring of staging slots in a CMB, and what its legs were proved to do.
-#[derive(Debug)]
-struct Ring {
-    cmb: Arc<CmbMemory>,
-    slot: u64,
-    /// Offsets of the free slots (a [`RingLease`] gives its slot back here).
-    free: Arc<Mutex<Vec<u64>>>,
-    /// Device → CMB works (else why not).
-    read: Result<(), String>,
-    /// CMB → device works (else why not; read-only regions never try).
-    write: Result<(), String>,
-}
-
-/// A ring slot lent out with a chunk the device read into it, peer to peer, for the NIC to
-/// read from the CMB itself ([`BlockStorage::lend_slot`]). The slot goes back to the ring when
-/// the lease is dropped: whoever lends the bytes to a peer revokes the peer's access first.
-#[derive(Debug)]
-pub struct RingLease {
-    free: Arc<Mutex<Vec<u64>>>,
-    slot: u64,
-    /// Where the chunk's bytes are in the ring's memory (offsets into [`BlockStorage::ring`]).
-    pub range: std::ops::Range<u64>,
-}
-
-impl Drop for RingLease {
-    fn drop(&mut self) {
-        lock(&self.free).push(self.slot);
-    }
+    /// NIC → CMB: bytes of puts the NIC wrote into ring slots (peer to peer).
+    nic_to_cmb: AtomicU64,
 }
 
 /// What `via=cmb:DEV:SIZE` asks for.
@@ -215,7 +190,7 @@ impl BlockStorage {
             block,
             writable,
             is_device,
-            rmw: Mutex::new(()),
+            rmw: RwLock::new(()),
             via: None,
             via_refused: None,
             nic_leg: Mutex::new(None),
@@ -231,68 +206,6 @@ impl BlockStorage {
             }
         }
         Ok(me)
-    }
-
-    /// Build the ring over `cmb` and prove its legs: a read of the region's first slot into
-    /// the CMB must give the bytes a read into host memory gives; a write of those same bytes
-    /// back from the CMB must read back unchanged (the device's bytes stay what they were).
-    fn prove_ring(&self, cmb: CmbMemory) -> Result<Ring, Error> {
-        // eight slots (at most 1 MiB each), so that several requests use the ring at once; a
-        // whole number of pages (and of blocks) each
-        let unit = self.block.max(PAGE);
-        let slot = ((cmb.len() / 8).min(PIECE) / unit * unit).max(self.block);
-        if slot > cmb.len() {
-            return Err(Error::InvalidArgument(format!(
-                "the CMB ring ({} bytes) is smaller than one {}-byte block",
-                cmb.len(),
-                self.block
-            )));
-        }
-        let n = slot.min(self.len);
-        let mut want = HostBuffer::new(n as usize)?;
-        self.read_direct(self.base, want.as_mut_slice())?;
-        let mem = Arc::clone(cmb.mapping().expect("a CMB has a CPU mapping").0);
-        let fd = self.file.as_fd();
-        let read = mem
-            .fill_from_fd(0, n as usize, fd, self.base)
-            .map_err(|e| format!("O_DIRECT read into the CMB: {e}"))
-            .and_then(|()| same(&mem, want.as_slice(), "read into the CMB"));
-        let write = if !self.writable {
-            Err("the region is read-only".to_string())
-        } else if let Err(why) = &read {
-            Err(format!("not tried: {why}"))
-        } else {
-            mem.drain_to_fd(0, n as usize, fd, self.base)
-                .map_err(|e| format!("O_DIRECT write from the CMB: {e}"))
-                .and_then(|()| {
-                    let mut got = HostBuffer::new(n as usize).map_err(|e| e.to_string())?;
-                    self.read_direct(self.base, got.as_mut_slice())
-                        .map_err(|e| e.to_string())?;
-                    if got.as_slice() == want.as_slice() {
-                        Ok(())
-                    } else {
-                        Err("the bytes written from the CMB read back different".into())
-                    }
-                })
-        };
-        for (leg, r) in [("device → CMB", &read), ("CMB → device", &write)] {
-            match r {
-                Ok(()) => {
-                    tracing::info!(path = %self.path.display(), leg, "peer to peer, verified")
-                }
-                Err(why) => {
-                    tracing::warn!(path = %self.path.display(), leg, why, "through host memory")
-                }
-            }
-        }
-        let slots = (cmb.len() / slot).max(1);
-        Ok(Ring {
-            free: Arc::new(Mutex::new((0..slots).rev().map(|i| i * slot).collect())),
-            cmb: Arc::new(cmb),
-            slot,
-            read,
-            write,
-        })
     }
 
     /// `len` bytes at region offset `offset`, cut at multiples of the piece size (a ring slot,
@@ -320,45 +233,10 @@ impl BlockStorage {
             .map(|r| Arc::clone(&r.cmb) as Arc<dyn Provider>)
     }
 
-    /// Read the `len` bytes at region offset `offset` from the device into a free ring slot,
-    /// peer to peer, and lend the slot: the caller lets the NIC read `range` of the ring's
-    /// memory (registered by the caller on the NIC, [`BlockStorage::ring`]) and drops the
-    /// lease once the NIC is done. `Ok(None)` when the chunk cannot be lent this way, and the
-    /// caller copies it as usual: no ring, a device → CMB leg that was not proved, a chunk
-    /// whose covering blocks are longer than a slot, no free slot, or (`page_start`: the NIC's access
-    /// was proved only from the start of a page) a chunk that would not start on a page.
-    pub fn lend_slot(
-        &self,
-        offset: u64,
-        len: u64,
-        page_start: bool,
-    ) -> Result<Option<RingLease>, Error> {
-        check_range("region", offset, len, self.len)?;
-        let at = self.base + offset;
-        let (a0, a1) = self.cover(at, len);
-        let skip = at - a0;
-        // every slot starts on a page (`prove_ring`): the chunk does when `skip` is one
-        if len == 0 || (page_start && skip % PAGE != 0) {
-            return Ok(None);
-        }
-        let Some((ring, slot)) = self.take_slot(false, a1 - a0) else {
-            return Ok(None);
-        };
-        let lease = RingLease {
-            free: Arc::clone(&ring.free),
-            slot,
-            range: slot + skip..slot + skip + len,
-        };
-        // (a read that fails gives the slot back with the lease)
-        cmb_mem(ring).fill_from_fd(slot, (a1 - a0) as usize, self.fd(), a0)?;
-        self.moved.dev_to_cmb.fetch_add(a1 - a0, Ordering::Relaxed);
-        self.moved.cmb_to_nic.fetch_add(len, Ordering::Relaxed);
-        Ok(Some(lease))
-    }
-
-    /// Record what registering the ring on the NIC found, for the legs' report.
-    pub fn set_nic_leg(&self, what: String) {
-        *lock(&self.nic_leg) = Some(what);
+    /// Record what registering the ring on the NIC found, for the legs' report: the CMB →
+    /// NIC leg (fetches) and the NIC → CMB leg (puts).
+    pub fn set_nic_legs(&self, reads: String, puts: String) {
+        *lock(&self.nic_leg) = Some((reads, puts));
     }
 
     /// The logical block size.
@@ -367,8 +245,9 @@ impl BlockStorage {
     }
 
     /// Bytes moved device → CMB and CMB → device (peer to peer), device → host and host →
-    /// device, and CMB → NIC (slots lent to the NIC, peer to peer).
-    pub fn moved(&self) -> [u64; 5] {
+    /// device, CMB → NIC (slots lent to the NIC) and NIC → CMB (puts the NIC wrote into
+    /// slots), both peer to peer.
+    pub fn moved(&self) -> [u64; 6] {
         let m = &self.moved;
         [
             m.dev_to_cmb.load(Ordering::Relaxed),
@@ -376,6 +255,7 @@ impl BlockStorage {
             m.dev_to_host.load(Ordering::Relaxed),
             m.host_to_dev.load(Ordering::Relaxed),
             m.cmb_to_nic.load(Ordering::Relaxed),
+            m.nic_to_cmb.load(Ordering::Relaxed),
         ]
     }
 
@@ -470,8 +350,14 @@ impl BlockStorage {
         let span = (a1 - a0) as usize;
         let skip = (at - a0) as usize;
         let edges = self.edges(skip, data.len(), span);
-        // a partly covered block is read, patched and written under the lock
-        let _rmw = (!edges.is_empty()).then(|| lock(&self.rmw));
+        // a partly covered block is read, patched and written under the exclusive lock, whole
+        // blocks under the shared one
+        let (_patch, _whole);
+        if edges.is_empty() {
+            _whole = self.rmw.read().unwrap_or_else(|p| p.into_inner());
+        } else {
+            _patch = self.rmw.write().unwrap_or_else(|p| p.into_inner());
+        }
         if let Some((ring, slot)) = self.take_slot(true, span as u64) {
             let mem = cmb_mem(ring);
             let fd = self.fd();
@@ -519,23 +405,6 @@ impl BlockStorage {
             v.push(last);
         }
         v
-    }
-}
-
-fn cmb_mem(ring: &Ring) -> &Arc<SharedMemory> {
-    ring.cmb.mapping().expect("a CMB has a CPU mapping").0
-}
-
-fn same(mem: &SharedMemory, want: &[u8], what: &str) -> Result<(), String> {
-    let mut got = vec![0; want.len()];
-    mem.read_at(0, &mut got).map_err(|e| e.to_string())?;
-    if got == want {
-        Ok(())
-    } else {
-        let at = got.iter().zip(want).position(|(a, b)| a != b).unwrap_or(0);
-        Err(format!(
-            "the {what} completed but the bytes differ from a read into host memory (first at byte {at})"
-        ))
     }
 }
 
@@ -629,15 +498,16 @@ impl Provider for BlockStorage {
         true
     }
     fn residency(&self) -> Option<String> {
-        let [dc, cd, dh, hd, cn] = self.moved();
+        let [dc, cd, dh, hd, cn, nc] = self.moved();
         Some(format!(
             "moved: device → CMB {}, CMB → device {}, device → host {}, host → device {}, \
-             CMB → NIC {}",
+             CMB → NIC {}, NIC → CMB {}",
             mib(dc),
             mib(cd),
             mib(dh),
             mib(hd),
-            mib(cn)
+            mib(cn),
+            mib(nc)
         ))
     }
 }
@@ -655,18 +525,25 @@ impl BlockStorage {
                     Ok(()) => format!("{p2p}: peer to peer, verified"),
                     Err(why) => format!("{p2p}: through host memory ({why})"),
                 };
+                let (reads, puts) = lock(&self.nic_leg).clone().unwrap_or_else(|| {
+                    (
+                        "not tried: the CPU copies each slot to host staging".into(),
+                        "not tried: the CPU copies each put from host staging into a slot".into(),
+                    )
+                });
                 format!(
-                    "{}; {}; CMB → NIC: {}",
+                    "{}; {}; CMB → NIC: {reads}; NIC → CMB: {puts}",
                     leg(&r.read, "device → CMB"),
                     leg(&r.write, "CMB → device"),
-                    lock(&self.nic_leg).clone().unwrap_or_else(|| {
-                        "not tried: the CPU copies each slot to host staging".into()
-                    })
                 )
             }
         }
     }
 }
+
+mod ring;
+pub use ring::RingLease;
+use ring::{cmb_mem, Ring};
 
 #[cfg(test)]
 mod tests;

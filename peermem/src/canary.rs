@@ -25,6 +25,9 @@ use verbs::{
 use crate::error::Error;
 use crate::provider::Provider;
 
+mod landing;
+pub use landing::{run_landing_canary, LandingReport};
+
 /// What the canary saw.
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
 pub struct CanaryReport {
@@ -314,19 +317,26 @@ pub enum CanaryAt {
 /// Run the canary through `region`'s MR. The memory is restored afterwards. On read-only
 /// memory only the READ half runs (against the CPU's view of the bytes).
 pub async fn run_canary(pd: &ProtectionDomain, region: &DeviceMr) -> Result<CanaryReport, Error> {
-    run_canary_at(pd, region, CanaryAt::MidPage).await
+    run_canary_at(pd, region, CanaryAt::MidPage, None).await
 }
 
-/// [`run_canary`] over the scratch range `at` names.
-pub async fn run_canary_at(
+/// A loopback QP pair at the port's path MTU, or at `max_mtu` where that is smaller (the path
+/// MTU a server capped with `--mtu` runs at), with its path MTU.
+fn canary_pair(
     pd: &ProtectionDomain,
-    region: &DeviceMr,
-    at: CanaryAt,
-) -> Result<CanaryReport, Error> {
-    let prov = region.provider();
-    let (a, b) = QueuePair::loopback_pair(pd, QpOptions::default())?;
+    max_mtu: Option<u32>,
+) -> Result<(QueuePair, QueuePair, u32), Error> {
+    let opts = QpOptions {
+        max_path_mtu: max_mtu,
+        ..QpOptions::default()
+    };
+    let (a, b) = QueuePair::loopback_pair(pd, opts)?;
     let path_mtu = verbs::negotiate_mtu(a.endpoint().mtu, b.endpoint().mtu);
-    let region_len = region.mr().len() as u64;
+    Ok((a, b, path_mtu))
+}
+
+/// The scratch range of a canary at `at` in a region of `region_len` bytes.
+fn range_at(at: CanaryAt, region_len: u64, path_mtu: u32) -> Result<(u64, u64), Error> {
     let (offset, len) = match at {
         CanaryAt::MidPage => scratch_range(region_len, path_mtu),
         CanaryAt::PageStart => page_start_range(region_len, path_mtu),
@@ -336,6 +346,19 @@ pub async fn run_canary_at(
             "the region is too small for a canary".into(),
         ));
     }
+    Ok((offset, len))
+}
+
+/// [`run_canary`] over the scratch range `at` names, on QPs at path MTU `max_mtu` at most.
+pub async fn run_canary_at(
+    pd: &ProtectionDomain,
+    region: &DeviceMr,
+    at: CanaryAt,
+    max_mtu: Option<u32>,
+) -> Result<CanaryReport, Error> {
+    let prov = region.provider();
+    let (a, b, path_mtu) = canary_pair(pd, max_mtu)?;
+    let (offset, len) = range_at(at, region.mr().len() as u64, path_mtu)?;
     let base = region.start();
     let writable = prov.writable()
         && !prov.holds_data()
@@ -400,6 +423,7 @@ async fn scratch_canary(
     pd: &ProtectionDomain,
     mode: RegMode,
     at: CanaryAt,
+    max_mtu: Option<u32>,
 ) -> Result<Option<CanaryReport>, Error> {
     if !matches!(mode, RegMode::Pinned | RegMode::OnDemand) {
         return Ok(None);
@@ -411,7 +435,7 @@ async fn scratch_canary(
         Refusal::Failed(e) => Error::from(e),
         Refusal::NotApplicable(m) => Error::from(verbs::Error::InvalidArgument(m)),
     })?;
-    let report = run_canary_at(pd, &reg, at).await?;
+    let report = run_canary_at(pd, &reg, at, max_mtu).await?;
     Ok((!report.ok()).then_some(report))
 }
 
@@ -424,17 +448,18 @@ pub async fn register_with_canary(
     range: Range<u64>,
     modes: &[RegMode],
 ) -> Registration {
-    register_with_canary_at(pd, provider, range, modes, CanaryAt::MidPage).await
+    register_with_canary_at(pd, provider, range, modes, CanaryAt::MidPage, None).await
 }
 
-/// [`register_with_canary`] with the canary's scratch range where `at` says: what the MR is
-/// then proved for.
+/// [`register_with_canary`] with the canary's scratch range where `at` says, on QPs at path
+/// MTU `max_mtu` at most: what the MR is then proved for.
 pub async fn register_with_canary_at(
     pd: &ProtectionDomain,
     provider: &Arc<dyn Provider>,
     range: Range<u64>,
     modes: &[RegMode],
     at: CanaryAt,
+    max_mtu: Option<u32>,
 ) -> Registration {
     let mut attempts = Vec::new();
     let mut chosen = None;
@@ -466,25 +491,27 @@ pub async fn register_with_canary_at(
                 continue;
             }
         };
-        let outcome = match run_canary_at(pd, &reg, at).await {
+        let outcome = match run_canary_at(pd, &reg, at, max_mtu).await {
             // the canary could only read bytes it did not choose
-            Ok(c) if c.ok() && !c.write_checked => match scratch_canary(pd, mode, at).await {
-                Ok(None) => AttemptOutcome::Works { canary: c },
-                Ok(Some(bad)) => AttemptOutcome::CanaryError {
-                    message: format!(
-                        "the READ of this read-only memory matched what the CPU sees, but \
+            Ok(c) if c.ok() && !c.write_checked => {
+                match scratch_canary(pd, mode, at, max_mtu).await {
+                    Ok(None) => AttemptOutcome::Works { canary: c },
+                    Ok(Some(bad)) => AttemptOutcome::CanaryError {
+                        message: format!(
+                            "the READ of this read-only memory matched what the CPU sees, but \
                              bytes that cannot be written need not reveal a misplaced read (a \
                              run of zeros reads the same from anywhere); the {mode} strategy on \
                              a scratch host buffer with a pattern: {bad}"
-                    ),
-                },
-                Err(e) => AttemptOutcome::CanaryError {
-                    message: format!(
-                        "the {mode} strategy on a scratch host buffer (to check what \
+                        ),
+                    },
+                    Err(e) => AttemptOutcome::CanaryError {
+                        message: format!(
+                            "the {mode} strategy on a scratch host buffer (to check what \
                              read-only memory cannot show): {e}"
-                    ),
-                },
-            },
+                        ),
+                    },
+                }
+            }
             Ok(c) if c.ok() => AttemptOutcome::Works { canary: c },
             Ok(c) => AttemptOutcome::CanaryFailed { canary: c },
             Err(e) => AttemptOutcome::CanaryError {

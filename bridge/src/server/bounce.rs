@@ -24,6 +24,7 @@ use verbs::{
 
 use super::driver::{count_reply, internal, ConnState};
 use super::regions::removed;
+use super::ring_put::PutSlot;
 use super::session::{Bounce, Catalog, Refusal};
 use super::Shared;
 use crate::conn::Conn;
@@ -45,6 +46,8 @@ pub(super) struct InFlight {
     to_region: bool,
     /// A device-private transfer with windowed units moved by the NIC itself.
     window: Option<WindowXfer>,
+    /// A put's chunk landing in a CMB ring slot (written to the device once it landed).
+    ring: Option<Arc<PutSlot>>,
     /// For the metrics: the region and when the request arrived.
     meta: BounceMeta,
 }
@@ -195,15 +198,7 @@ impl ConnState {
         } else {
             "RDMA WRITE to the client's buffer"
         };
-        let window = f.window;
         let mut locals = match done {
-            Some(Ok(l)) if window.is_some() => {
-                // every work request's references to the staging buffer and the window MRs
-                // go back before the buffer is taken back
-                drop(l);
-                let w = window.expect("checked");
-                return self.finish_window(&f.provider, f.offset, f.len, f.to_region, w);
-            }
             Some(Ok(l)) => l,
             Some(Err(e)) => {
                 return Msg::error(ErrorCode::Internal, format!("bounce {op} failed: {e}"))
@@ -221,6 +216,30 @@ impl ConnState {
                 );
             }
         };
+        if let Some(w) = f.window {
+            // every work request's references to the staging buffer and the window MRs go
+            // back before the buffer is taken back
+            drop(locals);
+            return self.finish_window(&f.provider, f.offset, f.len, f.to_region, w);
+        }
+        if let Some(slot) = f.ring {
+            // the chunk landed in the ring slot: the device takes it from there (the slot
+            // goes back to the ring when the last reference, this one, is dropped)
+            drop(locals);
+            return match slot.commit(&*f.provider, f.offset) {
+                Ok(()) => Msg::BounceDone {
+                    len: f.len,
+                    zero_copy: f.len,
+                },
+                Err(e) => Msg::error(
+                    copy_error_code(&e),
+                    format!(
+                        "writing {} bytes into the region at {} from its CMB ring: {e}",
+                        f.len, f.offset
+                    ),
+                ),
+            };
+        }
         let Some(buf) = locals.pop().and_then(Local::into_owned) else {
             return Msg::error(ErrorCode::Internal, "bounce staging buffer lost");
         };
@@ -473,6 +492,7 @@ impl ConnState {
                 rdma,
                 staging,
             }),
+            ring: None,
             meta,
         });
         Ok(())
@@ -500,6 +520,10 @@ impl ConnState {
             Ok(p) => p,
             Err(e) => return Ok(Err(e)),
         };
+        // a put of whole blocks into an `nvme` region whose CMB ring the NIC lands READs in
+        if let Some(slot) = self.put_slot(shared, r, &provider, &req) {
+            return Ok(self.start_ring_put(shared, &req, provider, slot, meta));
+        }
         // a staging buffer: a free one, a new one while the ring is not full, or the oldest
         // in-flight one once it completes
         let mut buf = loop {
@@ -603,9 +627,56 @@ impl ConnState {
             len: req.len,
             to_region: req.to_region,
             window: None,
+            ring: None,
             meta,
         });
         Ok(Ok(()))
+    }
+
+    /// Start a put whose chunk lands in a CMB ring slot: an RDMA READ of the client's buffer
+    /// into the slot (see [`ConnState::put_slot`]).
+    fn start_ring_put(
+        &mut self,
+        shared: &Shared,
+        req: &Bounce,
+        provider: Arc<dyn Provider>,
+        slot: Arc<PutSlot>,
+        mut meta: BounceMeta,
+    ) -> std::result::Result<(), Refusal> {
+        let remote = RemoteSlice {
+            addr: req.addr,
+            rkey: req.rkey,
+            len: req.len,
+        };
+        shared.metrics().observe_stage(
+            Direction::of(true),
+            BounceStage::queued,
+            meta.started.elapsed().as_secs_f64(),
+        );
+        let local = slot.local().map_err(internal)?;
+        let qp = self.qp.as_ref().expect("checked by the caller");
+        meta.posted = Some(Instant::now());
+        let pending = qp
+            .post_send(vec![SendWr {
+                op: SendOp::Read(remote),
+                local,
+            }])
+            .map_err(|e| internal(format!("posting the bounce transfer: {e}")))?;
+        self.inflight.push_back(InFlight {
+            fut: Box::pin(async move {
+                tokio::time::timeout(BOUNCE_STALL, pending.wait())
+                    .await
+                    .ok()
+            }),
+            provider,
+            offset: req.offset,
+            len: req.len,
+            to_region: true,
+            window: None,
+            ring: Some(slot),
+            meta,
+        });
+        Ok(())
     }
 }
 

@@ -48,6 +48,7 @@ mod nics;
 mod notices;
 mod preauth;
 mod regions;
+mod ring_put;
 pub(crate) mod session;
 mod stage;
 mod tcp;

@@ -34,7 +34,8 @@ pub(super) struct Region {
     /// NIC moves windowed units straight to and from the client (None: the CPU copies them).
     pub(super) window_mode: Option<RegMode>,
     /// Block storage staged through a CMB ring that the NIC was proved to reach: staged
-    /// fetches lend it ring slots instead of copying them to host staging.
+    /// fetches lend it ring slots instead of copying them to host staging, and puts of whole
+    /// blocks land in its slots where the NIC was proved to write them.
     /// Taken at removal, so that the ring's registration (and the CMB with it) is released
     /// once the windows lent over it are gone.
     pub(super) ring_nic: Mutex<Option<crate::path::RingNic>>,
@@ -271,10 +272,16 @@ pub(super) async fn build_region(
         .downcast_ref::<peermem::block::BlockStorage>();
     let mut ring_nic = None;
     if let Some((b, ring)) = block.and_then(|b| b.ring().map(|r| (b, r))) {
-        let leg =
-            crate::path::ring_nic_leg(pd, &ring, cfg.reg, sharing.windows(), cfg.qp_path.max_mtu)
-                .await;
-        b.set_nic_leg(leg.report);
+        let leg = crate::path::ring_nic_leg(
+            pd,
+            &ring,
+            cfg.reg,
+            sharing.windows(),
+            b.ring_put_leg(),
+            cfg.qp_path.max_mtu,
+        )
+        .await;
+        b.set_nic_legs(leg.report, leg.put_report);
         ring_nic = leg.nic;
     }
     let choice = opts.choice(len, cfg.reg, cfg.p2p);

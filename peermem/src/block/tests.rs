@@ -273,9 +273,13 @@ fn a_ring_carries_every_byte_of_fetches_and_puts_and_slots_come_back() {
         model[off..off + len].copy_from_slice(&d);
     }
     assert_eq!(std::fs::read(&path).unwrap(), model);
-    let [dc, cd, dh, hd, cn] = b.moved();
+    let [dc, cd, dh, hd, cn, nc] = b.moved();
     assert!(dc > 3 << 20 && cd > 1 << 20, "{:?}", b.moved());
-    assert_eq!((dh, hd, cn), (0, 0, 0), "nothing went through host memory");
+    assert_eq!(
+        (dh, hd, cn, nc),
+        (0, 0, 0, 0),
+        "nothing went through host memory"
+    );
     // every slot is free again
     let ring = b.via.as_ref().unwrap();
     assert_eq!(lock(&ring.free).len() as u64, (2 << 20) / ring.slot);
@@ -341,7 +345,7 @@ fn a_lent_slot_holds_the_chunk_until_the_lease_ends() {
     let lent: u64 = leases.iter().map(|l| l.range.end - l.range.start).sum();
     drop(leases);
     assert_eq!(free(), slots, "every slot came back");
-    let [dc, _, dh, _, cn] = b.moved();
+    let [dc, _, dh, _, cn, _] = b.moved();
     assert_eq!(cn, lent);
     assert!(dc >= lent && dh > 0, "{:?}", b.moved());
     assert!(b.residency().unwrap().contains("CMB → NIC"));
@@ -361,4 +365,66 @@ fn a_read_only_region_never_tries_the_write_leg() {
         bytes,
         "the device was not written"
     );
+}
+
+#[test]
+fn a_put_lands_in_a_slot_and_reaches_the_device_only_when_committed() {
+    let (_dirs, path, mut model, b) = with_ring(4 << 20, 2 << 20, true);
+    assert_eq!(b.ring_put_leg(), Ok(()));
+    let ring = b.ring().unwrap();
+    let slot = b.via.as_ref().unwrap().slot;
+    let free = || lock(&b.via.as_ref().unwrap().free).len() as u64;
+    let slots = free();
+    // whole blocks: a slot, from its start (a page)
+    let l = b.lend_slot_for_put(8192, 3 * 4096).unwrap().unwrap();
+    assert_eq!(
+        (l.range.start % slot, l.range.end - l.range.start),
+        (0, 3 * 4096)
+    );
+    assert_eq!(free(), slots - 1);
+    // the NIC's write into the slot (here, the CPU's) changes nothing on the device yet
+    let d: Vec<u8> = (0..3 * 4096).map(|j| (j * 7 + 1) as u8).collect();
+    ring.copy_in(l.range.start, &d).unwrap();
+    assert_eq!(
+        std::fs::read(&path).unwrap(),
+        model,
+        "written before the commit"
+    );
+    b.commit_slot(&l, 8192).unwrap();
+    model[8192..8192 + d.len()].copy_from_slice(&d);
+    assert_eq!(std::fs::read(&path).unwrap(), model);
+    drop(l);
+    assert_eq!(free(), slots, "the slot came back with its lease");
+    let [_, cd, _, hd, _, nc] = b.moved();
+    assert_eq!((nc, cd, hd), (3 * 4096, 3 * 4096, 0), "{:?}", b.moved());
+    assert!(b.residency().unwrap().contains("NIC → CMB 0.0 MiB"));
+    // not lent: partly covered blocks (read, patched and written by copy_in), longer than a
+    // slot; an error past the end
+    let block = b.block_size();
+    assert!(b.lend_slot_for_put(block / 2, block).unwrap().is_none());
+    assert!(b.lend_slot_for_put(0, block + 1).unwrap().is_none());
+    assert!(b.lend_slot_for_put(0, slot + block).unwrap().is_none());
+    assert!(b.lend_slot_for_put(4 << 20, block).is_err());
+    // a slot of another region's ring is refused, and so is a range past the end
+    let (_d2, _, _, other) = with_ring(1 << 20, 1 << 20, true);
+    let foreign = other.lend_slot_for_put(0, 4096).unwrap().unwrap();
+    assert!(b.commit_slot(&foreign, 0).is_err());
+    let l = b.lend_slot_for_put(0, 8192).unwrap().unwrap();
+    assert!(b.commit_slot(&l, (4 << 20) - 4096).is_err());
+    assert_eq!(
+        std::fs::read(&path).unwrap(),
+        model,
+        "a refused commit writes nothing"
+    );
+}
+
+#[test]
+fn a_read_only_region_or_one_without_a_ring_lends_no_slot_for_puts() {
+    let (_dirs, _, _, b) = with_ring(1 << 20, 1 << 20, false);
+    assert_eq!(b.ring_put_leg(), Err("the region is read-only".to_string()));
+    assert!(b.lend_slot_for_put(0, 4096).unwrap().is_none());
+    let (_d, path, _) = image(1 << 20);
+    let plain = open(&path, None, true);
+    assert!(plain.ring_put_leg().is_err());
+    assert!(plain.lend_slot_for_put(0, 4096).unwrap().is_none());
 }

@@ -1,0 +1,226 @@
+//! A block-storage region's staging ring in an NVMe CMB: its slots, the proof of its legs
+//! at open, and the slots lent out: to the NIC to read a fetch's chunk the device read into
+//! the slot ([`BlockStorage::lend_slot`]), and to the NIC to write a put's chunk into, which
+//! the device then takes from the slot ([`BlockStorage::lend_slot_for_put`],
+//! [`BlockStorage::commit_slot`]). Either way the bytes stay out of host memory.
+
+use std::os::fd::AsFd;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+use verbs::{HostBuffer, SharedMemory};
+
+use super::{lock, BlockStorage, PAGE, PIECE};
+use crate::cmb::CmbMemory;
+use crate::error::Error;
+use crate::provider::{check_range, Provider};
+
+/// A ring of staging slots in a CMB, and what its legs were proved to do.
+#[derive(Debug)]
+pub(super) struct Ring {
+    pub(super) cmb: Arc<CmbMemory>,
+    pub(super) slot: u64,
+    /// Offsets of the free slots (a [`RingLease`] gives its slot back here).
+    pub(super) free: Arc<Mutex<Vec<u64>>>,
+    /// Device → CMB works (else why not).
+    pub(super) read: Result<(), String>,
+    /// CMB → device works (else why not; read-only regions never try).
+    pub(super) write: Result<(), String>,
+}
+
+/// A ring slot lent out with a chunk the device read into it, peer to peer, for the NIC to
+/// read from the CMB itself ([`BlockStorage::lend_slot`]). The slot goes back to the ring when
+/// the lease is dropped: whoever lends the bytes to a peer revokes the peer's access first.
+#[derive(Debug)]
+pub struct RingLease {
+    free: Arc<Mutex<Vec<u64>>>,
+    slot: u64,
+    /// Where the chunk's bytes are in the ring's memory (offsets into [`BlockStorage::ring`]).
+    pub range: std::ops::Range<u64>,
+}
+
+impl Drop for RingLease {
+    fn drop(&mut self) {
+        lock(&self.free).push(self.slot);
+    }
+}
+
+impl BlockStorage {
+    /// Build the ring over `cmb` and prove its legs: a read of the region's first slot into
+    /// the CMB must give the bytes a read into host memory gives; a write of those same bytes
+    /// back from the CMB must read back unchanged (the device's bytes stay what they were).
+    pub(super) fn prove_ring(&self, cmb: CmbMemory) -> Result<Ring, Error> {
+        // eight slots (at most 1 MiB each), so that several requests use the ring at once; a
+        // whole number of pages (and of blocks) each
+        let unit = self.block.max(PAGE);
+        let slot = ((cmb.len() / 8).min(PIECE) / unit * unit).max(self.block);
+        if slot > cmb.len() {
+            return Err(Error::InvalidArgument(format!(
+                "the CMB ring ({} bytes) is smaller than one {}-byte block",
+                cmb.len(),
+                self.block
+            )));
+        }
+        let n = slot.min(self.len);
+        let mut want = HostBuffer::new(n as usize)?;
+        self.read_direct(self.base, want.as_mut_slice())?;
+        let mem = Arc::clone(cmb.mapping().expect("a CMB has a CPU mapping").0);
+        let fd = self.file.as_fd();
+        let read = mem
+            .fill_from_fd(0, n as usize, fd, self.base)
+            .map_err(|e| format!("O_DIRECT read into the CMB: {e}"))
+            .and_then(|()| same(&mem, want.as_slice(), "read into the CMB"));
+        let write = if !self.writable {
+            Err("the region is read-only".to_string())
+        } else if let Err(why) = &read {
+            Err(format!("not tried: {why}"))
+        } else {
+            mem.drain_to_fd(0, n as usize, fd, self.base)
+                .map_err(|e| format!("O_DIRECT write from the CMB: {e}"))
+                .and_then(|()| {
+                    let mut got = HostBuffer::new(n as usize).map_err(|e| e.to_string())?;
+                    self.read_direct(self.base, got.as_mut_slice())
+                        .map_err(|e| e.to_string())?;
+                    if got.as_slice() == want.as_slice() {
+                        Ok(())
+                    } else {
+                        Err("the bytes written from the CMB read back different".into())
+                    }
+                })
+        };
+        for (leg, r) in [("device → CMB", &read), ("CMB → device", &write)] {
+            match r {
+                Ok(()) => {
+                    tracing::info!(path = %self.path.display(), leg, "peer to peer, verified")
+                }
+                Err(why) => {
+                    tracing::warn!(path = %self.path.display(), leg, why, "through host memory")
+                }
+            }
+        }
+        let slots = (cmb.len() / slot).max(1);
+        Ok(Ring {
+            free: Arc::new(Mutex::new((0..slots).rev().map(|i| i * slot).collect())),
+            cmb: Arc::new(cmb),
+            slot,
+            read,
+            write,
+        })
+    }
+
+    /// Read the `len` bytes at region offset `offset` from the device into a free ring slot,
+    /// peer to peer, and lend the slot: the caller lets the NIC read `range` of the ring's
+    /// memory (registered by the caller on the NIC, [`BlockStorage::ring`]) and drops the
+    /// lease once the NIC is done. `Ok(None)` when the chunk cannot be lent this way, and the
+    /// caller copies it as usual: no ring, a device → CMB leg that was not proved, a chunk
+    /// whose covering blocks are longer than a slot, no free slot, or (`page_start`: the NIC's access
+    /// was proved only from the start of a page) a chunk that would not start on a page.
+    pub fn lend_slot(
+        &self,
+        offset: u64,
+        len: u64,
+        page_start: bool,
+    ) -> Result<Option<RingLease>, Error> {
+        check_range("region", offset, len, self.len)?;
+        let at = self.base + offset;
+        let (a0, a1) = self.cover(at, len);
+        let skip = at - a0;
+        // every slot starts on a page (`prove_ring`): the chunk does when `skip` is one
+        if len == 0 || (page_start && skip % PAGE != 0) {
+            return Ok(None);
+        }
+        let Some((ring, slot)) = self.take_slot(false, a1 - a0) else {
+            return Ok(None);
+        };
+        let lease = RingLease {
+            free: Arc::clone(&ring.free),
+            slot,
+            range: slot + skip..slot + skip + len,
+        };
+        // (a read that fails gives the slot back with the lease)
+        cmb_mem(ring).fill_from_fd(slot, (a1 - a0) as usize, self.fd(), a0)?;
+        self.moved.dev_to_cmb.fetch_add(a1 - a0, Ordering::Relaxed);
+        self.moved.cmb_to_nic.fetch_add(len, Ordering::Relaxed);
+        Ok(Some(lease))
+    }
+
+    /// Whether puts may go through the ring (the region is writable and its CMB → device leg
+    /// was proved), else why not.
+    pub fn ring_put_leg(&self) -> Result<(), String> {
+        match &self.via {
+            Some(_) if !self.writable => Err("the region is read-only".into()),
+            Some(r) => r
+                .write
+                .clone()
+                .map_err(|why| format!("CMB → device is not peer to peer ({why})")),
+            None => Err("no CMB staging ring".into()),
+        }
+    }
+
+    /// A free ring slot for a put's `len` bytes at region offset `offset`, for the NIC to
+    /// write the chunk into (from the slot's start, a page) before [`BlockStorage::commit_slot`]
+    /// writes it to the device. `Ok(None)` when the chunk cannot go this way, and the caller
+    /// copies it as usual ([`Provider::copy_in`]): no ring, a CMB → device leg that was not
+    /// proved, a chunk that is not whole blocks (a partly covered block is read, patched and
+    /// written under a lock), one longer than a slot, or no slot free. Nothing is written
+    /// until the commit: a put that fails before leaves the region as it was.
+    pub fn lend_slot_for_put(&self, offset: u64, len: u64) -> Result<Option<RingLease>, Error> {
+        check_range("region", offset, len, self.len)?;
+        let at = self.base + offset;
+        if len == 0 || !self.aligned(at) || !self.aligned(len) {
+            return Ok(None);
+        }
+        let Some((ring, slot)) = self.take_slot(true, len) else {
+            return Ok(None);
+        };
+        Ok(Some(RingLease {
+            free: Arc::clone(&ring.free),
+            slot,
+            range: slot..slot + len,
+        }))
+    }
+
+    /// Write the chunk the NIC wrote into `lease`'s slot (see
+    /// [`BlockStorage::lend_slot_for_put`]) to region offset `offset` on the device, peer to
+    /// peer (CMB → device), under the shared lock of whole-block writes. The lease stays the
+    /// caller's: it gives the slot back once nothing (no work request) can write it any more.
+    pub fn commit_slot(&self, lease: &RingLease, offset: u64) -> Result<(), Error> {
+        let len = lease.range.end - lease.range.start;
+        check_range("region", offset, len, self.len)?;
+        let at = self.base + offset;
+        let ring = self
+            .via
+            .as_ref()
+            .filter(|r| Arc::ptr_eq(&r.free, &lease.free))
+            .ok_or_else(|| {
+                Error::InvalidArgument("the slot is not one of this region's ring".into())
+            })?;
+        if !self.aligned(at) || !self.aligned(len) || lease.range.start != lease.slot {
+            return Err(Error::InvalidArgument(format!(
+                "a put's slot holds whole blocks from its start: {len} bytes at {offset} are not"
+            )));
+        }
+        let _whole = self.rmw.read().unwrap_or_else(|p| p.into_inner());
+        cmb_mem(ring).drain_to_fd(lease.slot, len as usize, self.fd(), at)?;
+        self.moved.nic_to_cmb.fetch_add(len, Ordering::Relaxed);
+        self.moved.cmb_to_dev.fetch_add(len, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+pub(super) fn cmb_mem(ring: &Ring) -> &Arc<SharedMemory> {
+    ring.cmb.mapping().expect("a CMB has a CPU mapping").0
+}
+
+fn same(mem: &SharedMemory, want: &[u8], what: &str) -> Result<(), String> {
+    let mut got = vec![0; want.len()];
+    mem.read_at(0, &mut got).map_err(|e| e.to_string())?;
+    if got == want {
+        Ok(())
+    } else {
+        let at = got.iter().zip(want).position(|(a, b)| a != b).unwrap_or(0);
+        Err(format!(
+            "the {what} completed but the bytes differ from a read into host memory (first at byte {at})"
+        ))
+    }
+}
