@@ -600,13 +600,7 @@ async fn lab_nvme_puts_of_whole_blocks_land_in_the_cmb_ring_and_reach_the_ssd() 
         assert!(info.reason.contains("NIC → CMB: "), "{}", info.reason);
     }
     let h = c.open("d", true).await.unwrap();
-    let nic_to_cmb = |moved: &str| -> f64 {
-        moved
-            .split("NIC → CMB ")
-            .nth(1)
-            .and_then(|v| v.trim_end_matches(" MiB").trim().parse().ok())
-            .unwrap_or_else(|| panic!("no NIC → CMB figure in {moved}"))
-    };
+    let nic_to_cmb = |moved: &str| leg_mib(moved, "NIC → CMB");
     let before = nic_to_cmb(&moved(&mut c, "d").await);
     // 1 MiB of whole blocks (four chunks), then a put whose last chunk covers a block partly
     let mut zero_copy = 0;
@@ -704,12 +698,17 @@ async fn moved(c: &mut Client, name: &str) -> String {
 
 /// MiB the NIC read from region `d`'s CMB ring, as `ls` shows them.
 async fn cmb_to_nic(c: &mut Client) -> f64 {
-    let moved = moved(c, "d").await;
+    leg_mib(&moved(c, "d").await, "CMB → NIC")
+}
+
+/// The MiB of one leg (`CMB → NIC`) in what `ls` shows of a region's moved bytes.
+fn leg_mib(moved: &str, leg: &str) -> f64 {
     moved
-        .split("CMB → NIC ")
+        .split(&format!("{leg} "))
         .nth(1)
-        .and_then(|v| v.trim_end_matches(" MiB").trim().parse().ok())
-        .unwrap_or_else(|| panic!("no CMB → NIC figure in {moved}"))
+        .and_then(|v| v.split(" MiB").next())
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {leg} figure in {moved}"))
 }
 
 /// `p2p-rdma bench` with the lab token.
