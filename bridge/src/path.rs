@@ -241,16 +241,14 @@ pub async fn prove_segments(
 /// into ring slots through it.
 #[derive(Debug, Clone)]
 pub struct RingNic {
-    /// The whole ring, registered with the strategy a canary proved, with local write (and
-    /// `MW_BIND` when chunks are lent), no remote access of its own.
+    /// The whole ring, registered with the strategy a canary proved, for memory windows and
+    /// as the local end of READs (`LOCAL_WRITE | MW_BIND`), no remote access of its own.
     pub mr: Arc<peermem::canary::DeviceMr>,
     /// `Some(path MTU)`: the access was proved only from the start of a page (a canary
     /// starting partway into a page failed), at this path MTU: only chunks that start on a
     /// page may be read from or land in the ring, and only on a connection at this path MTU
     /// (at a smaller one, packets start partway into pages). None: proved at any offset.
     pub page_start: Option<u32>,
-    /// Chunks of fetches are lent to clients from ring slots (through memory windows).
-    pub lends: bool,
     /// Puts land in ring slots: a landing canary proved an RDMA READ into `mr`.
     pub puts: bool,
 }
@@ -263,8 +261,8 @@ pub struct RingLeg {
     pub report: String,
     /// One line for the legs' report: NIC → CMB (puts).
     pub put_report: String,
-    /// The registration to lend slots through and land puts in, when the NIC was proved to
-    /// reach the ring and either is used.
+    /// The registration to lend slots through (and land puts in, where proved), when the NIC
+    /// was proved to reach the ring and the caller lends.
     pub nic: Option<RingNic>,
 }
 
@@ -277,8 +275,9 @@ pub struct RingLeg {
 /// canary runs at the caller's path MTU (`max_mtu`, its `--mtu`; None: the port's), since a
 /// proof from page starts holds at one path MTU only.
 ///
-/// `lend`: the caller isolates clients with memory windows and will lend slots to fetches
-/// (else the report says why the CPU copies them). `puts`: whether the region would take puts
+/// `lend`: the caller isolates clients with memory windows (one protection domain, `pd`) and
+/// will lend slots to fetches (else the report says why the CPU copies fetches and puts alike).
+/// `puts`: whether the region would take puts
 /// through the ring (writable, its CMB → device leg proved), else why not; then a landing
 /// canary proves that an RDMA READ lands in the ring (the NIC writing into the CMB), at the
 /// same offsets and path MTU as the rest.
@@ -305,17 +304,30 @@ pub async fn ring_nic_leg(
         Ok(p) => p,
         Err(why) => return refused(format!("the NIC cannot reach the ring ({why}): {copies}")),
     };
-    let access = if lend {
-        verbs::Access::LOCAL_WRITE | verbs::Access::MW_BIND
-    } else {
-        verbs::Access::LOCAL_WRITE
-    };
+    if !lend {
+        // without memory windows each connection has a protection domain of its own, where
+        // the ring's registration (in `pd`) is no use to its QP
+        return RingLeg {
+            report: format!(
+                "the NIC reaches the ring ({how}), but this server does not isolate clients \
+                 with memory windows (serve --sharing per-connection), and a slot is lent only \
+                 through one: {copies}"
+            ),
+            put_report: format!(
+                "not tried: each connection of this server has a protection domain of its own \
+                 (serve --sharing per-connection), where the ring's registration cannot be the \
+                 local end of a READ: {put_copies}"
+            ),
+            nic: None,
+        };
+    }
+    let access = verbs::Access::LOCAL_WRITE | verbs::Access::MW_BIND;
     let mr = match register_mode(pd, ring, 0..ring.len(), access, mode) {
         Ok(mr) => Arc::new(mr),
         Err(e) => {
             return refused(format!(
-                "the NIC reaches the ring ({how}), but registering it{} failed ({e}): {copies}",
-                if lend { " for memory windows" } else { "" }
+                "the NIC reaches the ring ({how}), but registering it for memory windows failed \
+                 ({e}): {copies}"
             ))
         }
     };
@@ -347,31 +359,22 @@ pub async fn ring_nic_leg(
             ),
         },
     };
-    let report = if lend {
-        format!(
-            "the NIC reads each chunk from its ring slot through a read-only memory window \
-             ({how}); a chunk the ring cannot lend (longer than a slot, no slot free{}) is \
-             copied by the CPU to host staging",
-            if page_start.is_some() {
-                ", starting partway into a page, or asked on a connection at another path MTU"
-            } else {
-                ""
-            }
-        )
-    } else {
-        format!(
-            "the NIC reaches the ring ({how}), but this server does not isolate clients with \
-             memory windows (serve --sharing per-connection), and a slot is lent only through \
-             one: {copies}"
-        )
-    };
+    let report = format!(
+        "the NIC reads each chunk from its ring slot through a read-only memory window ({how}); \
+         a chunk the ring cannot lend (longer than a slot, no slot free{}) is copied by the CPU \
+         to host staging",
+        if page_start.is_some() {
+            ", starting partway into a page, or asked on a connection at another path MTU"
+        } else {
+            ""
+        }
+    );
     RingLeg {
         report,
         put_report,
-        nic: (lend || lands).then_some(RingNic {
+        nic: Some(RingNic {
             mr,
             page_start,
-            lends: lend,
             puts: lands,
         }),
     }

@@ -198,9 +198,7 @@ impl ConnState {
         started: Instant,
     ) -> Option<Msg> {
         let r = shared.regions.get(region);
-        let nic = lock(&r.ring_nic)
-            .clone()
-            .filter(|n| n.lends && self.nic == r.nic)?;
+        let nic = lock(&r.ring_nic).clone().filter(|_| self.nic == r.nic)?;
         let block = provider.as_any().downcast_ref::<BlockStorage>()?;
         let qp = self.qp.as_ref()?;
         if let Some(proved) = nic.page_start {
