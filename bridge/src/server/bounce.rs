@@ -62,6 +62,33 @@ struct BounceMeta {
     posted: Option<Instant>,
 }
 
+impl InFlight {
+    /// A posted bounce transfer of `req`'s range, waited for at most [`BOUNCE_STALL`].
+    fn posted(
+        pending: verbs::Pending,
+        provider: Arc<dyn Provider>,
+        req: &Bounce,
+        window: Option<WindowXfer>,
+        ring: Option<Arc<PutSlot>>,
+        meta: BounceMeta,
+    ) -> InFlight {
+        InFlight {
+            fut: Box::pin(async move {
+                tokio::time::timeout(BOUNCE_STALL, pending.wait())
+                    .await
+                    .ok()
+            }),
+            provider,
+            offset: req.offset,
+            len: req.len,
+            to_region: req.to_region,
+            window,
+            ring,
+            meta,
+        }
+    }
+}
+
 /// The segments of a device-private bounce request, some moved by RDMA straight from or to
 /// their window MRs (their leases are held until the completion, so invalidation waits for
 /// it), the others through the staging buffer.
@@ -477,24 +504,18 @@ impl ConnState {
             .post_send(wrs)
             .map_err(|e| internal(format!("posting the bounce transfer: {e}")))?;
         let rdma = mrs.iter().map(Option::is_some).collect();
-        self.inflight.push_back(InFlight {
-            fut: Box::pin(async move {
-                tokio::time::timeout(BOUNCE_STALL, pending.wait())
-                    .await
-                    .ok()
-            }),
-            provider: Arc::clone(provider),
-            offset: req.offset,
-            len: req.len,
-            to_region: req.to_region,
-            window: Some(WindowXfer {
+        self.inflight.push_back(InFlight::posted(
+            pending,
+            Arc::clone(provider),
+            req,
+            Some(WindowXfer {
                 segs,
                 rdma,
                 staging,
             }),
-            ring: None,
+            None,
             meta,
-        });
+        ));
         Ok(())
     }
 
@@ -616,20 +637,8 @@ impl ConnState {
             Ok(p) => p,
             Err(e) => return Ok(Err(internal(format!("posting the bounce transfer: {e}")))),
         };
-        self.inflight.push_back(InFlight {
-            fut: Box::pin(async move {
-                tokio::time::timeout(BOUNCE_STALL, pending.wait())
-                    .await
-                    .ok()
-            }),
-            provider,
-            offset: req.offset,
-            len: req.len,
-            to_region: req.to_region,
-            window: None,
-            ring: None,
-            meta,
-        });
+        self.inflight
+            .push_back(InFlight::posted(pending, provider, &req, None, None, meta));
         Ok(Ok(()))
     }
 
@@ -654,7 +663,9 @@ impl ConnState {
             meta.started.elapsed().as_secs_f64(),
         );
         let local = slot.local().map_err(internal)?;
-        let qp = self.qp.as_ref().expect("checked by the caller");
+        let Some(qp) = self.qp.as_ref() else {
+            return Err(internal("a ring put on a connection without a QP"));
+        };
         meta.posted = Some(Instant::now());
         let pending = qp
             .post_send(vec![SendWr {
@@ -662,20 +673,14 @@ impl ConnState {
                 local,
             }])
             .map_err(|e| internal(format!("posting the bounce transfer: {e}")))?;
-        self.inflight.push_back(InFlight {
-            fut: Box::pin(async move {
-                tokio::time::timeout(BOUNCE_STALL, pending.wait())
-                    .await
-                    .ok()
-            }),
+        self.inflight.push_back(InFlight::posted(
+            pending,
             provider,
-            offset: req.offset,
-            len: req.len,
-            to_region: true,
-            window: None,
-            ring: Some(slot),
+            req,
+            None,
+            Some(slot),
             meta,
-        });
+        ));
         Ok(())
     }
 }

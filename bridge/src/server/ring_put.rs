@@ -76,10 +76,11 @@ impl ConnState {
             .clone()
             .filter(|n| n.puts && self.nic == r.nic)?;
         let block = provider.as_any().downcast_ref::<BlockStorage>()?;
+        let qp = self.qp.as_ref()?;
         if let Some(proved) = nic.page_start {
             // proved from page starts at `proved` only: at a smaller path MTU the READ's
             // response packets land partway into pages
-            if self.qp.as_ref()?.path_mtu() != Some(proved) {
+            if qp.path_mtu() != Some(proved) {
                 return None;
             }
         }
