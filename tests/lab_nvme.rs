@@ -655,6 +655,38 @@ async fn lab_nvme_puts_of_whole_blocks_land_in_the_cmb_ring_and_reach_the_ssd() 
     fetch_matches(&mut c, &h, 0, size, &model).await;
     c.bye().await.unwrap();
     s.stop().await;
+    if !lands {
+        return;
+    }
+    // a server whose connections each have a protection domain of their own: the ring's
+    // registration cannot be a READ's local end on their QPs, so nothing lands, and it says so
+    let s = start(&[&spec], |c| {
+        c.bounce_chunk = 256 << 10;
+        c.sharing = p2p_rdma::bridge::SharingPolicy::PerConnection;
+    })
+    .await;
+    let mut c = Client::connect(client(s.addr)).await.unwrap();
+    let info = c.list().await.unwrap().remove(0);
+    assert!(
+        info.reason
+            .contains("NIC → CMB: not tried: each connection of this server has a protection domain of its own"),
+        "{}",
+        info.reason
+    );
+    let h = c.open("d", true).await.unwrap();
+    let d = data(1 << 20, 6);
+    let rep = c
+        .put(&h, 2 << 20, &mut d.as_slice(), None, true, &mut |_| {})
+        .await
+        .unwrap();
+    model[2 << 20..(2 << 20) + d.len()].copy_from_slice(&d);
+    assert_eq!(rep.zero_copy_bytes, 0, "{rep:?}");
+    assert!(
+        dd_direct(&dev, 0, size) == model,
+        "the put of a per-connection server is not on the device"
+    );
+    c.bye().await.unwrap();
+    s.stop().await;
 }
 
 /// Fetch `len` bytes at `off` (with the client's check sum) and compare them with `model`'s:
