@@ -354,7 +354,7 @@ impl BlockStorage {
         // blocks under the shared one
         let (_patch, _whole);
         if edges.is_empty() {
-            _whole = self.rmw.read().unwrap_or_else(|p| p.into_inner());
+            _whole = self.whole_blocks();
         } else {
             _patch = self.rmw.write().unwrap_or_else(|p| p.into_inner());
         }
@@ -390,6 +390,11 @@ impl BlockStorage {
             .host_to_dev
             .fetch_add(span as u64, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// The shared side of the block lock, held while whole blocks are written (see `rmw`).
+    fn whole_blocks(&self) -> std::sync::RwLockReadGuard<'_, ()> {
+        self.rmw.read().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The offsets (in the covering span) of the blocks a write of `len` bytes at `skip`

@@ -74,9 +74,9 @@ impl fmt::Display for CanaryReport {
                 self.len,
                 self.offset,
                 self.write_wrong,
-                self.write_first_wrong.map(|o| format!(" (first at +{o})")).unwrap_or_default(),
+                first_at(self.write_first_wrong),
                 self.read_wrong,
-                self.read_first_wrong.map(|o| format!(" (first at +{o})")).unwrap_or_default(),
+                first_at(self.read_first_wrong),
             )
         }
     }
@@ -168,6 +168,23 @@ pub fn scratch_range(len: u64, path_mtu: u32) -> (u64, u64) {
         let start = len / 4;
         (start, len - start)
     }
+}
+
+/// The bytes a canary writes over `original`: every byte differs from the one it replaces, and
+/// the pattern changes along the range, so a misplaced copy shows.
+fn pattern_over(original: &[u8]) -> Vec<u8> {
+    original
+        .iter()
+        .enumerate()
+        .map(|(i, b)| !b ^ (i as u8 & 0x10))
+        .collect()
+}
+
+/// " (first at +N)" for a report's first wrong byte, or nothing.
+fn first_at(first_wrong: Option<u64>) -> String {
+    first_wrong
+        .map(|o| format!(" (first at +{o})"))
+        .unwrap_or_default()
 }
 
 fn diff(a: &[u8], b: &[u8]) -> (u64, Option<u64>) {
@@ -366,11 +383,7 @@ pub async fn run_canary_at(
     let n = len as usize;
     let mut original = vec![0u8; n];
     prov.copy_out(base + offset, &mut original)?;
-    let pattern: Vec<u8> = original
-        .iter()
-        .enumerate()
-        .map(|(i, b)| !b ^ (i as u8 & 0x10))
-        .collect();
+    let pattern = pattern_over(&original);
     let target = region.mr().remote(offset..offset + len)?;
     let result = async {
         let (mut write_wrong, mut write_first_wrong) = (0, None);

@@ -5,7 +5,7 @@
 //! from there once the READ completed: no byte crosses host memory. Every other chunk goes
 //! through host staging as before.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use peermem::block::{BlockStorage, RingLease};
 use peermem::canary::DeviceMr;
@@ -15,6 +15,7 @@ use verbs::{Local, MemoryRegion, RegionRef};
 use super::driver::ConnState;
 use super::regions::Region;
 use super::session::Bounce;
+use super::stage::lock;
 use super::Shared;
 
 /// A ring slot a put's chunk lands in. The work request that writes it holds it as its local
@@ -93,8 +94,4 @@ impl ConnState {
             }
         }
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }

@@ -476,7 +476,8 @@ fn slot_buffer(pd: &ProtectionDomain, len: usize) -> verbs::Result<RegisteredBuf
         .and_then(|m| pd.register(m, Access::LOCAL_WRITE | Access::MW_BIND, RegMode::Pinned))
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+/// A mutex's guard, poisoned or not (the data behind the server's mutexes stays consistent).
+pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 

@@ -200,7 +200,7 @@ impl BlockStorage {
                 "a put's slot holds whole blocks from its start: {len} bytes at {offset} are not"
             )));
         }
-        let _whole = self.rmw.read().unwrap_or_else(|p| p.into_inner());
+        let _whole = self.whole_blocks();
         cmb_mem(ring).drain_to_fd(lease.slot, len as usize, self.fd(), at)?;
         self.moved.nic_to_cmb.fetch_add(len, Ordering::Relaxed);
         self.moved.cmb_to_dev.fetch_add(len, Ordering::Relaxed);

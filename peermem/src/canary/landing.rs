@@ -10,7 +10,7 @@ use std::sync::Arc;
 use serde::Serialize;
 use verbs::{Access, HostBuffer, Local, ProtectionDomain, RegMode, RegionRef};
 
-use super::{canary_pair, diff, range_at, CanaryAt, DeviceMr};
+use super::{canary_pair, diff, first_at, pattern_over, range_at, CanaryAt, DeviceMr};
 use crate::error::Error;
 
 /// What a READ landing in the MR did.
@@ -53,9 +53,7 @@ impl fmt::Display for LandingReport {
                 self.len,
                 self.offset,
                 self.wrong,
-                self.first_wrong
-                    .map(|o| format!(" (first at +{o})"))
-                    .unwrap_or_default(),
+                first_at(self.first_wrong),
             )
         }
     }
@@ -89,11 +87,7 @@ pub async fn run_landing_canary(
     let (base, n) = (region.start(), len as usize);
     let mut original = vec![0u8; n];
     prov.copy_out(base + offset, &mut original)?;
-    let pattern: Vec<u8> = original
-        .iter()
-        .enumerate()
-        .map(|(i, b)| !b ^ (i as u8 & 0x20))
-        .collect();
+    let pattern = pattern_over(&original);
     let result = async {
         let mut src = pd.register(
             HostBuffer::new(n)?,
