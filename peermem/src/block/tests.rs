@@ -408,9 +408,11 @@ fn a_put_lands_in_a_slot_and_reaches_the_device_only_when_committed() {
     // a slot of another region's ring is refused, and so is a range past the end
     let (_d2, _, _, other) = with_ring(1 << 20, 1 << 20, true);
     let foreign = other.lend_slot_for_put(0, 4096).unwrap().unwrap();
-    assert!(b.commit_slot(&foreign, 0).is_err());
+    let e = b.commit_slot(&foreign, 0).unwrap_err().to_string();
+    assert!(e.contains("not one of this region's ring"), "{e}");
     let l = b.lend_slot_for_put(0, 8192).unwrap().unwrap();
-    assert!(b.commit_slot(&l, (4 << 20) - 4096).is_err());
+    let e = b.commit_slot(&l, (4 << 20) - 4096).unwrap_err().to_string();
+    assert!(e.contains("is outside the 4194304-byte region"), "{e}");
     assert_eq!(
         std::fs::read(&path).unwrap(),
         model,
