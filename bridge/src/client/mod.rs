@@ -760,7 +760,9 @@ impl Client {
                 let at = offset + done;
                 match slot {
                     Slot::Rdma(p, n) => {
-                        let back = await_or_stall(&rdma.qp, p, stall, "RDMA WRITE", at).await?;
+                        let back =
+                            await_or_stall(&rdma.qp, &mut self.conn, p, stall, "RDMA WRITE", at)
+                                .await?;
                         for b in back.into_iter().filter_map(Local::into_owned) {
                             rdma.pools.give(b);
                         }

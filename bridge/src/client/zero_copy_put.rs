@@ -223,7 +223,7 @@ async fn complete(
 ) -> Result<u64> {
     match window.pop_front() {
         Some(Flight::Direct(p, pos)) => {
-            await_or_stall(&rdma.qp, p, stall, "RDMA WRITE", pos).await?;
+            await_or_stall(&rdma.qp, conn, p, stall, "RDMA WRITE", pos).await?;
             Ok(0)
         }
         Some(Flight::Bounce(staging, n)) => {
