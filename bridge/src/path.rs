@@ -292,17 +292,23 @@ pub async fn ring_nic_leg(
     use peermem::canary::{register_mode, run_landing_canary, CanaryAt};
     let copies = "the CPU copies each slot to host staging";
     let put_copies = "the CPU copies each put from host staging into a slot";
-    let refused = |report: String| RingLeg {
+    // (`put_why`: why a put the region would take through the ring does not land there)
+    let refused = |report: String, put_why: &str| RingLeg {
         put_report: match &puts {
             Err(why) => format!("not tried: {why}"),
-            Ok(()) => format!("the NIC cannot reach the ring (see CMB → NIC): {put_copies}"),
+            Ok(()) => format!("{put_why}: {put_copies}"),
         },
         report,
         nic: None,
     };
     let (mode, page_start, how) = match prove_ring_access(pd, ring, reg, max_mtu).await {
         Ok(p) => p,
-        Err(why) => return refused(format!("the NIC cannot reach the ring ({why}): {copies}")),
+        Err(why) => {
+            return refused(
+                format!("the NIC cannot reach the ring ({why}): {copies}"),
+                "the NIC cannot reach the ring (see CMB → NIC)",
+            )
+        }
     };
     if !lend {
         // without memory windows each connection has a protection domain of its own, where
@@ -325,10 +331,16 @@ pub async fn ring_nic_leg(
     let mr = match register_mode(pd, ring, 0..ring.len(), access, mode) {
         Ok(mr) => Arc::new(mr),
         Err(e) => {
-            return refused(format!(
-                "the NIC reaches the ring ({how}), but registering it for memory windows failed \
-                 ({e}): {copies}"
-            ))
+            return refused(
+                format!(
+                    "the NIC reaches the ring ({how}), but registering it for memory windows \
+                     failed ({e}): {copies}"
+                ),
+                &format!(
+                    "the NIC reaches the ring ({how}), but registering it as the local end of \
+                     a READ failed ({e})"
+                ),
+            )
         }
     };
     let at = if page_start.is_some() {
