@@ -193,12 +193,8 @@ async fn lab_nvme_region_serves_the_ssd_by_direct_io_and_puts_reach_it() {
     .enumerate()
     {
         let d = data(len as usize, 100 + i as u32);
-        let r = c
-            .put(&h, off, &mut d.as_slice(), None, true, &mut |_| {})
-            .await
-            .unwrap();
+        let r = put_model(&mut c, &h, off, &d, &mut model).await;
         assert!(r.verified);
-        model[off as usize..(off + len) as usize].copy_from_slice(&d);
         let (a0, a1) = (off / 4096 * 4096, (off + len).div_ceil(4096) * 4096);
         assert!(
             dd_direct(&dev, a0, a1 - a0) == model[a0 as usize..a1 as usize],
@@ -605,13 +601,8 @@ async fn lab_nvme_puts_of_whole_blocks_land_in_the_cmb_ring_and_reach_the_ssd() 
     // 1 MiB of whole blocks (four chunks), then a put whose last chunk covers a block partly
     let mut zero_copy = 0;
     for (off, len, seed) in [(1u64 << 20, 1u64 << 20, 3u32), (3 << 20, 300_000, 4)] {
-        let d = data(len as usize, seed);
-        let rep = c
-            .put(&h, off, &mut d.as_slice(), None, true, &mut |_| {})
-            .await
-            .unwrap();
+        let rep = put_model(&mut c, &h, off, &data(len as usize, seed), &mut model).await;
         zero_copy += rep.zero_copy_bytes;
-        model[off as usize..(off + len) as usize].copy_from_slice(&d);
     }
     assert!(
         dd_direct(&dev, 0, size) == model,
@@ -640,11 +631,7 @@ async fn lab_nvme_puts_of_whole_blocks_land_in_the_cmb_ring_and_reach_the_ssd() 
     let mut c = Client::connect(small).await.unwrap();
     let h = c.open("d", true).await.unwrap();
     let d = data(512 << 10, 5);
-    let rep = c
-        .put(&h, 6 << 20, &mut d.as_slice(), None, true, &mut |_| {})
-        .await
-        .unwrap();
-    model[6 << 20..(6 << 20) + d.len()].copy_from_slice(&d);
+    let rep = put_model(&mut c, &h, 6 << 20, &d, &mut model).await;
     if lands && info.reason.contains("on connections at path MTU 4096") {
         assert_eq!(rep.zero_copy_bytes, 0, "landed at path MTU 1024: {rep:?}");
     }
@@ -674,12 +661,7 @@ async fn lab_nvme_puts_of_whole_blocks_land_in_the_cmb_ring_and_reach_the_ssd() 
         info.reason
     );
     let h = c.open("d", true).await.unwrap();
-    let d = data(1 << 20, 6);
-    let rep = c
-        .put(&h, 2 << 20, &mut d.as_slice(), None, true, &mut |_| {})
-        .await
-        .unwrap();
-    model[2 << 20..(2 << 20) + d.len()].copy_from_slice(&d);
+    let rep = put_model(&mut c, &h, 2 << 20, &data(1 << 20, 6), &mut model).await;
     assert_eq!(rep.zero_copy_bytes, 0, "{rep:?}");
     assert!(
         dd_direct(&dev, 0, size) == model,
@@ -687,6 +669,23 @@ async fn lab_nvme_puts_of_whole_blocks_land_in_the_cmb_ring_and_reach_the_ssd() 
     );
     c.bye().await.unwrap();
     s.stop().await;
+}
+
+/// Put `d` at `off` (with the client's check sum) and write it into `model` too: the put's
+/// report.
+async fn put_model(
+    c: &mut Client,
+    h: &p2p_rdma::bridge::OpenRegion,
+    off: u64,
+    d: &[u8],
+    model: &mut [u8],
+) -> p2p_rdma::bridge::TransferReport {
+    let rep = c
+        .put(h, off, &mut &d[..], None, true, &mut |_| {})
+        .await
+        .unwrap();
+    model[off as usize..off as usize + d.len()].copy_from_slice(d);
+    rep
 }
 
 /// Fetch `len` bytes at `off` (with the client's check sum) and compare them with `model`'s:
