@@ -584,6 +584,10 @@ async fn lab_reliability_a_server_killed_mid_put_loses_no_acknowledged_byte() {
         !matches!(other, Error::Stalled { .. }),
         "the idle client waited for its stall limit instead of seeing the connection end: {other}"
     );
+    assert!(
+        other.to_string().contains(&addr.to_string()),
+        "the error does not name the server that went away: {other}"
+    );
 
     // a new server on the same file: every acknowledged byte is there
     let (server, addr) = ServeProcess::start(&spec, &token_file).await;
