@@ -24,7 +24,7 @@ use verbs::{
 
 use super::driver::{count_reply, internal, ConnState};
 use super::regions::removed;
-use super::ring_put::PutSlot;
+use super::ring_put::{PutRoute, PutSlot};
 use super::session::{Bounce, Catalog, Refusal};
 use super::Shared;
 use crate::conn::Conn;
@@ -63,6 +63,11 @@ struct BounceMeta {
 }
 
 impl InFlight {
+    /// A put's chunk landing in a CMB ring slot: its slot comes back once it completes.
+    pub(super) fn lands(&self) -> bool {
+        self.ring.is_some()
+    }
+
     /// A posted bounce transfer of `req`'s range, waited for at most [`BOUNCE_STALL`].
     fn posted(
         pending: verbs::Pending,
@@ -171,11 +176,18 @@ pub(super) fn record_staged(
 impl ConnState {
     /// Finish every bounce in flight, replying to each in order.
     pub(super) async fn drain(&mut self, shared: &Shared, conn: &mut Conn) -> Result<()> {
-        while let Some(mut f) = self.inflight.pop_front() {
-            let done = f.fut.as_mut().await;
-            let reply = self.complete(shared, f, done);
-            conn.send(&reply).await?;
+        while !self.inflight.is_empty() {
+            self.complete_oldest(shared, conn).await?;
         }
+        Ok(())
+    }
+
+    /// Wait for the oldest bounce in flight (there is one) and send its reply.
+    async fn complete_oldest(&mut self, shared: &Shared, conn: &mut Conn) -> Result<()> {
+        let mut f = self.inflight.pop_front().expect("checked: work in flight");
+        let done = f.fut.as_mut().await;
+        let reply = self.complete(shared, f, done);
+        conn.send(&reply).await?;
         Ok(())
     }
 
@@ -542,8 +554,14 @@ impl ConnState {
             Err(e) => return Ok(Err(e)),
         };
         // a put of whole blocks into an `nvme` region whose CMB ring the NIC lands READs in
-        if let Some(slot) = self.put_slot(shared, r, &provider, &req) {
-            return Ok(self.start_ring_put(shared, &req, provider, slot, meta));
+        loop {
+            match self.put_slot(shared, r, &provider, &req) {
+                PutRoute::Ring(slot) => {
+                    return Ok(self.start_ring_put(shared, &req, provider, slot, meta))
+                }
+                PutRoute::Wait => self.complete_oldest(shared, conn).await?,
+                PutRoute::Host => break,
+            }
         }
         // a staging buffer: a free one, a new one while the ring is not full, or the oldest
         // in-flight one once it completes
@@ -585,10 +603,7 @@ impl ConnState {
                     ),
                 )));
             }
-            let mut f = self.inflight.pop_front().expect("checked: work in flight");
-            let done = f.fut.as_mut().await;
-            let reply = self.complete(shared, f, done);
-            conn.send(&reply).await?;
+            self.complete_oldest(shared, conn).await?;
         };
         // the window units' strategy was proved on the region's own device
         if let Some(mode) = r

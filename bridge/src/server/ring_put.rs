@@ -57,40 +57,80 @@ impl PutSlot {
     }
 }
 
+/// Where a put's chunk goes: see [`ConnState::put_slot`].
+pub(super) enum PutRoute {
+    /// Into this ring slot.
+    Ring(Arc<PutSlot>),
+    /// Into the ring once this connection's oldest transfer in flight completes: the
+    /// connection is at its bounce depth, or every slot is lent and some to this connection's
+    /// own landings, which give theirs back as they complete.
+    Wait,
+    /// Through host staging.
+    Host,
+}
+
 impl ConnState {
-    /// A slot of region `r`'s CMB ring for the put `req`, when its chunk can land there: a
-    /// ring whose landing the NIC proved on this connection's device (from page starts: at
-    /// this connection's path MTU only), a chunk of whole blocks no longer than a slot, a
-    /// slot free, and this connection under its bounce depth (ring puts hold no staging
-    /// buffer, so the depth is what bounds them). None: the chunk goes through host staging.
+    /// Where region `r`'s put `req` goes. Its chunk lands in the CMB ring when the NIC was
+    /// proved to land READs there on this connection's device (from page starts: at this
+    /// connection's path MTU only), the chunk is whole blocks no longer than a slot, a slot
+    /// is free and the connection is under its bounce depth (ring puts hold no staging
+    /// buffer, so the depth is what bounds them). A chunk that would land waits for this
+    /// connection's own transfers in flight rather than cross host memory; it goes through
+    /// host staging only when the slots are all lent to other connections (they are given
+    /// back by their clients' requests, which this connection does not wait on).
     pub(super) fn put_slot(
         &self,
         shared: &Shared,
         r: &Region,
         provider: &Arc<dyn Provider>,
         req: &Bounce,
-    ) -> Option<Arc<PutSlot>> {
-        if !req.to_region || self.inflight.len() >= shared.cfg.bounce_depth {
-            return None;
-        }
-        let nic = lock(&r.ring_nic)
-            .clone()
-            .filter(|n| n.puts && self.nic == r.nic)?;
-        let block = provider.as_any().downcast_ref::<BlockStorage>()?;
-        let qp = self.qp.as_ref()?;
-        if let Some(proved) = nic.page_start {
-            // proved from page starts at `proved` only: at a smaller path MTU the READ's
-            // response packets land partway into pages
-            if qp.path_mtu() != Some(proved) {
+    ) -> PutRoute {
+        let lands = || -> Option<Arc<DeviceMr>> {
+            if !req.to_region {
                 return None;
             }
+            let nic = lock(&r.ring_nic)
+                .clone()
+                .filter(|n| n.puts && self.nic == r.nic)?;
+            let block = provider.as_any().downcast_ref::<BlockStorage>()?;
+            let qp = self.qp.as_ref()?;
+            if let Some(proved) = nic.page_start {
+                // proved from page starts at `proved` only: at a smaller path MTU the READ's
+                // response packets land partway into pages
+                if qp.path_mtu() != Some(proved) {
+                    return None;
+                }
+            }
+            match block.put_lands(req.offset, req.len) {
+                Ok(true) => Some(nic.mr),
+                Ok(false) => None,
+                Err(e) => {
+                    tracing::debug!(error = %e, req.offset, req.len, "no ring slot for a put");
+                    None
+                }
+            }
+        };
+        let Some(mr) = lands() else {
+            return PutRoute::Host;
+        };
+        if self.inflight.len() >= shared.cfg.bounce_depth {
+            return PutRoute::Wait;
         }
-        match block.lend_slot_for_put(req.offset, req.len) {
-            Ok(Some(lease)) => Some(Arc::new(PutSlot { mr: nic.mr, lease })),
-            Ok(None) => None,
-            Err(e) => {
+        let block = provider.as_any().downcast_ref::<BlockStorage>();
+        match block.map(|b| b.lend_slot_for_put(req.offset, req.len)) {
+            Some(Ok(Some(lease))) => PutRoute::Ring(Arc::new(PutSlot { mr, lease })),
+            _ if self.inflight.iter().any(|f| f.lands()) => PutRoute::Wait,
+            Some(Err(e)) => {
                 tracing::debug!(error = %e, req.offset, req.len, "no ring slot for a put");
-                None
+                PutRoute::Host
+            }
+            _ => {
+                tracing::debug!(
+                    req.offset,
+                    req.len,
+                    "every ring slot is lent to other connections: the put goes through host staging"
+                );
+                PutRoute::Host
             }
         }
     }

@@ -164,10 +164,10 @@ impl BlockStorage {
     /// proved, a chunk that is not whole blocks (a partly covered block is read, patched and
     /// written under a lock), one longer than a slot, or no slot free. Nothing is written
     /// until the commit: a put that fails before leaves the region as it was.
+    /// A chunk that [`BlockStorage::put_lands`] but finds every slot lent out gets `Ok(None)`
+    /// too: a slot comes back when its lease is dropped.
     pub fn lend_slot_for_put(&self, offset: u64, len: u64) -> Result<Option<RingLease>, Error> {
-        check_range("region", offset, len, self.len)?;
-        let at = self.base + offset;
-        if len == 0 || !self.aligned(at) || !self.aligned(len) {
+        if !self.put_lands(offset, len)? {
             return Ok(None);
         }
         let Some((ring, slot)) = self.take_slot(true, len) else {
@@ -178,6 +178,21 @@ impl BlockStorage {
             slot,
             range: slot..slot + len,
         }))
+    }
+
+    /// Whether a put's `len` bytes at region offset `offset` are a chunk the ring takes when
+    /// a slot is free (see [`BlockStorage::lend_slot_for_put`]): the CMB → device leg was
+    /// proved, and the chunk is whole blocks no longer than a slot. An error past the end.
+    pub fn put_lands(&self, offset: u64, len: u64) -> Result<bool, Error> {
+        check_range("region", offset, len, self.len)?;
+        let at = self.base + offset;
+        let fits = |r: &Ring| r.write.is_ok() && len <= r.slot;
+        Ok(
+            len != 0
+                && self.aligned(at)
+                && self.aligned(len)
+                && self.via.as_ref().is_some_and(fits),
+        )
     }
 
     /// Write the chunk the NIC wrote into `lease`'s slot (see

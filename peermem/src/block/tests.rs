@@ -421,12 +421,36 @@ fn a_put_lands_in_a_slot_and_reaches_the_device_only_when_committed() {
 }
 
 #[test]
+fn a_put_that_lands_waits_for_a_slot_only_while_every_slot_is_lent() {
+    let (_dirs, _, _, b) = with_ring(4 << 20, 1 << 20, true);
+    let slot = b.via.as_ref().unwrap().slot;
+    let block = b.block_size();
+    let mut held = Vec::new();
+    while let Some(l) = b.lend_slot_for_put(0, slot).unwrap() {
+        held.push(l);
+    }
+    assert_eq!(held.len() as u64, (1 << 20) / slot, "every slot lent once");
+    // the chunk is still one the ring takes: the caller waits for a lease to come back
+    assert!(b.put_lands(0, slot).unwrap());
+    assert!(b.lend_slot_for_put(0, slot).unwrap().is_none());
+    held.pop();
+    assert!(b.lend_slot_for_put(0, slot).unwrap().is_some());
+    // never: partly covered blocks, longer than a slot, empty; an error past the end
+    assert!(!b.put_lands(block / 2, block).unwrap());
+    assert!(!b.put_lands(0, slot + block).unwrap());
+    assert!(!b.put_lands(0, 0).unwrap());
+    assert!(b.put_lands(4 << 20, block).is_err());
+}
+
+#[test]
 fn a_read_only_region_or_one_without_a_ring_lends_no_slot_for_puts() {
     let (_dirs, _, _, b) = with_ring(1 << 20, 1 << 20, false);
     assert_eq!(b.ring_put_leg(), Err("the region is read-only".to_string()));
     assert!(b.lend_slot_for_put(0, 4096).unwrap().is_none());
+    assert!(!b.put_lands(0, 4096).unwrap());
     let (_d, path, _) = image(1 << 20);
     let plain = open(&path, None, true);
     assert!(plain.ring_put_leg().is_err());
     assert!(plain.lend_slot_for_put(0, 4096).unwrap().is_none());
+    assert!(!plain.put_lands(0, 4096).unwrap());
 }
