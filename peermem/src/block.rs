@@ -121,12 +121,15 @@ fn logical_block_size(meta: &std::fs::Metadata) -> Option<u64> {
 impl BlockStorage {
     /// Open `path` (a block device, or a regular file on a file system that takes `O_DIRECT`)
     /// for direct I/O, the range `offset..offset + len` (default: to its end), with a CMB
-    /// staging ring when `via` asks for one (P2PDMA devices under `sysfs`).
+    /// staging ring when `via` asks for one (P2PDMA devices under `sysfs`). `chunk` is the
+    /// largest chunk the caller lends through one slot (the server's bounce chunk): the ring's
+    /// slots are at least that long where the ring holds one (see `prove_ring`).
     pub fn open(
         path: &Path,
         range: Option<(u64, u64)>,
         writable: bool,
         via: Option<&ViaCmb>,
+        chunk: u64,
         sysfs: &Path,
     ) -> Result<BlockStorage, Error> {
         let shown = path.display();
@@ -198,7 +201,7 @@ impl BlockStorage {
         };
         if let Some(v) = via {
             match CmbMemory::allocate(sysfs, &v.device, v.size) {
-                Ok(cmb) => me.via = Some(me.prove_ring(cmb)?),
+                Ok(cmb) => me.via = Some(me.prove_ring(cmb, chunk)?),
                 Err(e) => {
                     tracing::warn!(path = %shown, error = %e, "no CMB staging ring: host staging");
                     me.via_refused = Some(format!("cmb:{}: {e}", v.device));
@@ -537,7 +540,9 @@ impl BlockStorage {
                     )
                 });
                 format!(
-                    "{}; {}; CMB → NIC: {reads}; NIC → CMB: {puts}",
+                    "a ring of {} slots of {} KiB; {}; {}; CMB → NIC: {reads}; NIC → CMB: {puts}",
+                    r.slots,
+                    r.slot >> 10,
                     leg(&r.read, "device → CMB"),
                     leg(&r.write, "CMB → device"),
                 )

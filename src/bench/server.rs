@@ -171,7 +171,7 @@ pub(super) async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem)
                 .parse()
                 .map_err(|e: String| BenchError::Config(format!("--mem {spec}: {e}")))?;
             let (provider, _) = parsed
-                .open(std::path::Path::new("/sys"))
+                .open(std::path::Path::new("/sys"), max as u64)
                 .map_err(|e| BenchError::Config(format!("--mem {spec}: {e}")))?;
             if provider.len() < max as u64 {
                 return Err(BenchError::Config(format!(

@@ -155,7 +155,9 @@ pub(crate) async fn doctor(
     let parsed: bridge::RegionSpec = format!("doctor={spec}").parse().map_err(|e: String| {
         anyhow::anyhow!("--region {spec}: {}", e.replace("region 'doctor': ", ""))
     })?;
-    let (provider, _) = parsed.open(std::path::Path::new("/sys"))?;
+    // a ring's slots as `serve` cuts them with its default bounce chunk
+    let chunk = bridge::ServerConfig::DEFAULT_BOUNCE_CHUNK as u64;
+    let (provider, _) = parsed.open(std::path::Path::new("/sys"), chunk)?;
     let ctx = verbs::Context::open(device)?;
     let pd = verbs::ProtectionDomain::new(&ctx)?;
     let len = provider.len();

@@ -160,6 +160,9 @@ impl ServerConfig {
             .collect()
     }
 
+    /// The bounce chunk a server cuts staged transfers at unless told otherwise (1 MiB).
+    pub const DEFAULT_BOUNCE_CHUNK: usize = 1 << 20;
+
     /// Defaults for everything but device, address, token and regions.
     pub fn new(
         listen: SocketAddr,
@@ -186,7 +189,7 @@ impl ServerConfig {
             p2p: P2pPolicy::Preferred,
             reg: RegChoice::Auto,
             sharing: SharingPolicy::Auto,
-            bounce_chunk: 1 << 20,
+            bounce_chunk: Self::DEFAULT_BOUNCE_CHUNK,
             bounce_depth: 8,
             cache: Limits::default(),
             sysfs: PathBuf::from("/sys"),

@@ -369,8 +369,8 @@ impl ServerHandle {
     /// Open a spec's memory off the async workers.
     async fn open_spec(&self, spec: &RegionSpec) -> Result<(Arc<dyn peermem::Provider>, bool)> {
         let sysfs = self.shared.cfg.sysfs.clone();
-        let s = spec.clone();
-        tokio::task::spawn_blocking(move || s.open(&sysfs))
+        let (s, chunk) = (spec.clone(), self.shared.cfg.bounce_chunk as u64);
+        tokio::task::spawn_blocking(move || s.open(&sysfs, chunk))
             .await
             .map_err(|e| Error::Config(format!("region '{}': opening task: {e}", spec.name)))?
     }

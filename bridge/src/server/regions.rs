@@ -127,7 +127,7 @@ fn open_providers(cfg: &ServerConfig) -> Result<Vec<Opened>> {
         ));
     }
     for spec in &cfg.regions {
-        let (p, ro) = spec.open(&cfg.sysfs)?;
+        let (p, ro) = spec.open(&cfg.sysfs, cfg.bounce_chunk as u64)?;
         out.push((spec.name.clone(), p, ro, spec.options.clone()));
     }
     Ok(out)
@@ -146,7 +146,8 @@ impl RegionSpec {
 
     /// Open the memory: allocate RAM, map the file, allocate CMB (P2PDMA, sysfs at `sysfs`),
     /// export a dma-buf. Returns the provider and whether the region is read-only.
-    pub fn open(&self, sysfs: &std::path::Path) -> Result<(Arc<dyn Provider>, bool)> {
+    /// `chunk` is the server's bounce chunk: a CMB staging ring's slots hold one.
+    pub fn open(&self, sysfs: &std::path::Path, chunk: u64) -> Result<(Arc<dyn Provider>, bool)> {
         let name = &self.name;
         let cfg_err = |e: peermem::Error| Error::Config(format!("region '{name}': {e}"));
         Ok(match &self.source {
@@ -192,6 +193,7 @@ impl RegionSpec {
                     *range,
                     !read_only,
                     self.options.via.as_ref(),
+                    chunk,
                     sysfs,
                 )
                 .map_err(|e| Error::Config(format!("region '{name}' ({}): {e}", path.display())))?;

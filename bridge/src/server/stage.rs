@@ -173,6 +173,27 @@ impl ConnState {
         })
     }
 
+    /// The staged chunks the client should hold of region `region` at once, as its `Opened`
+    /// says: the session's pull depth, or the slots of the region's CMB ring where that ring
+    /// lends chunks to this connection's NIC and has fewer. A client that held more would
+    /// find its own chunks in every slot, and its next ones would be copied through host
+    /// memory rather than wait for its own releases.
+    pub(super) fn pull_depth_for(&self, shared: &Shared, region: usize) -> u32 {
+        let depth = self.session.pull_depth();
+        let r = shared.regions.get(region);
+        if r.nic != self.nic || lock(&r.ring_nic).is_none() {
+            return depth;
+        }
+        let Ok(provider) = r.provider() else {
+            return depth;
+        };
+        let slots = provider
+            .as_any()
+            .downcast_ref::<BlockStorage>()
+            .and_then(BlockStorage::ring_slots);
+        slots.map_or(depth, |n| depth.min(n.clamp(1, u32::MAX as u64) as u32))
+    }
+
     /// Stage the chunk in a slot of the region's CMB ring and lend the slot to the client
     /// through a read-only window over the chunk's bytes, bound on this connection's QP: the
     /// SSD DMAs into the CMB and the client's NIC reads from there, so the bytes never cross

@@ -20,6 +20,8 @@ use crate::provider::{check_range, Provider};
 pub(super) struct Ring {
     pub(super) cmb: Arc<CmbMemory>,
     pub(super) slot: u64,
+    /// How many slots the ring has.
+    pub(super) slots: u64,
     /// Offsets of the free slots (a [`RingLease`] gives its slot back here).
     pub(super) free: Arc<Mutex<Vec<u64>>>,
     /// Device → CMB works (else why not).
@@ -49,11 +51,19 @@ impl BlockStorage {
     /// Build the ring over `cmb` and prove its legs: a read of the region's first slot into
     /// the CMB must give the bytes a read into host memory gives; a write of those same bytes
     /// back from the CMB must read back unchanged (the device's bytes stay what they were).
-    pub(super) fn prove_ring(&self, cmb: CmbMemory) -> Result<Ring, Error> {
+    pub(super) fn prove_ring(&self, cmb: CmbMemory, chunk: u64) -> Result<Ring, Error> {
         // eight slots (at most 1 MiB each), so that several requests use the ring at once; a
-        // whole number of pages (and of blocks) each
+        // whole number of pages (and of blocks) each. Fewer, of `chunk` bytes, where eight
+        // would be shorter than the chunks the caller lends: no such chunk would fit one (a
+        // 4 MiB ring lent no 1 MiB chunk from its eight 512 KiB slots)
         let unit = self.block.max(PAGE);
-        let slot = ((cmb.len() / 8).min(PIECE) / unit * unit).max(self.block);
+        let eighth = ((cmb.len() / 8).min(PIECE) / unit * unit).max(self.block);
+        let whole = chunk.div_ceil(unit) * unit;
+        let slot = if eighth < whole && whole <= cmb.len() {
+            whole
+        } else {
+            eighth
+        };
         if slot > cmb.len() {
             return Err(Error::InvalidArgument(format!(
                 "the CMB ring ({} bytes) is smaller than one {}-byte block",
@@ -103,6 +113,7 @@ impl BlockStorage {
             free: Arc::new(Mutex::new((0..slots).rev().map(|i| i * slot).collect())),
             cmb: Arc::new(cmb),
             slot,
+            slots,
             read,
             write,
         })
@@ -142,6 +153,12 @@ impl BlockStorage {
         self.moved.dev_to_cmb.fetch_add(a1 - a0, Ordering::Relaxed);
         self.moved.cmb_to_nic.fetch_add(len, Ordering::Relaxed);
         Ok(Some(lease))
+    }
+
+    /// How many slots the region's CMB ring has (None: no ring). A caller that lends more
+    /// chunks than that at once finds its own chunks in every slot.
+    pub fn ring_slots(&self) -> Option<u64> {
+        self.via.as_ref().map(|r| r.slots)
     }
 
     /// Whether puts may go through the ring (the region is writable and its CMB → device leg

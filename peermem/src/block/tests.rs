@@ -36,14 +36,20 @@ mod tempdir {
 }
 
 fn open(path: &Path, range: Option<(u64, u64)>, writable: bool) -> BlockStorage {
-    BlockStorage::open(path, range, writable, None, Path::new("/nonexistent-sysfs")).unwrap_or_else(
-        |e| {
-            panic!(
-                "{}: this test needs a file system that takes O_DIRECT: {e}",
-                path.display()
-            )
-        },
+    BlockStorage::open(
+        path,
+        range,
+        writable,
+        None,
+        PIECE,
+        Path::new("/nonexistent-sysfs"),
     )
+    .unwrap_or_else(|e| {
+        panic!(
+            "{}: this test needs a file system that takes O_DIRECT: {e}",
+            path.display()
+        )
+    })
 }
 
 #[test]
@@ -86,7 +92,8 @@ fn a_range_of_the_device_is_the_region() {
     assert_eq!(out, bytes[65536 + 131072 - 100..65536 + 131072]);
     assert!(b.copy_out(131072 - 99, &mut out).is_err());
     for bad in [(1, 4096), (0, 4097), (1 << 20, 4096), (0, 0)] {
-        let e = BlockStorage::open(&path, Some(bad), false, None, Path::new("/x")).unwrap_err();
+        let e =
+            BlockStorage::open(&path, Some(bad), false, None, PIECE, Path::new("/x")).unwrap_err();
         assert!(matches!(e, Error::InvalidArgument(_)), "{bad:?}: {e}");
     }
 }
@@ -155,7 +162,7 @@ fn a_cmb_that_cannot_be_had_leaves_host_staging_and_says_why() {
         size: 4 << 20,
     };
     let sysfs = tempdir::Dir::new();
-    let b = BlockStorage::open(&path, None, true, Some(&via), &sysfs.0).unwrap();
+    let b = BlockStorage::open(&path, None, true, Some(&via), PIECE, &sysfs.0).unwrap();
     let plan = b.legs_plan();
     assert!(
         plan.contains("no CMB staging ring") && plan.contains("nvme9"),
@@ -178,12 +185,20 @@ fn what_is_not_storage_is_refused_with_the_reason() {
         None,
         false,
         None,
+        PIECE,
         Path::new("/sys"),
     )
     .unwrap_err();
     assert!(e.to_string().contains("open(O_DIRECT)"), "{e}");
-    let e = BlockStorage::open(Path::new("/dev/null"), None, false, None, Path::new("/sys"))
-        .unwrap_err();
+    let e = BlockStorage::open(
+        Path::new("/dev/null"),
+        None,
+        false,
+        None,
+        PIECE,
+        Path::new("/sys"),
+    )
+    .unwrap_err();
     assert!(
         e.to_string()
             .contains("neither a block device nor a regular file")
@@ -238,8 +253,52 @@ fn with_ring(
         device: "0000:03:00.0".into(),
         size: ring,
     };
-    let b = BlockStorage::open(&path, None, writable, Some(&via), &sysfs.0).unwrap();
+    // (no chunk size: eight slots)
+    let b = BlockStorage::open(&path, None, writable, Some(&via), 0, &sysfs.0).unwrap();
     ((d, sysfs), path, bytes, b)
+}
+
+#[test]
+fn ring_slots_are_at_least_the_chunks_lent_where_the_ring_holds_one() {
+    let slots = |ring: u64, chunk: u64| {
+        let (d, path, _) = image(4 << 20);
+        let sysfs = fake_p2pmem(ring);
+        let via = ViaCmb {
+            device: "0000:03:00.0".into(),
+            size: ring,
+        };
+        let b = BlockStorage::open(&path, None, true, Some(&via), chunk, &sysfs.0).unwrap();
+        let r = b.via.as_ref().unwrap();
+        let n = lock(&r.free).len() as u64;
+        drop((d, sysfs));
+        (n, r.slot)
+    };
+    // eight slots where they hold a chunk, up to 1 MiB each
+    assert_eq!(slots(8 << 20, 1 << 20), (8, 1 << 20));
+    assert_eq!(slots(2 << 20, 256 << 10), (8, 256 << 10));
+    assert_eq!(slots(16 << 20, 1 << 20), (16, 1 << 20));
+    // fewer, of a chunk each, where eight would be too short for one
+    assert_eq!(slots(4 << 20, 1 << 20), (4, 1 << 20));
+    assert_eq!(slots(2 << 20, 1 << 20), (2, 1 << 20));
+    assert_eq!(slots(4 << 20, 3 << 20), (1, 3 << 20));
+    // (a chunk longer than the ring: eight slots, which lend the shorter chunks)
+    assert_eq!(slots(1 << 20, 2 << 20), (8, 128 << 10));
+    // a 1 MiB chunk is lent from a 4 MiB ring, and the legs say what the ring is
+    let (d, path, _) = image(4 << 20);
+    let sysfs = fake_p2pmem(4 << 20);
+    let via = ViaCmb {
+        device: "0000:03:00.0".into(),
+        size: 4 << 20,
+    };
+    let b = BlockStorage::open(&path, None, false, Some(&via), 1 << 20, &sysfs.0).unwrap();
+    assert!(b.lend_slot(1 << 20, 1 << 20, true).unwrap().is_some());
+    assert!(
+        b.legs_plan()
+            .starts_with("a ring of 4 slots of 1024 KiB; device → CMB: "),
+        "{}",
+        b.legs_plan()
+    );
+    drop((d, sysfs));
 }
 
 #[test]

@@ -586,7 +586,11 @@ impl ConnState {
                     len,
                     bounce_chunk: shared.cfg.bounce_chunk as u64,
                     segments,
-                    pull_depth: if pull { self.session.pull_depth() } else { 0 },
+                    pull_depth: if pull {
+                        self.pull_depth_for(shared, region)
+                    } else {
+                        0
+                    },
                     first,
                 })
             }
