@@ -402,7 +402,6 @@ async fn prove_ring_access(
     reg: RegChoice,
     max_mtu: Option<u32>,
 ) -> std::result::Result<(verbs::RegMode, Option<u32>, String), String> {
-    use peermem::canary::{register_with_canary_at, CanaryAt};
     let choice =
         crate::spec::RegionOptions::default().choice(ring.len(), reg, P2pPolicy::Preferred);
     let planned = decide_path(pd, ring, choice)
@@ -413,8 +412,29 @@ async fn prove_ring_access(
             return Ok((mode, None, format!("{mode}, proved by a canary")));
         }
     }
-    let failed: Vec<verbs::RegMode> = planned
-        .decision
+    let (mode, mtu, how) = prove_from_page_starts(pd, ring, &planned.decision, max_mtu).await?;
+    Ok((
+        mode,
+        Some(mtu),
+        format!(
+            "{how}, so only chunks that start on a page move through the ring, on connections \
+             at path MTU {mtu}"
+        ),
+    ))
+}
+
+/// Where `decision` sent `mem` through bounce buffers because canaries partway into a page
+/// failed: the strategies that failed so, tried again with a canary from the start of a page
+/// (at `max_mtu`, see [`ring_nic_leg`]). The strategy that passed, the path MTU it passed at
+/// and how it was proved; or why none did.
+async fn prove_from_page_starts(
+    pd: &ProtectionDomain,
+    mem: &Arc<dyn Provider>,
+    decision: &peermem::plan::Decision,
+    max_mtu: Option<u32>,
+) -> std::result::Result<(verbs::RegMode, u32, String), String> {
+    use peermem::canary::{register_with_canary_at, CanaryAt};
+    let failed: Vec<verbs::RegMode> = decision
         .attempts
         .iter()
         .filter(|a| matches!(a.outcome, AttemptOutcome::CanaryFailed { .. }))
@@ -424,15 +444,8 @@ async fn prove_ring_access(
         None
     } else {
         Some(
-            register_with_canary_at(
-                pd,
-                ring,
-                0..ring.len(),
-                &failed,
-                CanaryAt::PageStart,
-                max_mtu,
-            )
-            .await,
+            register_with_canary_at(pd, mem, 0..mem.len(), &failed, CanaryAt::PageStart, max_mtu)
+                .await,
         )
     };
     // the registration that passed, with the path MTU its canary passed at
@@ -453,10 +466,9 @@ async fn prove_ring_access(
                 )
             })
             .unwrap_or_default();
-        return Err(format!("{}{also}", planned.decision.reason));
+        return Err(format!("{}{also}", decision.reason));
     };
-    let mid_page: Vec<_> = planned
-        .decision
+    let mid_page: Vec<_> = decision
         .attempts
         .iter()
         .filter(|a| a.mode == mode)
@@ -464,14 +476,60 @@ async fn prove_ring_access(
         .collect();
     Ok((
         mode,
-        Some(mtu),
+        mtu,
         format!(
             "{mode}: a canary from the start of a page passed at path MTU {mtu}, one partway \
-             into a page did not ({}), so only chunks that start on a page move through the \
-             ring, on connections at path MTU {mtu}",
+             into a page did not ({})",
             peermem::plan::summary(&mid_page)
         ),
     ))
+}
+
+/// Whether the NIC reads a region that `decision` sent through bounce buffers straight from
+/// its own memory, from page starts: where canaries partway into a page failed and one from
+/// the start of a page passes (rxe's ODP on a CMB, LAB.md), a staged fetch's chunk that
+/// starts on a page is lent to the client through a read-only memory window over the
+/// region's own bytes instead of being copied, on connections at the proof's path MTU. The
+/// registration (`LOCAL_WRITE | MW_BIND`, no remote access of its own) and one line for the
+/// region's reason; None where no canary passes or the registration fails (the line says why).
+pub async fn page_start_lending(
+    pd: &ProtectionDomain,
+    mem: &Arc<dyn Provider>,
+    decision: &peermem::plan::Decision,
+    max_mtu: Option<u32>,
+) -> (Option<RingNic>, String) {
+    use peermem::canary::register_mode;
+    let (mode, mtu, how) = match prove_from_page_starts(pd, mem, decision, max_mtu).await {
+        Ok(p) => p,
+        Err(why) => {
+            return (
+                None,
+                format!("no chunk is lent from page starts either ({why})"),
+            )
+        }
+    };
+    let access = verbs::Access::LOCAL_WRITE | verbs::Access::MW_BIND;
+    match register_mode(pd, mem, 0..mem.len(), access, mode) {
+        Ok(mr) => (
+            Some(RingNic {
+                mr: Arc::new(mr),
+                page_start: Some(mtu),
+                puts: false,
+            }),
+            format!(
+                "the NIC reads the region's own bytes from the start of a page ({how}): \
+                 a staged fetch's chunk that starts on a page is lent through a read-only \
+                 memory window on connections at path MTU {mtu}, not copied"
+            ),
+        ),
+        Err(e) => (
+            None,
+            format!(
+                "the NIC reads the region from page starts ({how}), but registering it for \
+                 memory windows failed ({e}): every chunk is copied"
+            ),
+        ),
+    }
 }
 
 #[cfg(test)]

@@ -192,6 +192,28 @@ pub(crate) async fn doctor(
     };
     let d = &planned.decision;
     let direct = d.path == PathKind::Direct;
+    // as `serve` would: memory the NIC reads only from page starts lends such chunks
+    let canary_failed = d.attempts.iter().any(|a| {
+        matches!(
+            a.outcome,
+            peermem::canary::AttemptOutcome::CanaryFailed { .. }
+        )
+    });
+    let page_starts = if !direct
+        && block.is_none()
+        && window_proof.is_none()
+        && peermem::hmm::DevicePrivate::of(&*provider).is_none()
+        && canary_failed
+        && !provider.holds_data()
+    {
+        Some(
+            bridge::path::page_start_lending(&pd, &provider, d, None)
+                .await
+                .1,
+        )
+    } else {
+        None
+    };
     if json {
         emit(&format!(
             "{}\n",
@@ -213,6 +235,7 @@ pub(crate) async fn doctor(
                 "residency_after": residency_after,
                 "window": window_proof,
                 "legs": legs,
+                "page_starts": page_starts,
             })
         ))?;
     } else {
@@ -256,6 +279,9 @@ pub(crate) async fn doctor(
         }
         if let Some(l) = &legs {
             o.push_str(&format!("  legs: {l}\n"));
+        }
+        if let Some(p) = &page_starts {
+            o.push_str(&format!("  page starts: {p}\n"));
         }
         if let Some(w) = &window_proof {
             o.push_str("  P2P window, on the mapping of one unit:\n");

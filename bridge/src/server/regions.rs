@@ -5,7 +5,7 @@ use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
-use peermem::canary::{Attempt, DeviceMr};
+use peermem::canary::{Attempt, AttemptOutcome, DeviceMr};
 use peermem::plan::PathKind;
 use peermem::{DmaBufMemory, HostMemory, Provider};
 use verbs::RegMode;
@@ -300,11 +300,11 @@ pub(super) async fn build_region(
     let d = planned.decision;
     for a in &d.attempts {
         let result = match &a.outcome {
-            peermem::canary::AttemptOutcome::NotApplicable { .. } => "not-applicable",
-            peermem::canary::AttemptOutcome::RegistrationFailed { .. } => "registration-failed",
-            peermem::canary::AttemptOutcome::CanaryFailed { .. } => "canary-failed",
-            peermem::canary::AttemptOutcome::CanaryError { .. } => "canary-error",
-            peermem::canary::AttemptOutcome::Works { .. } => "works",
+            AttemptOutcome::NotApplicable { .. } => "not-applicable",
+            AttemptOutcome::RegistrationFailed { .. } => "registration-failed",
+            AttemptOutcome::CanaryFailed { .. } => "canary-failed",
+            AttemptOutcome::CanaryError { .. } => "canary-error",
+            AttemptOutcome::Works { .. } => "works",
         };
         cfg.metrics
             .canary
@@ -410,6 +410,22 @@ pub(super) async fn build_region(
         reason.push_str(&format!(
             "; bytes from {direct_len} on are beyond the {direct_len}-byte P2P window and go through bounce buffers"
         ));
+    }
+    // memory the NIC reads only from page starts (rxe's ODP on a CMB): chunks lent, not copied
+    let canary_failed = d
+        .attempts
+        .iter()
+        .any(|a| matches!(a.outcome, AttemptOutcome::CanaryFailed { .. }));
+    let devpriv = peermem::hmm::DevicePrivate::of(&*provider).is_some();
+    if block.is_none() && !devpriv && direct_len == 0 && canary_failed && sharing.windows() {
+        // (the canaries write: only memory that holds no data yet, as the region's own did)
+        if !provider.holds_data() {
+            let (nic, note) =
+                crate::path::page_start_lending(pd, &provider, &d, cfg.qp_path.max_mtu).await;
+            tracing::info!(region = %name, lends = nic.is_some(), note, "page-start lending");
+            ring_nic = nic;
+            reason.push_str(&format!("; {note}"));
+        }
     }
     let mut window_mode = None;
     if let Some(dp) = peermem::hmm::DevicePrivate::of(&*provider).filter(|d| d.window_size() > 0) {

@@ -38,6 +38,9 @@ use super::Shared;
 use crate::metrics::{BounceStage, Direction};
 use crate::protocol::{ErrorCode, Msg, RegionInfo, Span, StagedChunk};
 
+/// Chunks lent from page starts start on one of these.
+const PAGE: u64 = 4096;
+
 /// Bytes of replies a connection may hold back at once (a `Staged` reply is under 100
 /// bytes): past it, a reply goes out at once.
 pub(super) const MAX_HELD_REPLIES: usize = 16 * 1024;
@@ -67,13 +70,13 @@ pub(super) enum PullSlot {
     Bound(StandingWindow),
 }
 
-/// A chunk staged in a slot of a region's CMB ring and lent to the client through a window
-/// over its bytes. Field order is drop order: the window is revoked before the slot goes
-/// back to the ring.
+/// A chunk staged in a slot of a region's CMB ring (or, lent from page starts, in the
+/// region's own memory: no lease) and lent to the client through a window over its bytes.
+/// Field order is drop order: the window is revoked before the slot goes back to the ring.
 #[derive(Debug)]
 pub(super) struct LentChunk {
     _window: MemoryWindow,
-    _lease: RingLease,
+    _lease: Option<RingLease>,
     /// The region's index.
     pub(super) region: usize,
 }
@@ -197,7 +200,9 @@ impl ConnState {
     /// Stage the chunk in a slot of the region's CMB ring and lend the slot to the client
     /// through a read-only window over the chunk's bytes, bound on this connection's QP: the
     /// SSD DMAs into the CMB and the client's NIC reads from there, so the bytes never cross
-    /// host memory. None when the region has no ring the NIC was proved to reach (or not on
+    /// host memory. A region the NIC reads from page starts (`path::page_start_lending`) lends
+    /// the chunk where it is, in its own memory, when the chunk starts on a page: no slot, no
+    /// copy. None when the region has no ring the NIC was proved to reach (or not on
     /// this connection's device, or proved from page starts at another path MTU than this
     /// connection's), the ring cannot lend this chunk (see
     /// [`BlockStorage::lend_slot`]), or the bind fails: the chunk is then staged in host
@@ -220,7 +225,7 @@ impl ConnState {
     ) -> Option<Msg> {
         let r = shared.regions.get(region);
         let nic = lock(&r.ring_nic).clone().filter(|_| self.nic == r.nic)?;
-        let block = provider.as_any().downcast_ref::<BlockStorage>()?;
+        let block = provider.as_any().downcast_ref::<BlockStorage>();
         let qp = self.qp.as_ref()?;
         if let Some(proved) = nic.page_start {
             // proved from page starts at `proved` only: a READ at a smaller path MTU sends
@@ -236,22 +241,29 @@ impl ConnState {
         }
         let queued = started.elapsed();
         let read = Instant::now();
-        let lease = match block.lend_slot(offset, len, nic.page_start.is_some()) {
-            Ok(Some(l)) => l,
-            Ok(None) => return None,
-            Err(e) => {
-                tracing::debug!(error = %e, offset, len, "no ring slot lent");
-                return None;
-            }
+        let (lease, range) = match block {
+            Some(block) => match block.lend_slot(offset, len, nic.page_start.is_some()) {
+                Ok(Some(l)) => {
+                    let range = l.range.clone();
+                    (Some(l), range)
+                }
+                Ok(None) => return None,
+                Err(e) => {
+                    tracing::debug!(error = %e, offset, len, "no ring slot lent");
+                    return None;
+                }
+            },
+            // the region's own memory, lent where it is (`path::page_start_lending`): the
+            // registration covers the region from its first byte, on a page
+            None if nic.page_start.is_some() && offset % PAGE != 0 => return None,
+            None => (None, offset..offset + len),
         };
         let read = read.elapsed();
         let binding = Instant::now();
         let mr: Arc<dyn RegionRef> = nic.mr.clone();
-        let bound = tokio::time::timeout(
-            BOUNCE_STALL,
-            qp.bind_window(mr, lease.range.clone(), Access::REMOTE_READ),
-        )
-        .await;
+        let bound =
+            tokio::time::timeout(BOUNCE_STALL, qp.bind_window(mr, range, Access::REMOTE_READ))
+                .await;
         let window = match bound {
             Ok(Ok(w)) => w,
             Ok(Err(e)) => {
