@@ -471,6 +471,9 @@ impl Provider for BlockStorage {
     fn copy_engine(&self) -> &'static str {
         "O_DIRECT pread/pwrite"
     }
+    fn copies_wait(&self) -> bool {
+        true
+    }
     fn copy_out(&self, offset: u64, out: &mut [u8]) -> Result<(), Error> {
         check_range("region", offset, out.len() as u64, self.len)?;
         for (at, range) in self.pieces(offset, out.len()) {

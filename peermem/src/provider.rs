@@ -50,6 +50,12 @@ pub trait Provider: AsAny + Send + Sync + fmt::Debug {
     }
     /// How [`Provider::copy_out`] / [`Provider::copy_in`] move bytes (for reports).
     fn copy_engine(&self) -> &'static str;
+    /// Whether [`Provider::copy_out`] / [`Provider::copy_in`] may wait on a device (direct
+    /// I/O to block storage, page faults of a mapped file) rather than only move bytes in
+    /// memory: an async caller runs such copies where the wait holds up no other task.
+    fn copies_wait(&self) -> bool {
+        false
+    }
     /// Copy `out.len()` bytes at `offset` out of the memory.
     fn copy_out(&self, offset: u64, out: &mut [u8]) -> Result<(), Error>;
     /// Copy `data` into the memory at `offset`.
@@ -200,6 +206,10 @@ impl Provider for HostMemory {
     }
     fn copy_engine(&self) -> &'static str {
         "CPU copy"
+    }
+    fn copies_wait(&self) -> bool {
+        // a mapped file faults its pages in from the disk
+        self.mem.kind() == "file"
     }
     fn copy_out(&self, offset: u64, out: &mut [u8]) -> Result<(), Error> {
         check_range("region", offset, out.len() as u64, self.len)?;

@@ -265,7 +265,7 @@ impl ConnState {
             // the chunk landed in the ring slot: the device takes it from there (the slot
             // goes back to the ring when the last reference, this one, is dropped)
             drop(locals);
-            return match slot.commit(&*f.provider, f.offset) {
+            return match off_workers(&*f.provider, || slot.commit(&*f.provider, f.offset)) {
                 Ok(()) => Msg::BounceDone {
                     len: f.len,
                     zero_copy: f.len,
@@ -284,7 +284,9 @@ impl ConnState {
         };
         let n = f.len as usize;
         let res = if f.to_region {
-            f.provider.copy_in(f.offset, &buf.as_slice()[..n])
+            off_workers(&*f.provider, || {
+                f.provider.copy_in(f.offset, &buf.as_slice()[..n])
+            })
         } else {
             Ok(())
         };
@@ -630,7 +632,9 @@ impl ConnState {
             SendOp::Read(remote)
         } else {
             let copy = Instant::now();
-            let copied = provider.copy_out(req.offset, &mut buf.as_mut_slice()[..n]);
+            let copied = off_workers(&*provider, || {
+                provider.copy_out(req.offset, &mut buf.as_mut_slice()[..n])
+            });
             m.observe_stage(dir, BounceStage::copy, copy.elapsed().as_secs_f64());
             if let Err(e) = copied {
                 self.ring.push(buf);
@@ -716,6 +720,22 @@ pub(super) async fn on_memory<R: Send + 'static>(
         .map_err(|e| (copy_error_code(&e), format!("{}: {e}", doing())))
 }
 
+/// Run `f`, a copy of `p`'s bytes, where a wait in it holds up no other connection: a copy that
+/// may wait on a device ([`Provider::copies_wait`]: direct I/O, a mapped file's page faults)
+/// runs under `tokio::task::block_in_place` on a multi-threaded runtime, which hands this
+/// worker's other tasks to another thread first. Memory copies, and any copy on a
+/// current-thread runtime (where `block_in_place` is not allowed), run as they are.
+pub(super) fn off_workers<R>(p: &dyn Provider, f: impl FnOnce() -> R) -> R {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    let multi =
+        Handle::try_current().is_ok_and(|h| h.runtime_flavor() == RuntimeFlavor::MultiThread);
+    if multi && p.copies_wait() {
+        tokio::task::block_in_place(f)
+    } else {
+        f()
+    }
+}
+
 /// The error code for a failed copy engine: the owner's invalidation, or a server failure.
 pub(super) fn copy_error_code(e: &peermem::Error) -> ErrorCode {
     match e {
@@ -724,3 +744,6 @@ pub(super) fn copy_error_code(e: &peermem::Error) -> ErrorCode {
         _ => ErrorCode::Internal,
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -30,7 +30,7 @@ use verbs::{
     StandingWindow,
 };
 
-use super::bounce::{copy_error_code, record_staged, reserve, BOUNCE_STALL};
+use super::bounce::{copy_error_code, off_workers, record_staged, reserve, BOUNCE_STALL};
 use super::driver::{internal, ConnState};
 use super::regions::removed;
 use super::session::{Refusal, MAX_STAGED};
@@ -125,7 +125,7 @@ impl ConnState {
         let copy_chunk = |dst: &mut [u8]| {
             m.observe_stage(dir, BounceStage::queued, started.elapsed().as_secs_f64());
             let copy = Instant::now();
-            let copied = provider.copy_out(offset, dst);
+            let copied = off_workers(&*provider, || provider.copy_out(offset, dst));
             m.observe_stage(dir, BounceStage::copy, copy.elapsed().as_secs_f64());
             copied.map_err(|e| {
                 (
@@ -242,7 +242,9 @@ impl ConnState {
         let queued = started.elapsed();
         let read = Instant::now();
         let (lease, range) = match block {
-            Some(block) => match block.lend_slot(offset, len, nic.page_start.is_some()) {
+            Some(block) => match off_workers(provider, || {
+                block.lend_slot(offset, len, nic.page_start.is_some())
+            }) {
                 Ok(Some(l)) => {
                     let range = l.range.clone();
                     (Some(l), range)
