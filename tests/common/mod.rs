@@ -10,6 +10,17 @@ pub(crate) fn lab_ip() -> String {
     std::env::var("P2P_LAB_IP").unwrap_or_else(|_| panic!("P2P_LAB_IP is not set. {LAB}"))
 }
 
+/// The active MTU of port 1 of the lab's RDMA device (9000-byte netdev: 4096; 1500: 1024).
+pub(crate) fn lab_port_mtu() -> u32 {
+    let dev = std::env::var("P2P_RDMA_DEVICE")
+        .unwrap_or_else(|_| panic!("P2P_RDMA_DEVICE is not set. {LAB}"));
+    verbs::Context::open(Some(&dev))
+        .unwrap()
+        .port(1)
+        .unwrap()
+        .active_mtu
+}
+
 pub(crate) fn init_tracing() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())

@@ -8,13 +8,7 @@ use super::*;
 /// its page (LAB.md): at path MTU 4096 a canary from the start of a page passes (one partway
 /// into a page fails), so the NIC reads ring slots itself; at 1024 neither passes.
 fn ring_nic_leg_expected() -> (bool, &'static str) {
-    let dev = std::env::var("P2P_RDMA_DEVICE").expect("P2P_RDMA_DEVICE");
-    let mtu = verbs::Context::open(Some(&dev))
-        .unwrap()
-        .port(1)
-        .unwrap()
-        .active_mtu;
-    if mtu == 4096 {
+    if lab_port_mtu() == 4096 {
         (
             true,
             "CMB → NIC: the NIC reads each chunk from its ring slot through a read-only memory \

@@ -489,11 +489,7 @@ async fn lab_nvme_cmb_region_lends_the_nic_chunks_that_start_on_a_page_where_onl
         return;
     }
     let dev = std::env::var("P2P_RDMA_DEVICE").expect("P2P_RDMA_DEVICE");
-    let port_mtu = verbs::Context::open(Some(&dev))
-        .unwrap()
-        .port(1)
-        .unwrap()
-        .active_mtu;
+    let port_mtu = common::lab_port_mtu();
     let s = start(&[&format!("c=cmb:{nvme}:4M")], small_bounce).await;
     let info = regions(s.addr).await.remove(0);
     eprintln!("reason: {}", info.reason);
