@@ -490,26 +490,41 @@ async fn prove_from_page_starts(
 /// the start of a page passes (rxe's ODP on a CMB, LAB.md), a staged fetch's chunk that
 /// starts on a page is lent to the client through a read-only memory window over the
 /// region's own bytes instead of being copied, on connections at the proof's path MTU. The
-/// registration (`LOCAL_WRITE | MW_BIND`, no remote access of its own) and one line for the
-/// region's reason; None where no canary passes or the registration fails (the line says why).
+/// registration (`LOCAL_WRITE | MW_BIND`, no remote access of its own, None where no canary
+/// passes or the registration fails) and one line for the region's reason that says which.
+/// None at all for memory this does not apply to: block storage (its ring lends instead),
+/// device-private memory, memory whose decision failed no canary, and memory that holds data
+/// (the canaries write).
 pub async fn page_start_lending(
     pd: &ProtectionDomain,
     mem: &Arc<dyn Provider>,
     decision: &peermem::plan::Decision,
     max_mtu: Option<u32>,
-) -> (Option<RingNic>, String) {
+) -> Option<(Option<RingNic>, String)> {
     use peermem::canary::register_mode;
+    let canary_failed = decision
+        .attempts
+        .iter()
+        .any(|a| matches!(a.outcome, AttemptOutcome::CanaryFailed { .. }));
+    let block = (**mem)
+        .as_any()
+        .downcast_ref::<peermem::block::BlockStorage>()
+        .is_some();
+    let devpriv = peermem::hmm::DevicePrivate::of(&**mem).is_some();
+    if !canary_failed || block || devpriv || mem.holds_data() {
+        return None;
+    }
     let (mode, mtu, how) = match prove_from_page_starts(pd, mem, decision, max_mtu).await {
         Ok(p) => p,
         Err(why) => {
-            return (
+            return Some((
                 None,
                 format!("no chunk is lent from page starts either ({why})"),
-            )
+            ))
         }
     };
     let access = verbs::Access::LOCAL_WRITE | verbs::Access::MW_BIND;
-    match register_mode(pd, mem, 0..mem.len(), access, mode) {
+    Some(match register_mode(pd, mem, 0..mem.len(), access, mode) {
         Ok(mr) => (
             Some(RingNic {
                 mr: Arc::new(mr),
@@ -529,7 +544,7 @@ pub async fn page_start_lending(
                  memory windows failed ({e}): every chunk is copied"
             ),
         ),
-    }
+    })
 }
 
 #[cfg(test)]

@@ -544,7 +544,7 @@ impl BlockStorage {
                 });
                 format!(
                     "a ring of {} slots of {} KiB; {}; {}; CMB → NIC: {reads}; NIC → CMB: {puts}",
-                    r.slots,
+                    r.slots(),
                     r.slot >> 10,
                     leg(&r.read, "device → CMB"),
                     leg(&r.write, "CMB → device"),

@@ -193,26 +193,12 @@ pub(crate) async fn doctor(
     let d = &planned.decision;
     let direct = d.path == PathKind::Direct;
     // as `serve` would: memory the NIC reads only from page starts lends such chunks
-    let canary_failed = d.attempts.iter().any(|a| {
-        matches!(
-            a.outcome,
-            peermem::canary::AttemptOutcome::CanaryFailed { .. }
-        )
-    });
-    let page_starts = if !direct
-        && block.is_none()
-        && window_proof.is_none()
-        && peermem::hmm::DevicePrivate::of(&*provider).is_none()
-        && canary_failed
-        && !provider.holds_data()
-    {
-        Some(
-            bridge::path::page_start_lending(&pd, &provider, d, None)
-                .await
-                .1,
-        )
-    } else {
+    let page_starts = if direct {
         None
+    } else {
+        bridge::path::page_start_lending(&pd, &provider, d, None)
+            .await
+            .map(|(_, note)| note)
     };
     if json {
         emit(&format!(

@@ -412,16 +412,9 @@ pub(super) async fn build_region(
         ));
     }
     // memory the NIC reads only from page starts (rxe's ODP on a CMB): chunks lent, not copied
-    let canary_failed = d
-        .attempts
-        .iter()
-        .any(|a| matches!(a.outcome, AttemptOutcome::CanaryFailed { .. }));
-    let devpriv = peermem::hmm::DevicePrivate::of(&*provider).is_some();
-    if block.is_none() && !devpriv && direct_len == 0 && canary_failed && sharing.windows() {
-        // (the canaries write: only memory that holds no data yet, as the region's own did)
-        if !provider.holds_data() {
-            let (nic, note) =
-                crate::path::page_start_lending(pd, &provider, &d, cfg.qp_path.max_mtu).await;
+    if direct_len == 0 && sharing.windows() {
+        let lending = crate::path::page_start_lending(pd, &provider, &d, cfg.qp_path.max_mtu).await;
+        if let Some((nic, note)) = lending {
             tracing::info!(region = %name, lends = nic.is_some(), note, "page-start lending");
             ring_nic = nic;
             reason.push_str(&format!("; {note}"));

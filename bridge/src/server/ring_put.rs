@@ -85,7 +85,7 @@ impl ConnState {
         provider: &Arc<dyn Provider>,
         req: &Bounce,
     ) -> PutRoute {
-        let lands = || -> Option<Arc<DeviceMr>> {
+        let lands = || -> Option<(Arc<DeviceMr>, &BlockStorage)> {
             if !req.to_region {
                 return None;
             }
@@ -102,7 +102,7 @@ impl ConnState {
                 }
             }
             match block.put_lands(req.offset, req.len) {
-                Ok(true) => Some(nic.mr),
+                Ok(true) => Some((nic.mr, block)),
                 Ok(false) => None,
                 Err(e) => {
                     tracing::debug!(error = %e, req.offset, req.len, "no ring slot for a put");
@@ -110,21 +110,20 @@ impl ConnState {
                 }
             }
         };
-        let Some(mr) = lands() else {
+        let Some((mr, block)) = lands() else {
             return PutRoute::Host;
         };
         if self.inflight.len() >= shared.cfg.bounce_depth {
             return PutRoute::Wait;
         }
-        let block = provider.as_any().downcast_ref::<BlockStorage>();
-        match block.map(|b| b.lend_slot_for_put(req.offset, req.len)) {
-            Some(Ok(Some(lease))) => PutRoute::Ring(Arc::new(PutSlot { mr, lease })),
+        match block.lend_slot_for_put(req.offset, req.len) {
+            Ok(Some(lease)) => PutRoute::Ring(Arc::new(PutSlot { mr, lease })),
             _ if self.inflight.iter().any(|f| f.lands()) => PutRoute::Wait,
-            Some(Err(e)) => {
+            Err(e) => {
                 tracing::debug!(error = %e, req.offset, req.len, "no ring slot for a put");
                 PutRoute::Host
             }
-            _ => {
+            Ok(None) => {
                 tracing::debug!(
                     req.offset,
                     req.len,

@@ -20,8 +20,6 @@ use crate::provider::{check_range, Provider};
 pub(super) struct Ring {
     pub(super) cmb: Arc<CmbMemory>,
     pub(super) slot: u64,
-    /// How many slots the ring has.
-    pub(super) slots: u64,
     /// Offsets of the free slots (a [`RingLease`] gives its slot back here).
     pub(super) free: Arc<Mutex<Vec<u64>>>,
     /// Device → CMB works (else why not).
@@ -44,6 +42,13 @@ pub struct RingLease {
 impl Drop for RingLease {
     fn drop(&mut self) {
         lock(&self.free).push(self.slot);
+    }
+}
+
+impl Ring {
+    /// How many slots the ring has (at least one: `prove_ring`).
+    pub(super) fn slots(&self) -> u64 {
+        (self.cmb.len() / self.slot).max(1)
     }
 }
 
@@ -108,15 +113,15 @@ impl BlockStorage {
                 }
             }
         }
-        let slots = (cmb.len() / slot).max(1);
-        Ok(Ring {
-            free: Arc::new(Mutex::new((0..slots).rev().map(|i| i * slot).collect())),
+        let ring = Ring {
+            free: Arc::default(),
             cmb: Arc::new(cmb),
             slot,
-            slots,
             read,
             write,
-        })
+        };
+        *lock(&ring.free) = (0..ring.slots()).rev().map(|i| i * slot).collect();
+        Ok(ring)
     }
 
     /// Read the `len` bytes at region offset `offset` from the device into a free ring slot,
@@ -158,7 +163,7 @@ impl BlockStorage {
     /// How many slots the region's CMB ring has (None: no ring). A caller that lends more
     /// chunks than that at once finds its own chunks in every slot.
     pub fn ring_slots(&self) -> Option<u64> {
-        self.via.as_ref().map(|r| r.slots)
+        self.via.as_ref().map(Ring::slots)
     }
 
     /// Whether puts may go through the ring (the region is writable and its CMB → device leg
