@@ -402,6 +402,12 @@ fn nvme_behind_switch() -> String {
     names[0].clone()
 }
 
+/// On 6.12 (no `CONFIG_PCI_P2PDMA`) a server with the CMB region `spec` is refused, saying so.
+async fn cmb_refused_without_p2pdma(spec: &str) {
+    let e = bind(&[spec], small_bounce).await.unwrap_err().to_string();
+    assert!(e.contains("CONFIG_PCI_P2PDMA"), "{e}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "lab"]
 async fn lab_nvme_cmb_region_is_served_or_refused_with_the_kernel_reason() {
@@ -481,11 +487,7 @@ async fn lab_nvme_cmb_region_lends_the_nic_chunks_that_start_on_a_page_where_onl
     // starts on a page is lent through a window over the CMB itself, not copied
     let nvme = nvme_behind_switch();
     if kernel() == "6.12" {
-        let e = bind(&[&format!("c=cmb:{nvme}:4M")], small_bounce)
-            .await
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("CONFIG_PCI_P2PDMA"), "{e}");
+        cmb_refused_without_p2pdma(&format!("c=cmb:{nvme}:4M")).await;
         return;
     }
     let dev = std::env::var("P2P_RDMA_DEVICE").expect("P2P_RDMA_DEVICE");
@@ -546,11 +548,7 @@ async fn lab_nvme_cmb_forced_strategies_report_what_the_kernel_did() {
     let nvme = nvme_behind_switch();
     if kernel() == "6.12" {
         // nothing to register: the allocation itself is refused (see the test above)
-        let e = bind(&[&format!("c=cmb:{nvme}:1M")], small_bounce)
-            .await
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("CONFIG_PCI_P2PDMA"), "{e}");
+        cmb_refused_without_p2pdma(&format!("c=cmb:{nvme}:1M")).await;
         return;
     }
     // --reg pinned: EFAULT, and with --p2p required the region is refused saying so
