@@ -122,6 +122,15 @@ pub struct RegionLabels {
     pub region: String,
 }
 
+/// Labels of staged chunks that waited for a ring slot.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RingWaitLabels {
+    /// The region's name.
+    pub region: String,
+    /// lent (a slot came back in time) or copied (through host memory after all).
+    pub outcome: String,
+}
+
 /// Labels of canary results.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CanaryLabels {
@@ -154,6 +163,8 @@ pub struct Metrics {
     pub errors: Family<CodeLabels, Counter>,
     /// Flush requests served (puts made durable), by region.
     pub flushes: Family<RegionLabels, Counter>,
+    /// Staged fetch chunks that waited for a slot of their region's CMB ring, by outcome.
+    pub ring_waits: Family<RingWaitLabels, Counter>,
     /// Connections now open (authenticated or not).
     pub connections: Gauge,
     /// Connections accepted since start.
@@ -218,6 +229,7 @@ impl Metrics {
             }),
             errors: Family::default(),
             flushes: Family::default(),
+            ring_waits: Family::default(),
             connections: Gauge::default(),
             connections_accepted: Counter::default(),
             unauthenticated: Gauge::default(),
@@ -277,6 +289,11 @@ impl Metrics {
                 "flushes",
                 "Flush requests served, by region: a put made durable (fdatasync of a file or a namespace); puts into memory that does not persist need none",
                 m.flushes.clone(),
+            );
+            r.register(
+                "ring_waits",
+                "Staged fetch chunks that found every slot of their region's CMB ring lent and waited for one (at most a second), by region and outcome: lent (a slot came back in time) or copied (through host memory after all)",
+                m.ring_waits.clone(),
             );
             r.register(
                 "connections",
@@ -421,6 +438,16 @@ impl Metrics {
         self.flushes
             .get_or_create(&RegionLabels {
                 region: region.to_string(),
+            })
+            .inc();
+    }
+
+    /// Count a staged chunk that waited for a ring slot: `lent` from one, or copied.
+    pub fn ring_wait(&self, region: &str, lent: bool) {
+        self.ring_waits
+            .get_or_create(&RingWaitLabels {
+                region: region.to_string(),
+                outcome: if lent { "lent" } else { "copied" }.to_string(),
             })
             .inc();
     }

@@ -497,3 +497,74 @@ async fn lab_nvme_a_ring_too_small_for_eight_chunks_lends_whole_chunks_from_fewe
     c.bye().await.unwrap();
     s.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_nvme_clients_that_share_a_ring_take_turns_at_its_slots_instead_of_copying() {
+    // three clients fetch 8 MiB each at once from a ring of four 1 MiB slots, each told to hold
+    // four chunks: together they ask for three times the slots. A chunk that finds every slot
+    // lent waits for one to come back, in turn with the other clients' chunks; before, it was
+    // copied through host memory
+    let cmb = controller_of("p2plab0");
+    let kernel = std::env::var("P2P_LAB_KERNEL").unwrap_or_default();
+    let (dev, model) = ssd_with_image(8 << 20, 71);
+    let s = start(&[&format!("d=nvme:{dev}:0:8M:ro,via=cmb:{cmb}:4M")], |_| {}).await;
+    let mut cs = Vec::new();
+    for _ in 0..3 {
+        let mut cfg = client(s.addr);
+        cfg.chunk = 1 << 20;
+        let mut c = Client::connect(cfg).await.unwrap();
+        let h = c.open("d", false).await.unwrap();
+        cs.push((c, h));
+    }
+    let info = cs[0].0.list().await.unwrap().remove(0);
+    let [a, b, c] = &mut cs[..] else {
+        unreachable!("three clients")
+    };
+    let reps = tokio::join!(
+        fetch_matches(&mut a.0, &a.1, 0, 8 << 20, &model),
+        fetch_matches(&mut b.0, &b.1, 0, 8 << 20, &model),
+        fetch_matches(&mut c.0, &c.1, 0, 8 << 20, &model),
+    );
+    let reps = [reps.0, reps.1, reps.2];
+    let metrics = s.handle.metrics().encode();
+    let waits = |outcome: &str| -> u64 {
+        metrics
+            .lines()
+            .filter(|l| l.starts_with("p2p_rdma_ring_waits_total{"))
+            .filter(|l| l.contains(&format!("outcome=\"{outcome}\"")))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .sum()
+    };
+    let (lent_after_wait, copied_after_wait) = (waits("lent"), waits("copied"));
+    eprintln!(
+        "zero-copy bytes {:?}, MiB/s {:?}; waited and lent {lent_after_wait}, copied {copied_after_wait}",
+        reps.iter().map(|r| r.zero_copy_bytes).collect::<Vec<_>>(),
+        reps.iter().map(|r| r.mib_per_sec as u32).collect::<Vec<_>>()
+    );
+    let (nic_reads_ring, _) = ring_nic_leg_expected();
+    let lends = kernel != "6.12"
+        && nic_reads_ring
+        && info.reason.contains("device → CMB: peer to peer, verified");
+    for rep in &reps {
+        assert_eq!(
+            rep.zero_copy_bytes,
+            if lends { 8 << 20 } else { 0 },
+            "{rep:?}"
+        );
+    }
+    if lends {
+        assert!(
+            lent_after_wait > 0,
+            "three clients at once never found the ring's four slots lent: nothing was tested"
+        );
+        assert_eq!(copied_after_wait, 0, "{metrics}");
+        assert!(same_as_server(24 << 20, cmb_to_nic(&mut cs[0].0).await));
+    } else {
+        assert_eq!(lent_after_wait + copied_after_wait, 0, "{metrics}");
+    }
+    for (c, _) in cs {
+        c.bye().await.unwrap();
+    }
+    s.stop().await;
+}

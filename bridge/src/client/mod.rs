@@ -668,6 +668,14 @@ impl Client {
         self.put_back(rdma);
         result?;
         let seconds = start.elapsed().as_secs_f64();
+        if by_path[2] > 0 {
+            // the last chunks' releases go now, not with our next request: chunks lent from a
+            // CMB ring hold its slots, which other clients wait for (the bytes are here: a
+            // connection that broke since shows at the next request)
+            if let Err(e) = self.conn.send_deferred().await {
+                tracing::debug!(error = %e, "the last staged chunks' releases were not sent");
+            }
+        }
         self.report_direct(r, offset, by_path[0], false, seconds)
             .await?;
         let verified = self.verify(r, "fetch", offset, len, crc).await?;

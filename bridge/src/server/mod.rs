@@ -49,6 +49,7 @@ mod notices;
 mod preauth;
 mod regions;
 mod ring_put;
+mod ring_wait;
 pub(crate) mod session;
 mod stage;
 mod tcp;

@@ -39,6 +39,8 @@ pub(super) struct Region {
     /// Taken at removal, so that the ring's registration (and the CMB with it) is released
     /// once the windows lent over it are gone.
     pub(super) ring_nic: Mutex<Option<crate::path::RingNic>>,
+    /// The connections whose staged chunks wait for a slot of the ring, in turn.
+    pub(super) ring_queue: Arc<super::ring_wait::RingQueue>,
     /// The one registration of the direct part (an MR per segment) that every open binds its
     /// memory windows over (empty: registered per connection, no direct part, or removed).
     pub(super) shared: Mutex<Vec<Arc<DeviceMr>>>,
@@ -477,6 +479,7 @@ pub(super) async fn build_region(
         removed: AtomicBool::new(false),
         window_mode,
         ring_nic: Mutex::new(ring_nic),
+        ring_queue: Arc::default(),
         shared: Mutex::new(shared),
     })
 }

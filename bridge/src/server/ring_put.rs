@@ -77,7 +77,8 @@ impl ConnState {
     /// buffer, so the depth is what bounds them). A chunk that would land waits for this
     /// connection's own transfers in flight rather than cross host memory; it goes through
     /// host staging only when the slots are all lent to other connections (they are given
-    /// back by their clients' requests, which this connection does not wait on).
+    /// back by their clients' requests, which this connection does not wait on) or other
+    /// connections' fetches wait for the next slot given back (`ring_wait`).
     pub(super) fn put_slot(
         &self,
         shared: &Shared,
@@ -113,6 +114,10 @@ impl ConnState {
         let Some((mr, block)) = lands() else {
             return PutRoute::Host;
         };
+        if r.ring_queue.others_wait(self.id) {
+            // fetches of other connections wait for the next slot given back
+            return PutRoute::Host;
+        }
         if self.inflight.len() >= shared.cfg.bounce_depth {
             return PutRoute::Wait;
         }

@@ -32,7 +32,8 @@ use verbs::{
 
 use super::bounce::{copy_error_code, off_workers, record_staged, reserve, BOUNCE_STALL};
 use super::driver::{internal, ConnState};
-use super::regions::removed;
+use super::regions::{removed, Region};
+use super::ring_wait::{RingQueue, SlotFreed};
 use super::session::{Refusal, MAX_STAGED};
 use super::Shared;
 use crate::metrics::{BounceStage, Direction};
@@ -79,11 +80,14 @@ pub(super) struct LentChunk {
     _lease: Option<RingLease>,
     /// The region's index.
     pub(super) region: usize,
+    /// The ring's waiters look again once the slot is back (after the lease).
+    _freed: Option<SlotFreed>,
 }
 
 impl ConnState {
     /// Stage `len` bytes of region `region` at `offset` into slot `slot` (the session checked
-    /// the range, the handle and that the client does not hold the slot): the `Staged` reply.
+    /// the range, the handle and that the client does not hold the slot), asked for at
+    /// `started`: the `Staged` reply.
     pub(super) async fn stage(
         &mut self,
         shared: &Shared,
@@ -91,8 +95,8 @@ impl ConnState {
         offset: u64,
         len: u64,
         slot: u32,
+        started: Instant,
     ) -> std::result::Result<Msg, Refusal> {
-        let started = Instant::now();
         let r = shared.regions.get(region);
         if r.removed.load(Ordering::SeqCst) {
             return Err(removed(&r.info.name));
@@ -197,6 +201,58 @@ impl ConnState {
         slots.map_or(depth, |n| depth.min(n.clamp(1, u32::MAX as u64) as u32))
     }
 
+    /// The region's ring (or its own memory, lent from page starts) as this connection's NIC
+    /// may read it: None where the ring lends to another device, or was proved from page
+    /// starts at another path MTU than this connection's (a READ at a smaller one sends
+    /// packets that start partway into pages).
+    fn lending_nic(&self, r: &Region) -> Option<crate::path::RingNic> {
+        let nic = lock(&r.ring_nic).clone().filter(|_| self.nic == r.nic)?;
+        let qp = self.qp.as_ref()?;
+        match nic.page_start {
+            Some(proved) if qp.path_mtu() != Some(proved) => {
+                tracing::debug!(
+                    path_mtu = ?qp.path_mtu(),
+                    proved,
+                    "ring slot not lent: the NIC's access was proved at another path MTU"
+                );
+                None
+            }
+            _ => Some(nic),
+        }
+    }
+
+    /// Whether a staged chunk of region `region` should wait for a slot of its CMB ring (see
+    /// `ring_wait`): the ring would lend it to this connection, but no slot is free or other
+    /// connections wait before it, and the ring moved lately (a slot was lent or came back in
+    /// the wait's limit). The queue to wait in.
+    pub(super) fn ring_busy(
+        &self,
+        shared: &Shared,
+        region: usize,
+        offset: u64,
+        len: u64,
+    ) -> Option<Arc<RingQueue>> {
+        let r = shared.regions.get(region);
+        if r.removed.load(Ordering::SeqCst) {
+            return None;
+        }
+        let nic = self.lending_nic(r)?;
+        let provider = r.provider().ok()?;
+        let block = provider.as_any().downcast_ref::<BlockStorage>()?;
+        let lends = block.lends(offset, len, nic.page_start.is_some());
+        let q = &r.ring_queue;
+        if !lends.unwrap_or(false) || (block.free_slots() > 0 && q.my_turn(self.id)) {
+            return None;
+        }
+        if q.stalled() {
+            // nothing moved in the ring for the wait's limit: its slots are held by clients
+            // that read nothing, and waiting would end only at the limit
+            tracing::debug!(region = %r.info.name, "every ring slot lent and none came back lately: not waiting");
+            return None;
+        }
+        Some(Arc::clone(q))
+    }
+
     /// Stage the chunk in a slot of the region's CMB ring and lend the slot to the client
     /// through a read-only window over the chunk's bytes, bound on this connection's QP: the
     /// SSD DMAs into the CMB and the client's NIC reads from there, so the bytes never cross
@@ -224,20 +280,12 @@ impl ConnState {
         started: Instant,
     ) -> Option<Msg> {
         let r = shared.regions.get(region);
-        let nic = lock(&r.ring_nic).clone().filter(|_| self.nic == r.nic)?;
+        let nic = self.lending_nic(r)?;
         let block = provider.as_any().downcast_ref::<BlockStorage>();
         let qp = self.qp.as_ref()?;
-        if let Some(proved) = nic.page_start {
-            // proved from page starts at `proved` only: a READ at a smaller path MTU sends
-            // packets that start partway into pages
-            if qp.path_mtu() != Some(proved) {
-                tracing::debug!(
-                    path_mtu = ?qp.path_mtu(),
-                    proved,
-                    "ring slot not lent: the NIC's access was proved at another path MTU"
-                );
-                return None;
-            }
+        if block.is_some() && !r.ring_queue.my_turn(self.id) {
+            // others wait for a slot: this chunk, which does not, takes none of theirs
+            return None;
         }
         let queued = started.elapsed();
         let read = Instant::now();
@@ -286,12 +334,14 @@ impl ConnState {
         m.observe_stage(dir, BounceStage::copy, read.as_secs_f64());
         m.observe_stage(dir, BounceStage::bind, binding.elapsed().as_secs_f64());
         let remote = window.remote();
+        let freed = lease.as_ref().map(|_| SlotFreed::new(&r.ring_queue));
         self.lent.insert(
             slot,
             LentChunk {
                 _window: window,
                 _lease: lease,
                 region,
+                _freed: freed,
             },
         );
         record_staged(shared, region, len, started, true);
@@ -326,7 +376,13 @@ impl ConnState {
                 return None;
             }
         };
-        match self.stage(shared, f.region, f.offset, f.len, f.slot).await {
+        if self.ring_busy(shared, f.region, f.offset, f.len).is_some() {
+            // no ring slot for it now: the client asks for it, and it waits for one then
+            self.session.unstaged(f.slot);
+            return None;
+        }
+        let staged = self.stage(shared, f.region, f.offset, f.len, f.slot, started);
+        match staged.await {
             Ok(Msg::Staged {
                 slot,
                 addr,

@@ -137,14 +137,12 @@ impl BlockStorage {
         len: u64,
         page_start: bool,
     ) -> Result<Option<RingLease>, Error> {
-        check_range("region", offset, len, self.len)?;
+        if !self.lends(offset, len, page_start)? {
+            return Ok(None);
+        }
         let at = self.base + offset;
         let (a0, a1) = self.cover(at, len);
         let skip = at - a0;
-        // every slot starts on a page (`prove_ring`): the chunk does when `skip` is one
-        if len == 0 || (page_start && skip % PAGE != 0) {
-            return Ok(None);
-        }
         let Some((ring, slot)) = self.take_slot(false, a1 - a0) else {
             return Ok(None);
         };
@@ -158,6 +156,27 @@ impl BlockStorage {
         self.moved.dev_to_cmb.fetch_add(a1 - a0, Ordering::Relaxed);
         self.moved.cmb_to_nic.fetch_add(len, Ordering::Relaxed);
         Ok(Some(lease))
+    }
+
+    /// Whether a fetch's `len` bytes at region offset `offset` are a chunk
+    /// [`BlockStorage::lend_slot`] lends when a slot is free (its static half): the
+    /// device → CMB leg was proved, the blocks that cover the chunk fit one slot, and (with
+    /// `page_start`) the chunk starts on a page of its slot. An error past the end.
+    pub fn lends(&self, offset: u64, len: u64, page_start: bool) -> Result<bool, Error> {
+        check_range("region", offset, len, self.len)?;
+        let Some(ring) = self.via.as_ref().filter(|r| r.read.is_ok()) else {
+            return Ok(false);
+        };
+        let at = self.base + offset;
+        let (a0, a1) = self.cover(at, len);
+        // every slot starts on a page (`prove_ring`): the chunk does when its offset into
+        // the covering blocks is a whole number of pages
+        Ok(len != 0 && a1 - a0 <= ring.slot && !(page_start && (at - a0) % PAGE != 0))
+    }
+
+    /// How many of the ring's slots are free now (0 without a ring).
+    pub fn free_slots(&self) -> u64 {
+        self.via.as_ref().map_or(0, |r| lock(&r.free).len() as u64)
     }
 
     /// How many slots the region's CMB ring has (None: no ring). A caller that lends more

@@ -75,6 +75,10 @@ pub(super) struct ConnState {
     /// The server device of this connection's QP and staging (an index into its devices):
     /// the one carrying the control connection's address until the client's connect names one.
     pub(super) nic: usize,
+    /// This connection's place in ring queues.
+    pub(super) id: u64,
+    /// `Stage`s waiting for a ring slot, in request order.
+    pub(super) parking: super::ring_wait::Parking,
 }
 
 /// Run `f`, which may block for long (a registration pins every page of a region), without
@@ -271,7 +275,7 @@ async fn serve_connection(
     removals.borrow_and_update();
     let m = shared.metrics();
     let mut stopping = false;
-    let result = loop {
+    let result = 'conn: loop {
         // draining (the server is stopping): a client with nothing open is told and let go; one
         // with open handles finishes its transfers (new opens are refused) until it closes them
         if st.session.may_leave() && st.inflight.is_empty() {
@@ -308,6 +312,15 @@ async fn serve_connection(
                 }
                 continue;
             }
+            _ = st.parking.wake(), if st.parking.any() => {
+                // a ring slot came back, or a parked chunk waited its limit
+                for reply in st.resume(shared).await {
+                    if let Err(e) = send_staged(conn, st.session.staged_count(), m, &reply).await {
+                        break 'conn Err(e);
+                    }
+                }
+                continue;
+            }
             m = conn.recv(idle, "a request (idle timeout)") => m,
         };
         let msg = match msg {
@@ -322,7 +335,16 @@ async fn serve_connection(
             }
             Err(e) => break Err(e),
         };
-        let reply = match st.session.step(msg, &shared.regions) {
+        let step = st.session.step(msg, &shared.regions);
+        if st.parking.any() && replies_after(&step) {
+            // its reply comes after the parked chunks' ones: they wait no more
+            for reply in st.flush_parked(shared).await {
+                if let Err(e) = send_staged(conn, st.session.staged_count(), m, &reply).await {
+                    break 'conn Err(e);
+                }
+            }
+        }
+        let reply = match step {
             Step::Leave => break st.drain(shared, conn).await,
             Step::Ignore => continue,
             Step::Report {
@@ -376,13 +398,18 @@ async fn serve_connection(
                 if let Err(e) = st.drain(shared, conn).await {
                     break Err(e);
                 }
-                st.stage(shared, region, offset, len, slot)
-                    .await
-                    .unwrap_or_else(|(code, message)| {
-                        st.session.unstaged(slot);
-                        tracing::debug!(%code, message, "staging refused");
-                        Msg::Error { code, message }
-                    })
+                let arrived = tokio::time::Instant::now();
+                let p = super::ring_wait::Parked {
+                    region,
+                    offset,
+                    len,
+                    slot,
+                    arrived,
+                };
+                match st.stage_or_park(shared, p).await {
+                    Some(reply) => reply,
+                    None => continue,
+                }
             }
             step @ (Step::TcpRead { .. } | Step::TcpWrite { .. } | Step::Skip { .. }) => {
                 if let Err(e) = st.drain(shared, conn).await {
@@ -440,6 +467,25 @@ async fn serve_connection(
     result
 }
 
+/// Whether a request's reply (or what it does) comes after those of the `Stage`s before it.
+fn replies_after<T>(step: &Step<T>) -> bool {
+    !matches!(
+        step,
+        Step::Stage { .. } | Step::Unstage(_) | Step::Ignore | Step::Report { .. } | Step::Leave
+    )
+}
+
+/// Send the reply of a parked `Stage` (held for its batch, like any, where the client's next
+/// request is here).
+async fn send_staged(conn: &mut Conn, held: u32, m: &Metrics, reply: &Msg) -> Result<()> {
+    count_reply(m, reply);
+    if may_hold(reply, held, conn.deferred_len()) && conn.next_is_here() {
+        conn.defer(reply);
+        return Ok(());
+    }
+    conn.send(reply).await
+}
+
 /// Count an error reply by its code.
 pub(super) fn count_reply(m: &Metrics, reply: &Msg) {
     if let Msg::Error { code, .. } = reply {
@@ -449,7 +495,10 @@ pub(super) fn count_reply(m: &Metrics, reply: &Msg) {
 
 impl ConnState {
     fn new(rules: Rules, scope: Scope, client: String) -> ConnState {
+        let id = super::ring_wait::next_conn_id();
         ConnState {
+            id,
+            parking: super::ring_wait::Parking::new(id),
             client,
             local_ip: None,
             session: Session::new(rules, scope),

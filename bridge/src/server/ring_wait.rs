@@ -1,0 +1,376 @@
+//! Staged fetches that wait for a slot of a region's CMB ring rather than cross host memory.
+//!
+//! A ring has a few slots (eight as a rule) and every client fetching from the region takes
+//! them. A chunk the ring would lend but that finds every slot lent (to other connections, or
+//! to this one's earlier chunks) waits: the connection parks its `Stage` and goes on reading
+//! the client's messages, so that its own `Unstage`s still give slots back meanwhile (a
+//! client releases a chunk once it has read it, with its next request or before it waits for
+//! a reply). The connections that wait for one region's ring take turns in the order they
+//! came ([`RingQueue`]): a slot given back goes to the first, and a connection that does not
+//! wait takes no free slot while others do. A parked chunk waits at most [`WAIT_LIMIT`]
+//! (a client that holds its slots and reads nothing keeps no one waiting for longer); then
+//! it is copied through host staging as before.
+//!
+//! Replies stay in request order: the `Stage`s behind a parked one park too, and any other
+//! request first has the parked chunks staged without waiting (copied where no slot is free).
+//! None of this waits for a client's message: a connection that parks holds no slot it is
+//! not about to give back, so every wait ends when slots come back or at its limit.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use tokio::sync::watch;
+
+use super::driver::ConnState;
+use super::Shared;
+use crate::protocol::Msg;
+
+/// How long a staged chunk waits for a ring slot before it is copied through host memory.
+pub(super) const WAIT_LIMIT: Duration = Duration::from_secs(1);
+
+/// A number for each connection, to hold its place in ring queues.
+pub(super) fn next_conn_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// The connections waiting for a slot of one region's ring, in the order they came, and a
+/// signal that a slot came back (or the first in line changed).
+#[derive(Debug)]
+pub(super) struct RingQueue {
+    waiters: Mutex<VecDeque<u64>>,
+    changed: watch::Sender<u64>,
+    /// When a chunk was last lent from a slot or a slot came back.
+    moved: Mutex<Option<Instant>>,
+}
+
+impl Default for RingQueue {
+    fn default() -> Self {
+        RingQueue {
+            waiters: Mutex::default(),
+            changed: watch::channel(0).0,
+            moved: Mutex::default(),
+        }
+    }
+}
+
+impl RingQueue {
+    fn waiters(&self) -> std::sync::MutexGuard<'_, VecDeque<u64>> {
+        self.waiters.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether connection `conn` may take a free slot now: nobody waits, or it is first.
+    pub(super) fn my_turn(&self, conn: u64) -> bool {
+        self.waiters().front().is_none_or(|&w| w == conn)
+    }
+
+    /// Whether connections other than `conn` wait for a slot.
+    pub(super) fn others_wait(&self, conn: u64) -> bool {
+        self.waiters().iter().any(|&w| w != conn)
+    }
+
+    /// Put `conn` in line (at the end, unless it is in line already).
+    fn join(&self, conn: u64) {
+        let mut w = self.waiters();
+        if !w.contains(&conn) {
+            w.push_back(conn);
+        }
+    }
+
+    /// Take `conn` out of the line; the next one, if it became first, looks again.
+    fn leave(&self, conn: u64) {
+        let mut w = self.waiters();
+        let was_first = w.front() == Some(&conn);
+        w.retain(|&c| c != conn);
+        drop(w);
+        if was_first {
+            self.signal();
+        }
+    }
+
+    /// A chunk was lent from a slot.
+    pub(super) fn lent(&self) {
+        *self.moved.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
+    }
+
+    /// Whether no chunk was lent and no slot came back for [`WAIT_LIMIT`]: the slots are held
+    /// by clients that read nothing (or by no fetch at all), and a chunk that waited would
+    /// only wait its limit.
+    pub(super) fn stalled(&self) -> bool {
+        let moved = *self.moved.lock().unwrap_or_else(|p| p.into_inner());
+        moved.is_none_or(|t| t.elapsed() >= WAIT_LIMIT)
+    }
+
+    /// The first in line changed: it looks again.
+    fn signal(&self) {
+        self.changed.send_modify(|g| *g = g.wrapping_add(1));
+    }
+
+    /// A slot came back: the first in line looks again.
+    fn back(&self) {
+        self.lent();
+        self.signal();
+    }
+}
+
+/// Signals its ring queue when dropped: held by a chunk lent from a ring slot, after the
+/// lease (fields drop in order), so the waiters look once the slot is back.
+#[derive(Debug)]
+pub(super) struct SlotFreed(Arc<RingQueue>);
+
+impl SlotFreed {
+    /// For a chunk just lent from a slot of the ring `q` waits for.
+    pub(super) fn new(q: &Arc<RingQueue>) -> SlotFreed {
+        q.lent();
+        SlotFreed(Arc::clone(q))
+    }
+}
+
+impl Drop for SlotFreed {
+    fn drop(&mut self) {
+        self.0.back();
+    }
+}
+
+/// A `Stage` the session accepted that waits for a ring slot.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Parked {
+    pub(super) region: usize,
+    pub(super) offset: u64,
+    pub(super) len: u64,
+    pub(super) slot: u32,
+    /// When the request arrived: it waits at most [`WAIT_LIMIT`] from then.
+    pub(super) arrived: Instant,
+}
+
+impl Parked {
+    /// Whether it waited its limit.
+    pub(super) fn expired(&self, now: Instant) -> bool {
+        now.duration_since(self.arrived) >= WAIT_LIMIT
+    }
+}
+
+/// A connection's parked `Stage`s, in request order, and the ring queue the first of them
+/// waits in. Leaves that queue when dropped (the connection ended).
+#[derive(Debug)]
+pub(super) struct Parking {
+    conn: u64,
+    pub(super) queue: VecDeque<Parked>,
+    waiting: Option<(Arc<RingQueue>, watch::Receiver<u64>)>,
+}
+
+impl Parking {
+    pub(super) fn new(conn: u64) -> Parking {
+        Parking {
+            conn,
+            queue: VecDeque::new(),
+            waiting: None,
+        }
+    }
+
+    /// Whether any `Stage` is parked.
+    pub(super) fn any(&self) -> bool {
+        !self.queue.is_empty()
+    }
+
+    /// Wait in line at `q` (from the first parked request's point of view). A new line is
+    /// looked at once at once: a slot may have come back between the caller's look and now.
+    pub(super) fn wait_on(&mut self, q: &Arc<RingQueue>) {
+        if let Some((old, _)) = &self.waiting {
+            if Arc::ptr_eq(old, q) {
+                return;
+            }
+        }
+        self.stop_waiting();
+        q.join(self.conn);
+        let mut rx = q.changed.subscribe();
+        rx.mark_changed();
+        self.waiting = Some((Arc::clone(q), rx));
+    }
+
+    /// Leave the line waited in, if any.
+    pub(super) fn stop_waiting(&mut self) {
+        if let Some((q, _)) = self.waiting.take() {
+            q.leave(self.conn);
+        }
+    }
+
+    /// Until the first parked request should look again: a slot came back to the ring it
+    /// waits for, or it waited its limit. Pending forever with nothing parked.
+    pub(super) async fn wake(&mut self) {
+        let Some(head) = self.queue.front() else {
+            return std::future::pending().await;
+        };
+        let deadline = head.arrived + WAIT_LIMIT;
+        match &mut self.waiting {
+            Some((_, rx)) => {
+                tokio::select! {
+                    r = rx.changed() => {
+                        if r.is_err() {
+                            // (the region table holds every queue as long as the server runs)
+                            tokio::time::sleep_until(deadline).await;
+                        }
+                    }
+                    _ = tokio::time::sleep_until(deadline) => {}
+                }
+            }
+            None => tokio::time::sleep_until(deadline).await,
+        }
+    }
+}
+
+impl Drop for Parking {
+    fn drop(&mut self) {
+        self.stop_waiting();
+    }
+}
+
+impl ConnState {
+    /// Stage a chunk the session accepted (see [`ConnState::stage`]), or park it: its reply,
+    /// or None while it waits for a ring slot (or behind another `Stage` that does).
+    pub(super) async fn stage_or_park(&mut self, shared: &Shared, p: Parked) -> Option<Msg> {
+        if !self.parking.any() {
+            match self.ring_busy(shared, p.region, p.offset, p.len) {
+                None => return Some(self.stage_reply(shared, p).await),
+                Some(q) => self.parking.wait_on(&q),
+            }
+        }
+        self.parking.queue.push_back(p);
+        None
+    }
+
+    /// The replies of the parked chunks that may go now, in order: lent from a slot that came
+    /// back, or copied once they waited their limit. The rest wait on.
+    pub(super) async fn resume(&mut self, shared: &Shared) -> Vec<Msg> {
+        let mut out = Vec::new();
+        while let Some(&p) = self.parking.queue.front() {
+            if !p.expired(Instant::now()) {
+                if let Some(q) = self.ring_busy(shared, p.region, p.offset, p.len) {
+                    self.parking.wait_on(&q);
+                    return out;
+                }
+            }
+            self.parking.queue.pop_front();
+            out.push(self.waited(shared, p).await);
+            // the next in line takes the next slot: a further chunk of ours waits behind it
+            self.parking.stop_waiting();
+        }
+        out
+    }
+
+    /// Every parked chunk staged now, without waiting (copied where no slot is free): a
+    /// request of another kind came, and its reply goes out after theirs.
+    pub(super) async fn flush_parked(&mut self, shared: &Shared) -> Vec<Msg> {
+        let mut out = Vec::new();
+        while let Some(p) = self.parking.queue.pop_front() {
+            out.push(self.waited(shared, p).await);
+        }
+        self.parking.stop_waiting();
+        out
+    }
+
+    /// The reply of a chunk that waited, counted by how it went.
+    async fn waited(&mut self, shared: &Shared, p: Parked) -> Msg {
+        let reply = self.stage_reply(shared, p).await;
+        let lent = matches!(reply, Msg::Staged { lent: true, .. });
+        let name = &shared.regions.get(p.region).info.name;
+        shared.metrics().ring_wait(name, lent);
+        tracing::debug!(
+            region = %name,
+            lent,
+            waited_ms = p.arrived.elapsed().as_millis() as u64,
+            "a staged chunk waited for a ring slot"
+        );
+        reply
+    }
+
+    /// The reply to a `Stage`: the chunk staged, or why not (the session takes the slot back).
+    async fn stage_reply(&mut self, shared: &Shared, p: Parked) -> Msg {
+        let arrived = p.arrived.into_std();
+        let staged = self.stage(shared, p.region, p.offset, p.len, p.slot, arrived);
+        staged.await.unwrap_or_else(|(code, message)| {
+            self.session.unstaged(p.slot);
+            tracing::debug!(%code, message, "staging refused");
+            Msg::Error { code, message }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_free_slot_goes_to_the_first_in_line_and_the_next_looks_when_it_leaves() {
+        let q = Arc::new(RingQueue::default());
+        assert!(
+            q.my_turn(1) && q.my_turn(2),
+            "nobody waits: anyone takes a slot"
+        );
+        let (mut a, mut b) = (Parking::new(1), Parking::new(2));
+        a.wait_on(&q);
+        b.wait_on(&q);
+        b.wait_on(&q);
+        assert!(q.my_turn(1));
+        assert!(!q.my_turn(2) && !q.my_turn(3), "behind the first: no slot");
+        assert!(q.others_wait(3) && q.others_wait(1));
+        let mut rx = q.changed.subscribe();
+        a.stop_waiting();
+        assert!(
+            rx.has_changed().unwrap(),
+            "the next in line is told to look"
+        );
+        assert!(q.my_turn(2) && !q.others_wait(2));
+        rx.borrow_and_update();
+        drop(b);
+        assert!(rx.has_changed().unwrap());
+        assert!(q.my_turn(3), "a connection that ends leaves the line");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_parked_request_wakes_when_a_slot_comes_back_or_at_its_limit() {
+        let q = Arc::new(RingQueue::default());
+        assert!(q.stalled(), "nothing was ever lent");
+        let mut p = Parking::new(7);
+        let arrived = Instant::now();
+        p.queue.push_back(Parked {
+            region: 0,
+            offset: 0,
+            len: 1,
+            slot: 0,
+            arrived,
+        });
+        p.wait_on(&q);
+        // a new line is looked at once
+        tokio::time::timeout(Duration::from_millis(1), p.wake())
+            .await
+            .expect("looks at once");
+        // then only when a slot comes back
+        assert!(tokio::time::timeout(Duration::from_millis(100), p.wake())
+            .await
+            .is_err());
+        let lease = SlotFreed::new(&q);
+        assert!(!q.stalled(), "a chunk was just lent");
+        drop(lease);
+        tokio::time::timeout(Duration::from_millis(1), p.wake())
+            .await
+            .expect("a slot came back");
+        assert!(!p.queue[0].expired(Instant::now()));
+        // nothing comes back: it wakes at its limit, expired
+        tokio::time::timeout(WAIT_LIMIT, p.wake())
+            .await
+            .expect("wakes at its limit");
+        assert!(p.queue[0].expired(Instant::now()));
+        assert!(!q.stalled(), "a slot came back less than the limit ago");
+        tokio::time::sleep(WAIT_LIMIT).await;
+        assert!(q.stalled(), "nothing moved for the limit");
+        p.queue.clear();
+        assert!(tokio::time::timeout(WAIT_LIMIT * 10, p.wake())
+            .await
+            .is_err());
+    }
+}
