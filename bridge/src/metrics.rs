@@ -122,7 +122,7 @@ pub struct RegionLabels {
     pub region: String,
 }
 
-/// Labels of staged chunks that waited for a ring slot.
+/// Labels of fetch and put chunks that waited for a ring slot.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RingWaitLabels {
     /// The region's name.
@@ -163,7 +163,7 @@ pub struct Metrics {
     pub errors: Family<CodeLabels, Counter>,
     /// Flush requests served (puts made durable), by region.
     pub flushes: Family<RegionLabels, Counter>,
-    /// Staged fetch chunks that waited for a slot of their region's CMB ring, by outcome.
+    /// Fetch and put chunks that waited for a slot of their region's CMB ring, by outcome.
     pub ring_waits: Family<RingWaitLabels, Counter>,
     /// Connections now open (authenticated or not).
     pub connections: Gauge,
@@ -292,7 +292,7 @@ impl Metrics {
             );
             r.register(
                 "ring_waits",
-                "Staged fetch chunks that found every slot of their region's CMB ring lent and waited for one (at most a second), by region and outcome: lent (a slot came back in time) or copied (through host memory after all)",
+                "Fetch and put chunks that found every slot of their region's CMB ring lent (or other connections waiting for the next) and waited their turn (at most a second), by region and outcome: lent (a slot came in time) or copied (through host memory after all)",
                 m.ring_waits.clone(),
             );
             r.register(
@@ -442,7 +442,8 @@ impl Metrics {
             .inc();
     }
 
-    /// Count a staged chunk that waited for a ring slot: `lent` from one, or copied.
+    /// Count a fetch or put chunk that waited for a ring slot: `lent` one (or landed in
+    /// one), or copied.
     pub fn ring_wait(&self, region: &str, lent: bool) {
         self.ring_waits
             .get_or_create(&RingWaitLabels {

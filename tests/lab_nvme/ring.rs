@@ -502,31 +502,38 @@ async fn lab_nvme_a_ring_too_small_for_eight_chunks_lends_whole_chunks_from_fewe
 #[ignore = "lab"]
 async fn lab_nvme_clients_that_share_a_ring_take_turns_at_its_slots_instead_of_copying() {
     // three clients fetch 8 MiB each at once from a ring of four 1 MiB slots, each told to hold
-    // four chunks: together they ask for three times the slots. A chunk that finds every slot
-    // lent waits for one to come back, in turn with the other clients' chunks; before, it was
-    // copied through host memory
+    // four chunks, while a fourth puts 4 MiB: together they ask for four times the slots. A
+    // chunk that finds every slot lent waits for one to come back, in turn with the other
+    // clients' chunks; before, it was copied through host memory
     let cmb = controller_of("p2plab0");
     let kernel = std::env::var("P2P_LAB_KERNEL").unwrap_or_default();
-    let (dev, model) = ssd_with_image(8 << 20, 71);
-    let s = start(&[&format!("d=nvme:{dev}:0:8M:ro,via=cmb:{cmb}:4M")], |_| {}).await;
+    let (dev, mut model) = ssd_with_image(12 << 20, 71);
+    let s = start(&[&format!("d=nvme:{dev}:0:12M,via=cmb:{cmb}:4M")], |_| {}).await;
     let mut cs = Vec::new();
-    for _ in 0..3 {
+    for _ in 0..4 {
         let mut cfg = client(s.addr);
         cfg.chunk = 1 << 20;
         let mut c = Client::connect(cfg).await.unwrap();
-        let h = c.open("d", false).await.unwrap();
+        let h = c.open("d", true).await.unwrap();
         cs.push((c, h));
     }
     let info = cs[0].0.list().await.unwrap().remove(0);
-    let [a, b, c] = &mut cs[..] else {
-        unreachable!("three clients")
+    let put = data(4 << 20, 72);
+    let mut put_model_bytes = model.clone();
+    let [a, b, c, p] = &mut cs[..] else {
+        unreachable!("four clients")
     };
-    let reps = tokio::join!(
+    let (ra, rb, rc, rp) = tokio::join!(
         fetch_matches(&mut a.0, &a.1, 0, 8 << 20, &model),
         fetch_matches(&mut b.0, &b.1, 0, 8 << 20, &model),
         fetch_matches(&mut c.0, &c.1, 0, 8 << 20, &model),
+        put_model(&mut p.0, &p.1, 8 << 20, &put, &mut put_model_bytes),
     );
-    let reps = [reps.0, reps.1, reps.2];
+    model = put_model_bytes;
+    assert!(
+        dd_direct(&dev, 0, 12 << 20) == model,
+        "the put is not on the device as put"
+    );
     let metrics = s.handle.metrics().encode();
     let waits = |outcome: &str| -> u64 {
         metrics
@@ -537,6 +544,7 @@ async fn lab_nvme_clients_that_share_a_ring_take_turns_at_its_slots_instead_of_c
             .sum()
     };
     let (lent_after_wait, copied_after_wait) = (waits("lent"), waits("copied"));
+    let reps = [ra, rb, rc, rp];
     eprintln!(
         "zero-copy bytes {:?}, MiB/s {:?}; waited and lent {lent_after_wait}, copied {copied_after_wait}",
         reps.iter().map(|r| r.zero_copy_bytes).collect::<Vec<_>>(),
@@ -546,17 +554,24 @@ async fn lab_nvme_clients_that_share_a_ring_take_turns_at_its_slots_instead_of_c
     let lends = kernel != "6.12"
         && nic_reads_ring
         && info.reason.contains("device → CMB: peer to peer, verified");
-    for rep in &reps {
+    let lands = lends && info.reason.contains("CMB → device: peer to peer, verified");
+    for rep in &reps[..3] {
         assert_eq!(
             rep.zero_copy_bytes,
             if lends { 8 << 20 } else { 0 },
             "{rep:?}"
         );
     }
+    assert_eq!(
+        reps[3].zero_copy_bytes,
+        if lands { 4 << 20 } else { 0 },
+        "{:?}",
+        reps[3]
+    );
     if lends {
         assert!(
             lent_after_wait > 0,
-            "three clients at once never found the ring's four slots lent: nothing was tested"
+            "four clients at once never found the ring's four slots lent: nothing was tested"
         );
         assert_eq!(copied_after_wait, 0, "{metrics}");
         assert!(same_as_server(24 << 20, cmb_to_nic(&mut cs[0].0).await));

@@ -25,6 +25,7 @@ use verbs::{
 use super::driver::{count_reply, internal, ConnState};
 use super::regions::removed;
 use super::ring_put::{PutRoute, PutSlot};
+use super::ring_wait::wait_turn;
 use super::session::{Bounce, Catalog, Refusal};
 use super::Shared;
 use crate::conn::Conn;
@@ -556,15 +557,31 @@ impl ConnState {
             Err(e) => return Ok(Err(e)),
         };
         // a put of whole blocks into an `nvme` region whose CMB ring the NIC lands READs in
+        let mut line = None;
         loop {
             match self.put_slot(shared, r, &provider, &req) {
                 PutRoute::Ring(slot) => {
-                    return Ok(self.start_ring_put(shared, &req, provider, slot, meta))
+                    if line.is_some() {
+                        shared.metrics().ring_wait(&r.info.name, true);
+                    }
+                    return Ok(self.start_ring_put(shared, &req, provider, slot, meta));
                 }
                 PutRoute::Wait => self.complete_oldest(shared, conn).await?,
-                PutRoute::Host => break,
+                PutRoute::Queue(q) => {
+                    if !wait_turn(&mut line, &q, self.id).await {
+                        shared.metrics().ring_wait(&r.info.name, false);
+                        break;
+                    }
+                }
+                PutRoute::Host => {
+                    if line.is_some() {
+                        shared.metrics().ring_wait(&r.info.name, false);
+                    }
+                    break;
+                }
             }
         }
+        drop(line);
         // a staging buffer: a free one, a new one while the ring is not full, or the oldest
         // in-flight one once it completes
         let mut buf = loop {

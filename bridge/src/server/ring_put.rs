@@ -14,6 +14,7 @@ use verbs::{Local, MemoryRegion, RegionRef};
 
 use super::driver::ConnState;
 use super::regions::Region;
+use super::ring_wait::{RingQueue, SlotFreed};
 use super::session::Bounce;
 use super::stage::lock;
 use super::Shared;
@@ -25,6 +26,8 @@ use super::Shared;
 pub(super) struct PutSlot {
     mr: Arc<DeviceMr>,
     lease: RingLease,
+    /// The ring's waiters look again once the slot is back (after the lease).
+    _freed: SlotFreed,
 }
 
 impl RegionRef for PutSlot {
@@ -65,6 +68,9 @@ pub(super) enum PutRoute {
     /// connection is at its bounce depth, or every slot is lent and some to this connection's
     /// own landings, which give theirs back as they complete.
     Wait,
+    /// Into the ring once this connection's turn comes and a slot is free: every slot is
+    /// lent to other connections, or other connections wait for the next one (`ring_wait`).
+    Queue(Arc<RingQueue>),
     /// Through host staging.
     Host,
 }
@@ -73,12 +79,10 @@ impl ConnState {
     /// Where region `r`'s put `req` goes. Its chunk lands in the CMB ring when the NIC was
     /// proved to land READs there on this connection's device (from page starts: at this
     /// connection's path MTU only), the chunk is whole blocks no longer than a slot, a slot
-    /// is free and the connection is under its bounce depth (ring puts hold no staging
-    /// buffer, so the depth is what bounds them). A chunk that would land waits for this
-    /// connection's own transfers in flight rather than cross host memory; it goes through
-    /// host staging only when the slots are all lent to other connections (they are given
-    /// back by their clients' requests, which this connection does not wait on) or other
-    /// connections' fetches wait for the next slot given back (`ring_wait`).
+    /// is free, it is this connection's turn (`ring_wait`) and the connection is under its
+    /// bounce depth (ring puts hold no staging buffer, so the depth is what bounds them). A
+    /// chunk that would land waits for this connection's own transfers in flight, or else
+    /// its turn, rather than cross host memory.
     pub(super) fn put_slot(
         &self,
         shared: &Shared,
@@ -114,28 +118,37 @@ impl ConnState {
         let Some((mr, block)) = lands() else {
             return PutRoute::Host;
         };
-        if r.ring_queue.others_wait(self.id) {
-            // fetches of other connections wait for the next slot given back
-            return PutRoute::Host;
-        }
         if self.inflight.len() >= shared.cfg.bounce_depth {
             return PutRoute::Wait;
         }
-        match block.lend_slot_for_put(req.offset, req.len) {
-            Ok(Some(lease)) => PutRoute::Ring(Arc::new(PutSlot { mr, lease })),
-            _ if self.inflight.iter().any(|f| f.lands()) => PutRoute::Wait,
-            Err(e) => {
-                tracing::debug!(error = %e, req.offset, req.len, "no ring slot for a put");
-                PutRoute::Host
+        let q = &r.ring_queue;
+        if q.my_turn(self.id) {
+            match block.lend_slot_for_put(req.offset, req.len) {
+                Ok(Some(lease)) => {
+                    let _freed = SlotFreed::new(q);
+                    return PutRoute::Ring(Arc::new(PutSlot { mr, lease, _freed }));
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, req.offset, req.len, "no ring slot for a put");
+                    return PutRoute::Host;
+                }
+                Ok(None) => {}
             }
-            Ok(None) => {
-                tracing::debug!(
-                    req.offset,
-                    req.len,
-                    "every ring slot is lent to other connections: the put goes through host staging"
-                );
-                PutRoute::Host
-            }
+        }
+        // every slot is lent, or others wait for the next one: this connection's own
+        // landings give theirs back first; with none, it waits its turn (it holds no slot
+        // that anyone waits for), unless nothing moved in the ring lately
+        if self.inflight.iter().any(|f| f.lands()) {
+            PutRoute::Wait
+        } else if q.stalled() {
+            tracing::debug!(
+                req.offset,
+                req.len,
+                "every ring slot lent and none came back lately: the put goes through host staging"
+            );
+            PutRoute::Host
+        } else {
+            PutRoute::Queue(Arc::clone(q))
         }
     }
 }

@@ -11,6 +11,10 @@
 //! (a client that holds its slots and reads nothing keeps no one waiting for longer); then
 //! it is copied through host staging as before.
 //!
+//! A put's chunk that would land in the ring but finds no slot (and no landing of its own
+//! connection in flight, whose slot would come back first) waits in the same line, in the
+//! connection's task ([`wait_turn`]): it holds no slot meanwhile, so no one waits for it.
+//!
 //! Replies stay in request order: the `Stage`s behind a parked one park too, and any other
 //! request first has the parked chunks staged without waiting (copied where no slot is free).
 //! None of this waits for a client's message: a connection that parks holds no slot it is
@@ -66,11 +70,6 @@ impl RingQueue {
     /// Whether connection `conn` may take a free slot now: nobody waits, or it is first.
     pub(super) fn my_turn(&self, conn: u64) -> bool {
         self.waiters().front().is_none_or(|&w| w == conn)
-    }
-
-    /// Whether connections other than `conn` wait for a slot.
-    pub(super) fn others_wait(&self, conn: u64) -> bool {
-        self.waiters().iter().any(|&w| w != conn)
     }
 
     /// Put `conn` in line (at the end, unless it is in line already).
@@ -143,15 +142,8 @@ pub(super) struct Parked {
     pub(super) offset: u64,
     pub(super) len: u64,
     pub(super) slot: u32,
-    /// When the request arrived: it waits at most [`WAIT_LIMIT`] from then.
+    /// When the request arrived.
     pub(super) arrived: Instant,
-}
-
-impl Parked {
-    /// Whether it waited its limit.
-    pub(super) fn expired(&self, now: Instant) -> bool {
-        now.duration_since(self.arrived) >= WAIT_LIMIT
-    }
 }
 
 /// A connection's parked `Stage`s, in request order, and the ring queue the first of them
@@ -159,7 +151,10 @@ impl Parked {
 #[derive(Debug)]
 pub(super) struct Parking {
     conn: u64,
-    pub(super) queue: VecDeque<Parked>,
+    queue: VecDeque<Parked>,
+    /// Since when the first parked request is first: it waits at most [`WAIT_LIMIT`] from
+    /// then (the time it spent behind its own connection's requests is not the ring's).
+    head_since: Instant,
     waiting: Option<(Arc<RingQueue>, watch::Receiver<u64>)>,
 }
 
@@ -168,6 +163,7 @@ impl Parking {
         Parking {
             conn,
             queue: VecDeque::new(),
+            head_since: Instant::now(),
             waiting: None,
         }
     }
@@ -175,6 +171,30 @@ impl Parking {
     /// Whether any `Stage` is parked.
     pub(super) fn any(&self) -> bool {
         !self.queue.is_empty()
+    }
+
+    /// Park `p` behind the others.
+    pub(super) fn push(&mut self, p: Parked) {
+        if self.queue.is_empty() {
+            self.head_since = Instant::now();
+        }
+        self.queue.push_back(p);
+    }
+
+    /// The first parked request.
+    pub(super) fn first(&self) -> Option<Parked> {
+        self.queue.front().copied()
+    }
+
+    /// Take the first parked request: the next one is first from now.
+    pub(super) fn pop(&mut self) -> Option<Parked> {
+        self.head_since = Instant::now();
+        self.queue.pop_front()
+    }
+
+    /// Whether the first parked request waited its limit.
+    pub(super) fn first_expired(&self) -> bool {
+        self.head_since.elapsed() >= WAIT_LIMIT
     }
 
     /// Wait in line at `q` (from the first parked request's point of view). A new line is
@@ -202,10 +222,10 @@ impl Parking {
     /// Until the first parked request should look again: a slot came back to the ring it
     /// waits for, or it waited its limit. Pending forever with nothing parked.
     pub(super) async fn wake(&mut self) {
-        let Some(head) = self.queue.front() else {
+        if self.queue.is_empty() {
             return std::future::pending().await;
-        };
-        let deadline = head.arrived + WAIT_LIMIT;
+        }
+        let deadline = self.head_since + WAIT_LIMIT;
         match &mut self.waiting {
             Some((_, rx)) => {
                 tokio::select! {
@@ -229,17 +249,62 @@ impl Drop for Parking {
     }
 }
 
+/// A put's chunk in line for a slot of a ring (see [`wait_turn`]); leaves the line when
+/// dropped.
+#[derive(Debug)]
+pub(super) struct InLine {
+    q: Arc<RingQueue>,
+    conn: u64,
+    rx: watch::Receiver<u64>,
+    /// It waits at most [`WAIT_LIMIT`] from then.
+    since: Instant,
+}
+
+impl Drop for InLine {
+    fn drop(&mut self) {
+        self.q.leave(self.conn);
+    }
+}
+
+/// Wait in line at `q` for connection `conn` (a put's chunk, holding no slot of its own)
+/// until it should look again: true when a slot came back or the first in line changed, false
+/// once it waited its limit in line. The connection holds no slot meanwhile, so no one waits
+/// for it.
+pub(super) async fn wait_turn(line: &mut Option<InLine>, q: &Arc<RingQueue>, conn: u64) -> bool {
+    let l = line.get_or_insert_with(|| {
+        q.join(conn);
+        let mut rx = q.changed.subscribe();
+        // (a slot may have come back between the caller's look and now)
+        rx.mark_changed();
+        InLine {
+            q: Arc::clone(q),
+            conn,
+            rx,
+            since: Instant::now(),
+        }
+    });
+    let deadline = l.since + WAIT_LIMIT;
+    matches!(
+        tokio::time::timeout_at(deadline, l.rx.changed()).await,
+        Ok(Ok(()))
+    )
+}
+
 impl ConnState {
     /// Stage a chunk the session accepted (see [`ConnState::stage`]), or park it: its reply,
     /// or None while it waits for a ring slot (or behind another `Stage` that does).
     pub(super) async fn stage_or_park(&mut self, shared: &Shared, p: Parked) -> Option<Msg> {
-        if !self.parking.any() {
-            match self.ring_busy(shared, p.region, p.offset, p.len) {
-                None => return Some(self.stage_reply(shared, p).await),
-                Some(q) => self.parking.wait_on(&q),
+        if !self.parking.any() && self.ring_busy(shared, p.region, p.offset, p.len).is_none() {
+            if let Some(reply) = self.stage_reply(shared, p, true).await {
+                return Some(reply);
             }
+            // (None: another connection took the last slot since we looked: wait for the next)
         }
-        self.parking.queue.push_back(p);
+        if !self.parking.any() {
+            self.parking
+                .wait_on(&shared.regions.get(p.region).ring_queue);
+        }
+        self.parking.push(p);
         None
     }
 
@@ -247,15 +312,22 @@ impl ConnState {
     /// back, or copied once they waited their limit. The rest wait on.
     pub(super) async fn resume(&mut self, shared: &Shared) -> Vec<Msg> {
         let mut out = Vec::new();
-        while let Some(&p) = self.parking.queue.front() {
-            if !p.expired(Instant::now()) {
+        while let Some(p) = self.parking.first() {
+            if !self.parking.first_expired() {
                 if let Some(q) = self.ring_busy(shared, p.region, p.offset, p.len) {
                     self.parking.wait_on(&q);
                     return out;
                 }
             }
-            self.parking.queue.pop_front();
-            out.push(self.waited(shared, p).await);
+            let may_wait = !self.parking.first_expired();
+            let Some(reply) = self.waited(shared, p, may_wait).await else {
+                // another connection took the slot first: look again when the next comes back
+                self.parking
+                    .wait_on(&shared.regions.get(p.region).ring_queue);
+                return out;
+            };
+            self.parking.pop();
+            out.push(reply);
             // the next in line takes the next slot: a further chunk of ours waits behind it
             self.parking.stop_waiting();
         }
@@ -266,16 +338,19 @@ impl ConnState {
     /// request of another kind came, and its reply goes out after theirs.
     pub(super) async fn flush_parked(&mut self, shared: &Shared) -> Vec<Msg> {
         let mut out = Vec::new();
-        while let Some(p) = self.parking.queue.pop_front() {
-            out.push(self.waited(shared, p).await);
+        while let Some(p) = self.parking.pop() {
+            if let Some(reply) = self.waited(shared, p, false).await {
+                out.push(reply);
+            }
         }
         self.parking.stop_waiting();
         out
     }
 
-    /// The reply of a chunk that waited, counted by how it went.
-    async fn waited(&mut self, shared: &Shared, p: Parked) -> Msg {
-        let reply = self.stage_reply(shared, p).await;
+    /// The reply of a chunk that waited, counted by how it went (None: with `may_wait`, it
+    /// waits on).
+    async fn waited(&mut self, shared: &Shared, p: Parked, may_wait: bool) -> Option<Msg> {
+        let reply = self.stage_reply(shared, p, may_wait).await?;
         let lent = matches!(reply, Msg::Staged { lent: true, .. });
         let name = &shared.regions.get(p.region).info.name;
         shared.metrics().ring_wait(name, lent);
@@ -285,18 +360,22 @@ impl ConnState {
             waited_ms = p.arrived.elapsed().as_millis() as u64,
             "a staged chunk waited for a ring slot"
         );
-        reply
+        Some(reply)
     }
 
-    /// The reply to a `Stage`: the chunk staged, or why not (the session takes the slot back).
-    async fn stage_reply(&mut self, shared: &Shared, p: Parked) -> Msg {
+    /// The reply to a `Stage`: the chunk staged, or why not (the session takes the slot
+    /// back). None: with `may_wait`, the ring has no slot for it now.
+    async fn stage_reply(&mut self, shared: &Shared, p: Parked, may_wait: bool) -> Option<Msg> {
         let arrived = p.arrived.into_std();
-        let staged = self.stage(shared, p.region, p.offset, p.len, p.slot, arrived);
-        staged.await.unwrap_or_else(|(code, message)| {
-            self.session.unstaged(p.slot);
-            tracing::debug!(%code, message, "staging refused");
-            Msg::Error { code, message }
-        })
+        let staged = self.stage(shared, p.region, p.offset, p.len, p.slot, arrived, may_wait);
+        match staged.await {
+            Ok(reply) => reply,
+            Err((code, message)) => {
+                self.session.unstaged(p.slot);
+                tracing::debug!(%code, message, "staging refused");
+                Some(Msg::Error { code, message })
+            }
+        }
     }
 }
 
@@ -317,14 +396,13 @@ mod tests {
         b.wait_on(&q);
         assert!(q.my_turn(1));
         assert!(!q.my_turn(2) && !q.my_turn(3), "behind the first: no slot");
-        assert!(q.others_wait(3) && q.others_wait(1));
         let mut rx = q.changed.subscribe();
         a.stop_waiting();
         assert!(
             rx.has_changed().unwrap(),
             "the next in line is told to look"
         );
-        assert!(q.my_turn(2) && !q.others_wait(2));
+        assert!(q.my_turn(2) && !q.my_turn(1));
         rx.borrow_and_update();
         drop(b);
         assert!(rx.has_changed().unwrap());
@@ -337,7 +415,7 @@ mod tests {
         assert!(q.stalled(), "nothing was ever lent");
         let mut p = Parking::new(7);
         let arrived = Instant::now();
-        p.queue.push_back(Parked {
+        p.push(Parked {
             region: 0,
             offset: 0,
             len: 1,
@@ -359,16 +437,16 @@ mod tests {
         tokio::time::timeout(Duration::from_millis(1), p.wake())
             .await
             .expect("a slot came back");
-        assert!(!p.queue[0].expired(Instant::now()));
+        assert!(!p.first_expired());
         // nothing comes back: it wakes at its limit, expired
         tokio::time::timeout(WAIT_LIMIT, p.wake())
             .await
             .expect("wakes at its limit");
-        assert!(p.queue[0].expired(Instant::now()));
+        assert!(p.first_expired());
         assert!(!q.stalled(), "a slot came back less than the limit ago");
         tokio::time::sleep(WAIT_LIMIT).await;
         assert!(q.stalled(), "nothing moved for the limit");
-        p.queue.clear();
+        p.pop();
         assert!(tokio::time::timeout(WAIT_LIMIT * 10, p.wake())
             .await
             .is_err());

@@ -58,6 +58,17 @@ pub(super) fn may_hold(reply: &Msg, held_by_client: u32, held_bytes: usize) -> b
     matches!(reply, Msg::Staged { .. }) && held_by_client > 1 && held_bytes < MAX_HELD_REPLIES
 }
 
+/// What a region's CMB ring (or its own memory, lent from page starts) did with a chunk.
+enum InRing {
+    /// Lent: the `Staged` reply.
+    Lent(Box<Msg>),
+    /// It would lend the chunk, but has no slot for it now (or other connections wait for
+    /// the next one).
+    Busy,
+    /// It does not lend this chunk to this connection: it is staged in host memory.
+    No,
+}
+
 /// One staging slot of a connection: its buffer, with the window over it once the first chunk
 /// was staged there (kept, and the buffer with it, until the connection ends).
 #[derive(Debug, Default)]
@@ -87,7 +98,10 @@ pub(super) struct LentChunk {
 impl ConnState {
     /// Stage `len` bytes of region `region` at `offset` into slot `slot` (the session checked
     /// the range, the handle and that the client does not hold the slot), asked for at
-    /// `started`: the `Staged` reply.
+    /// `started`: the `Staged` reply. With `may_wait`, None where the region's CMB ring would
+    /// lend the chunk but has no slot for it now (another connection took the last one since
+    /// [`ConnState::ring_busy`] looked): the caller parks it (`ring_wait`).
+    #[allow(clippy::too_many_arguments)]
     pub(super) async fn stage(
         &mut self,
         shared: &Shared,
@@ -96,7 +110,8 @@ impl ConnState {
         len: u64,
         slot: u32,
         started: Instant,
-    ) -> std::result::Result<Msg, Refusal> {
+        may_wait: bool,
+    ) -> std::result::Result<Option<Msg>, Refusal> {
         let r = shared.regions.get(region);
         if r.removed.load(Ordering::SeqCst) {
             return Err(removed(&r.info.name));
@@ -105,11 +120,13 @@ impl ConnState {
         // (a chunk still lent in this slot number is the client's no more: the session lets
         // it stage here only after releasing the slot)
         self.lent.remove(&slot);
-        if let Some(staged) = self
+        match self
             .stage_in_ring(shared, region, &*provider, offset, len, slot, started)
             .await
         {
-            return Ok(staged);
+            InRing::Lent(staged) => return Ok(Some(*staged)),
+            InRing::Busy if may_wait => return Ok(None),
+            InRing::Busy | InRing::No => {}
         }
         let idx = slot as usize;
         if self.pulls.len() <= idx {
@@ -171,13 +188,13 @@ impl ConnState {
             .remote(0, len)
             .map_err(|e| internal(format!("staging slot {slot}: {e}")))?;
         record_staged(shared, region, len, started, false);
-        Ok(Msg::Staged {
+        Ok(Some(Msg::Staged {
             slot,
             addr: remote.addr,
             rkey: remote.rkey,
             len,
             lent: false,
-        })
+        }))
     }
 
     /// The staged chunks the client should hold of region `region` at once, as its `Opened`
@@ -278,14 +295,19 @@ impl ConnState {
         len: u64,
         slot: u32,
         started: Instant,
-    ) -> Option<Msg> {
+    ) -> InRing {
         let r = shared.regions.get(region);
-        let nic = self.lending_nic(r)?;
+        let Some(nic) = self.lending_nic(r) else {
+            return InRing::No;
+        };
         let block = provider.as_any().downcast_ref::<BlockStorage>();
-        let qp = self.qp.as_ref()?;
-        if block.is_some() && !r.ring_queue.my_turn(self.id) {
-            // others wait for a slot: this chunk, which does not, takes none of theirs
-            return None;
+        let Some(qp) = self.qp.as_ref() else {
+            return InRing::No;
+        };
+        let lends = |b: &BlockStorage| b.lends(offset, len, nic.page_start.is_some());
+        if block.is_some_and(|b| lends(b).unwrap_or(false)) && !r.ring_queue.my_turn(self.id) {
+            // others wait for a slot: this chunk takes none of theirs
+            return InRing::Busy;
         }
         let queued = started.elapsed();
         let read = Instant::now();
@@ -297,15 +319,17 @@ impl ConnState {
                     let range = l.range.clone();
                     (Some(l), range)
                 }
-                Ok(None) => return None,
+                // (lent had there been a free slot: another connection took the last one)
+                Ok(None) if lends(block).unwrap_or(false) => return InRing::Busy,
+                Ok(None) => return InRing::No,
                 Err(e) => {
                     tracing::debug!(error = %e, offset, len, "no ring slot lent");
-                    return None;
+                    return InRing::No;
                 }
             },
             // the region's own memory, lent where it is (`path::page_start_lending`): the
             // registration covers the region from its first byte, on a page
-            None if nic.page_start.is_some() && offset % PAGE != 0 => return None,
+            None if nic.page_start.is_some() && offset % PAGE != 0 => return InRing::No,
             None => (None, offset..offset + len),
         };
         let read = read.elapsed();
@@ -318,7 +342,7 @@ impl ConnState {
             Ok(Ok(w)) => w,
             Ok(Err(e)) => {
                 tracing::warn!(error = %e, slot, "no window over a CMB ring slot: staged in host memory");
-                return None;
+                return InRing::No;
             }
             Err(_) => {
                 tracing::warn!(
@@ -326,7 +350,7 @@ impl ConnState {
                     "no window over a CMB ring slot in {} s: staged in host memory",
                     BOUNCE_STALL.as_secs()
                 );
-                return None;
+                return InRing::No;
             }
         };
         let (dir, m) = (Direction::of(false), shared.metrics());
@@ -345,13 +369,13 @@ impl ConnState {
             },
         );
         record_staged(shared, region, len, started, true);
-        Some(Msg::Staged {
+        InRing::Lent(Box::new(Msg::Staged {
             slot,
             addr: remote.addr,
             rkey: remote.rkey,
             len,
             lent: true,
-        })
+        }))
     }
 
     /// The first piece of an open's `first` range, staged with the open (see
@@ -381,15 +405,15 @@ impl ConnState {
             self.session.unstaged(f.slot);
             return None;
         }
-        let staged = self.stage(shared, f.region, f.offset, f.len, f.slot, started);
+        let staged = self.stage(shared, f.region, f.offset, f.len, f.slot, started, false);
         match staged.await {
-            Ok(Msg::Staged {
+            Ok(Some(Msg::Staged {
                 slot,
                 addr,
                 rkey,
                 len,
                 lent,
-            }) => {
+            })) => {
                 shared.metrics().observe_stage(
                     Direction::of(false),
                     BounceStage::open,
