@@ -127,7 +127,7 @@ pub struct RegionLabels {
 pub struct RingWaitLabels {
     /// The region's name.
     pub region: String,
-    /// lent (a slot came back in time) or copied (through host memory after all).
+    /// lent (a slot came in time) or copied (through host memory after all).
     pub outcome: String,
 }
 
@@ -292,7 +292,7 @@ impl Metrics {
             );
             r.register(
                 "ring_waits",
-                "Fetch and put chunks that found every slot of their region's CMB ring lent (or other connections waiting for the next) and waited their turn (at most a second), by region and outcome: lent (a slot came in time) or copied (through host memory after all)",
+                "Fetch and put chunks that found every slot of their region's CMB ring lent (or other connections waiting for the next) and waited their turn (at most 5 s), by region and outcome: lent (a slot came in time) or copied (through host memory after all)",
                 m.ring_waits.clone(),
             );
             r.register(

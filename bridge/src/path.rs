@@ -356,7 +356,7 @@ pub async fn ring_nic_leg(
                 format!(
                     "the NIC writes each put's chunk of whole blocks into a ring slot, and the \
                      device takes it from there ({mode}: {r}); a chunk that is not whole \
-                     blocks, longer than a slot, waits a second for its turn at a slot in vain{} \
+                     blocks, longer than a slot, waits for its turn at a slot in vain{} \
                      goes through host staging",
                     if page_start.is_some() {
                         " or comes on a connection at another path MTU"

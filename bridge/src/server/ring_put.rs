@@ -137,9 +137,12 @@ impl ConnState {
         }
         // every slot is lent, or others wait for the next one: this connection's own
         // landings give theirs back first; with none, it waits its turn (it holds no slot
-        // that anyone waits for), unless nothing moved in the ring lately
+        // that anyone waits for), unless nothing moved in the ring lately or its client still
+        // holds chunks lent to its fetches (their releases would wait behind this put)
         if self.inflight.iter().any(|f| f.lands()) {
             PutRoute::Wait
+        } else if !self.lent.is_empty() {
+            PutRoute::Host
         } else if q.stalled() {
             tracing::debug!(
                 req.offset,
