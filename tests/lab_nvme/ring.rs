@@ -583,3 +583,70 @@ async fn lab_nvme_clients_that_share_a_ring_take_turns_at_its_slots_instead_of_c
     }
     s.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_nvme_a_ring_whose_slots_idle_clients_hold_is_not_waited_on() {
+    // four clients open to fetch and never read the chunk each open lent them: they hold the
+    // ring's four slots. Another client's fetch waits only until the ring has not moved for
+    // two seconds, then every chunk is copied without waiting; once the four let go, the
+    // ring lends again
+    let cmb = controller_of("p2plab0");
+    let kernel = std::env::var("P2P_LAB_KERNEL").unwrap_or_default();
+    let (dev, model) = ssd_with_image(8 << 20, 73);
+    let s = start(&[&format!("d=nvme:{dev}:0:8M:ro,via=cmb:{cmb}:4M")], |_| {}).await;
+    let connect = || async {
+        let mut cfg = client(s.addr);
+        cfg.chunk = 1 << 20;
+        Client::connect(cfg).await.unwrap()
+    };
+    let mut idle = Vec::new();
+    for i in 0..4u64 {
+        let mut c = connect().await;
+        let h = c.open_to_fetch("d", i << 20, 1 << 20).await.unwrap();
+        idle.push((c, h));
+    }
+    let mut c = connect().await;
+    let info = c.list().await.unwrap().remove(0);
+    let h = c.open("d", false).await.unwrap();
+    let started = std::time::Instant::now();
+    let held = fetch_matches(&mut c, &h, 0, 8 << 20, &model).await;
+    let took = started.elapsed();
+    let waits = |outcome: &str| -> u64 {
+        s.handle
+            .metrics()
+            .encode()
+            .lines()
+            .filter(|l| l.starts_with("p2p_rdma_ring_waits_total{"))
+            .filter(|l| l.contains(&format!("outcome=\"{outcome}\"")))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .sum()
+    };
+    let copied = waits("copied");
+    for (c, _) in idle {
+        c.bye().await.unwrap();
+    }
+    let free = fetch_matches(&mut c, &h, 0, 8 << 20, &model).await;
+    eprintln!(
+        "slots held: {} zero-copy bytes in {took:?}, {copied} chunks waited and were copied; \
+         slots free: {} zero-copy bytes",
+        held.zero_copy_bytes, free.zero_copy_bytes
+    );
+    let (nic_reads_ring, _) = ring_nic_leg_expected();
+    let lends = kernel != "6.12"
+        && nic_reads_ring
+        && info.reason.contains("device → CMB: peer to peer, verified");
+    assert_eq!(held.zero_copy_bytes, 0, "{held:?}");
+    if lends {
+        // the chunks asked for before the ring stalled waited (the client asks for four at
+        // once); the rest were copied at once
+        assert!((1..=4).contains(&copied), "{copied} chunks waited");
+        assert_eq!(waits("lent"), 0);
+        assert_eq!(free.zero_copy_bytes, 8 << 20, "{free:?}");
+    } else {
+        assert_eq!(copied, 0);
+        assert_eq!(free.zero_copy_bytes, 0, "{free:?}");
+    }
+    c.bye().await.unwrap();
+    s.stop().await;
+}
