@@ -7,9 +7,10 @@
 //! client releases a chunk once it has read it, with its next request or before it waits for
 //! a reply). The connections that wait for one region's ring take turns in the order they
 //! came ([`RingQueue`]): a slot given back goes to the first, and a connection that does not
-//! wait takes no free slot while others do. A parked chunk waits at most [`WAIT_LIMIT`]
-//! (a client that holds its slots and reads nothing keeps no one waiting for longer); then
-//! it is copied through host staging as before.
+//! wait takes no free slot while others do. A parked chunk waits at most [`WAIT_LIMIT`] in
+//! line, then it is copied through host staging as before; and nothing waits for a ring that
+//! did not move for [`STALL_AFTER`] (clients that hold its slots and read nothing keep no one
+//! waiting for longer).
 //!
 //! A put's chunk that would land in the ring but finds no slot (and no landing of its own
 //! connection in flight, whose slot would come back first) waits in the same line, in the
