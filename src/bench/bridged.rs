@@ -61,7 +61,7 @@ pub(super) async fn run(
         // starts: it creates the bridge client's QP and staging buffers and fills the server's
         // staging ring, so the timed loop measures transfers only. (The server writes the
         // pattern only once told to run: nothing is checked here.)
-        (mover, _) = mover.call(&mut bc, &r, size, per_span, span, None).await?;
+        (mover, _, _) = mover.call(&mut bc, &r, size, per_span, span, None).await?;
         c.send(&Msg::Run { size }).await?;
         let Msg::Go = c.recv().await? else {
             return Err(BenchError::Control("expected go".into()));
@@ -77,7 +77,9 @@ pub(super) async fn run(
         } else {
             per_span * (FETCH_CALL / span).max(1)
         };
-        let (mut n, mut peak) = (0u64, 0.0f64);
+        let (mut n, mut peak, mut lent) = (0u64, 0.0f64, 0u64);
+        // every message the timed calls moved (`n` becomes those inside the window below)
+        let mut all = 0u64;
         let mut fetched_ok = true;
         let window = Window::of(p.duration, p.margin);
         let mut clock = CallClock::default();
@@ -85,14 +87,16 @@ pub(super) async fn run(
             // the last call of an --iters run moves only the messages left
             let msgs = per_call.min(limit - n);
             let t = Instant::now();
-            let ok;
-            (mover, ok) = mover.call(&mut bc, &r, size, msgs, span, check).await?;
+            let (ok, zero_copy);
+            (mover, ok, zero_copy) = mover.call(&mut bc, &r, size, msgs, span, check).await?;
             fetched_ok &= ok;
+            lent += zero_copy;
             let dt = t.elapsed().as_secs_f64();
             if dt > 0.0 {
                 peak = peak.max((msgs * size) as f64 / dt / (1 << 20) as f64);
             }
             n += msgs;
+            all += msgs;
             if let Some(w) = &window {
                 clock.ended(w, start.elapsed().as_secs_f64(), msgs);
             }
@@ -115,7 +119,10 @@ pub(super) async fn run(
         if let Mover::Fetch(b) = mover {
             landing = Some(b);
         }
-        let res = result(p, size, n, seconds, peak, path, strategy, validated);
+        let mut res = result(p, size, n, seconds, peak, path, strategy, validated);
+        // (of every byte the timed calls moved, the window's calls and the others alike)
+        let moved = all * size;
+        res.lent_fraction = (moved > 0).then(|| lent as f64 / moved as f64);
         each(&res);
         out.push(res);
     }
@@ -134,8 +141,9 @@ enum Mover {
 impl Mover {
     /// Move `msgs` messages of `size`: a put of the first `msgs` of the pattern (at most one
     /// span), or a fetch of `msgs` messages in spans of the region, every span landing at the
-    /// start of the buffer. Returns the mover for the next call and whether every fetched
-    /// message held `check` (true without one; a fetch losing its buffer ends the run).
+    /// start of the buffer. Returns the mover for the next call, whether every fetched
+    /// message held `check` (true without one; a fetch losing its buffer ends the run) and
+    /// the bytes the server's NIC moved without a copy (lent chunks).
     async fn call(
         self,
         bc: &mut bridge::Client,
@@ -144,14 +152,15 @@ impl Mover {
         msgs: u64,
         span: u64,
         check: Option<&[u8]>,
-    ) -> Result<(Mover, bool)> {
+    ) -> Result<(Mover, bool, u64)> {
         let bytes = msgs * size;
         let buf = match self {
             Mover::Put(data) => {
                 let mut cur = std::io::Cursor::new(&data[..bytes as usize]);
-                bc.put(r, 0, &mut cur, Some(bytes), false, &mut |_| {})
+                let rep = bc
+                    .put(r, 0, &mut cur, Some(bytes), false, &mut |_| {})
                     .await?;
-                return Ok((Mover::Put(data), true));
+                return Ok((Mover::Put(data), true, rep.zero_copy_bytes));
             }
             Mover::Fetch(buf) => buf,
         };
@@ -179,6 +188,6 @@ impl Mover {
                 .chunks(size as usize)
                 .all(|m| m == pat)
         });
-        Ok((Mover::Fetch(landed.buffer), ok))
+        Ok((Mover::Fetch(landed.buffer), ok, landed.zero_copy_bytes))
     }
 }

@@ -258,6 +258,11 @@ pub struct SizeResult {
     /// Latency: average.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub t_avg_us: Option<f64>,
+    /// The bounce path: the share of the bytes measured that the server lent its NIC from the
+    /// memory itself (chunks read from page starts, as `serve` lends them) instead of copying
+    /// them through host staging.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lent_fraction: Option<f64>,
 }
 
 /// Errors of a benchmark run.

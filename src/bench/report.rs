@@ -48,6 +48,7 @@ pub(super) fn result(
         t_p999_us: None,
         t_max_us: None,
         t_avg_us: None,
+        lent_fraction: None,
     }
 }
 
@@ -131,7 +132,7 @@ pub fn row(r: &SizeResult, gbits: bool) -> String {
             }
         };
         format!(
-            " {:<10} {:<14} {:<16.2} {:<19.2} {:<15.6} {:<8} {}{}\n",
+            " {:<10} {:<14} {:<16.2} {:<19.2} {:<15.6} {:<8} {}{}{}\n",
             r.bytes,
             r.iterations,
             conv(r.bw_peak_mib_s),
@@ -139,6 +140,9 @@ pub fn row(r: &SizeResult, gbits: bool) -> String {
             r.msg_rate_mpps,
             r.path,
             r.strategy,
+            r.lent_fraction
+                .map(|f| format!("  ({:.0}% lent, not copied)", f * 100.0))
+                .unwrap_or_default(),
             match r.validated {
                 Some(true) => "  (validated)",
                 Some(false) => "  (DATA MISMATCH)",

@@ -251,7 +251,7 @@ pub(super) async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem)
     if path == "bounce" {
         let provider =
             provider.ok_or_else(|| BenchError::Config("bounce without memory".into()))?;
-        return serve_bounce(c, side, &p, provider, strategy, &mem.token).await;
+        return serve_bounce(c, side, &p, provider, strategy, mem).await;
     }
 
     // QPs, one per client QP; SEND runs keep receive buffers posted on every QP.
@@ -523,8 +523,9 @@ pub(super) async fn serve_bounce(
     p: &BenchParams,
     provider: Arc<dyn Provider>,
     strategy: String,
-    token: &bridge::Token,
+    mem: &ServerMem,
 ) -> Result<()> {
+    let token = &mem.token;
     if provider.holds_data() && p.op != BenchOp::Read {
         return Err(BenchError::Config(format!(
             "the server memory holds data ({}): a write benchmark would overwrite it; \
@@ -544,13 +545,22 @@ pub(super) async fn serve_bounce(
     let mut cfg =
         bridge::ServerConfig::new(SocketAddr::new(local.ip(), 0), token.clone(), Vec::new());
     cfg.device = side.device.clone();
-    cfg.p2p = P2pPolicy::Disabled;
+    // the memory's path is decided as `serve` decides it (the same canaries, which failed
+    // here), so that chunks `serve` would lend the NIC from page starts are lent here too
+    cfg.p2p = mem.p2p;
+    cfg.reg = mem.reg;
+    let options = mem
+        .spec
+        .as_ref()
+        .and_then(|s| format!("bench={s}").parse::<bridge::RegionSpec>().ok())
+        .map(|r| r.options)
+        .unwrap_or_default();
     cfg.memory_regions.push(bridge::MemoryRegionSpec {
         name: "bench".into(),
         provider: Arc::clone(&provider),
         // least privilege: a read benchmark cannot change the memory
         read_only: p.op == BenchOp::Read,
-        options: Default::default(),
+        options,
     });
     let server = bridge::Server::bind(cfg).await?;
     let port = server.local_addr()?.port();
