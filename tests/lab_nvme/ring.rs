@@ -19,6 +19,17 @@ fn ring_nic_leg_expected() -> (bool, &'static str) {
     }
 }
 
+/// The server's count of chunks that waited for a ring slot with `outcome` (lent, copied), from
+/// its metrics' text.
+fn ring_waits(metrics: &str, outcome: &str) -> u64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("p2p_rdma_ring_waits_total{"))
+        .filter(|l| l.contains(&format!("outcome=\"{outcome}\"")))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "lab"]
 async fn lab_nvme_region_through_a_cmb_proves_each_leg_or_names_the_refusal() {
@@ -535,14 +546,7 @@ async fn lab_nvme_clients_that_share_a_ring_take_turns_at_its_slots_instead_of_c
         "the put is not on the device as put"
     );
     let metrics = s.handle.metrics().encode();
-    let waits = |outcome: &str| -> u64 {
-        metrics
-            .lines()
-            .filter(|l| l.starts_with("p2p_rdma_ring_waits_total{"))
-            .filter(|l| l.contains(&format!("outcome=\"{outcome}\"")))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
-            .sum()
-    };
+    let waits = |outcome: &str| ring_waits(&metrics, outcome);
     let (lent_after_wait, copied_after_wait) = (waits("lent"), waits("copied"));
     let reps = [ra, rb, rc, rp];
     eprintln!(
@@ -612,16 +616,7 @@ async fn lab_nvme_a_ring_whose_slots_idle_clients_hold_is_not_waited_on() {
     let started = std::time::Instant::now();
     let held = fetch_matches(&mut c, &h, 0, 8 << 20, &model).await;
     let took = started.elapsed();
-    let waits = |outcome: &str| -> u64 {
-        s.handle
-            .metrics()
-            .encode()
-            .lines()
-            .filter(|l| l.starts_with("p2p_rdma_ring_waits_total{"))
-            .filter(|l| l.contains(&format!("outcome=\"{outcome}\"")))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
-            .sum()
-    };
+    let waits = |outcome: &str| ring_waits(&s.handle.metrics().encode(), outcome);
     let copied = waits("copied");
     for (c, _) in idle {
         c.bye().await.unwrap();
