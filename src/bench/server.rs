@@ -153,7 +153,8 @@ pub(super) async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem)
     let pd = ProtectionDomain::new(&ctx)?;
     let max = p.max_size();
 
-    // The target memory and its path.
+    // The target memory and its path (and the spec's own options, for the bounce path's server).
+    let mut options = bridge::spec::RegionOptions::default();
     let (mut target, path, strategy, provider): (
         Target,
         String,
@@ -181,6 +182,7 @@ pub(super) async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem)
             }
             // the spec's own ,reg= ,p2p= apply as in serve; the benchmark measures one path
             let choice = parsed.options.choice(max as u64, mem.reg, mem.p2p);
+            options = parsed.options.clone();
             if choice.window < max as u64 {
                 return Err(BenchError::Config(format!(
                     "--mem {spec}: ,window= ({} bytes) is smaller than the largest message ({max}); \
@@ -251,7 +253,7 @@ pub(super) async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem)
     if path == "bounce" {
         let provider =
             provider.ok_or_else(|| BenchError::Config("bounce without memory".into()))?;
-        return serve_bounce(c, side, &p, provider, strategy, mem).await;
+        return serve_bounce(c, side, &p, provider, strategy, options, mem).await;
     }
 
     // QPs, one per client QP; SEND runs keep receive buffers posted on every QP.
@@ -523,9 +525,9 @@ pub(super) async fn serve_bounce(
     p: &BenchParams,
     provider: Arc<dyn Provider>,
     strategy: String,
+    options: bridge::spec::RegionOptions,
     mem: &ServerMem,
 ) -> Result<()> {
-    let token = &mem.token;
     if provider.holds_data() && p.op != BenchOp::Read {
         return Err(BenchError::Config(format!(
             "the server memory holds data ({}): a write benchmark would overwrite it; \
@@ -538,7 +540,7 @@ pub(super) async fn serve_bounce(
             "the server memory goes through bounce buffers: only write and read bandwidth runs (put/fetch through the bridge) are measured on that path".into(),
         ));
     }
-    let token = token.clone();
+    let token = mem.token.clone();
     let local =
         c.wr.local_addr()
             .map_err(|e| BenchError::Control(e.to_string()))?;
@@ -549,12 +551,6 @@ pub(super) async fn serve_bounce(
     // here), so that chunks `serve` would lend the NIC from page starts are lent here too
     cfg.p2p = mem.p2p;
     cfg.reg = mem.reg;
-    let options = mem
-        .spec
-        .as_ref()
-        .and_then(|s| format!("bench={s}").parse::<bridge::RegionSpec>().ok())
-        .map(|r| r.options)
-        .unwrap_or_default();
     cfg.memory_regions.push(bridge::MemoryRegionSpec {
         name: "bench".into(),
         provider: Arc::clone(&provider),

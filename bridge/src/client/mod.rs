@@ -341,6 +341,15 @@ impl Client {
         }
     }
 
+    /// Send the releases of a fetch's last staged chunks now, not with our next request:
+    /// chunks lent from a CMB ring hold its slots, which other clients wait for. The fetch's
+    /// bytes are here: a connection that broke since shows at the next request.
+    async fn release_lent_now(&mut self) {
+        if let Err(e) = self.conn.send_deferred().await {
+            tracing::debug!(error = %e, "the last staged chunks' releases were not sent");
+        }
+    }
+
     /// Tell the server that `len` bytes from `offset` moved by one-sided RDMA (the direct part
     /// of a region is a prefix, so they are contiguous); its metrics count them. No reply.
     async fn report_direct(
@@ -669,12 +678,7 @@ impl Client {
         result?;
         let seconds = start.elapsed().as_secs_f64();
         if by_path[2] > 0 {
-            // the last chunks' releases go now, not with our next request: chunks lent from a
-            // CMB ring hold its slots, which other clients wait for (the bytes are here: a
-            // connection that broke since shows at the next request)
-            if let Err(e) = self.conn.send_deferred().await {
-                tracing::debug!(error = %e, "the last staged chunks' releases were not sent");
-            }
+            self.release_lent_now().await;
         }
         self.report_direct(r, offset, by_path[0], false, seconds)
             .await?;

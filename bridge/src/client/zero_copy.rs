@@ -344,12 +344,7 @@ impl Client {
         }
         self.put_back(rdma);
         if batch.zero_copy_bytes > 0 {
-            // the last chunks' releases go now, not with our next request: chunks lent from a
-            // CMB ring hold its slots, which other clients wait for
-            // (the bytes are here: a connection that broke since shows at the next request)
-            if let Err(e) = self.conn.send_deferred().await {
-                tracing::debug!(error = %e, "the last staged chunks' releases were not sent");
-            }
+            self.release_lent_now().await;
         }
         let buffer = match batch.held.take().map(Batch::owned) {
             Some(Ok(b)) => b,

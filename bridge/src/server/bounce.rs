@@ -567,21 +567,14 @@ impl ConnState {
                     return Ok(self.start_ring_put(shared, &req, provider, slot, meta));
                 }
                 PutRoute::Wait => self.complete_oldest(shared, conn).await?,
-                PutRoute::Queue(q) => {
-                    if !wait_turn(&mut line, &q, self.id).await {
-                        shared.metrics().ring_wait(&r.info.name, false);
-                        break;
-                    }
-                }
-                PutRoute::Host => {
-                    if line.is_some() {
-                        shared.metrics().ring_wait(&r.info.name, false);
-                    }
-                    break;
-                }
+                PutRoute::Queue(q) if wait_turn(&mut line, &q, self.id).await => {}
+                PutRoute::Queue(_) | PutRoute::Host => break,
             }
         }
-        drop(line);
+        // (leaving the line, if it waited in one: then it waited in vain)
+        if line.take().is_some() {
+            shared.metrics().ring_wait(&r.info.name, false);
+        }
         // a staging buffer: a free one, a new one while the ring is not full, or the oldest
         // in-flight one once it completes
         let mut buf = loop {

@@ -304,8 +304,12 @@ impl ConnState {
         let Some(qp) = self.qp.as_ref() else {
             return InRing::No;
         };
-        let lends = |b: &BlockStorage| b.lends(offset, len, nic.page_start.is_some());
-        if block.is_some_and(|b| lends(b).unwrap_or(false)) && !r.ring_queue.my_turn(self.id) {
+        // a chunk the ring would lend (had it a free slot)
+        let lends = block.is_some_and(|b| {
+            b.lends(offset, len, nic.page_start.is_some())
+                .unwrap_or(false)
+        });
+        if lends && !r.ring_queue.my_turn(self.id) {
             // others wait for a slot: this chunk takes none of theirs
             return InRing::Busy;
         }
@@ -320,7 +324,7 @@ impl ConnState {
                     (Some(l), range)
                 }
                 // (lent had there been a free slot: another connection took the last one)
-                Ok(None) if lends(block).unwrap_or(false) => return InRing::Busy,
+                Ok(None) if lends => return InRing::Busy,
                 Ok(None) => return InRing::No,
                 Err(e) => {
                     tracing::debug!(error = %e, offset, len, "no ring slot lent");

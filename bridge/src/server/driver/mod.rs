@@ -315,7 +315,7 @@ async fn serve_connection(
             _ = st.parking.wake(), if st.parking.any() => {
                 // a ring slot came back, or a parked chunk waited its limit
                 for reply in st.resume(shared).await {
-                    if let Err(e) = send_staged(conn, st.session.staged_count(), m, &reply).await {
+                    if let Err(e) = answer(conn, st.session.staged_count(), m, &reply).await {
                         break 'conn Err(e);
                     }
                 }
@@ -339,7 +339,7 @@ async fn serve_connection(
         if st.parking.any() && replies_after(&step) {
             // its reply comes after the parked chunks' ones: they wait no more
             for reply in st.flush_parked(shared).await {
-                if let Err(e) = send_staged(conn, st.session.staged_count(), m, &reply).await {
+                if let Err(e) = answer(conn, st.session.staged_count(), m, &reply).await {
                     break 'conn Err(e);
                 }
             }
@@ -436,11 +436,6 @@ async fn serve_connection(
         if let Err(e) = st.drain(shared, conn).await {
             break Err(e);
         }
-        count_reply(m, &reply);
-        if may_hold(&reply, st.session.staged_count(), conn.deferred_len()) && conn.next_is_here() {
-            conn.defer(&reply);
-            continue;
-        }
         let set_up = matches!(
             reply,
             Msg::Connected { .. }
@@ -449,7 +444,8 @@ async fn serve_connection(
                     ..
                 }
         );
-        if let Err(e) = conn.send(&reply).await {
+        // (a reply held for its batch is a `Staged` one, never a set-up reply)
+        if let Err(e) = answer(conn, st.session.staged_count(), m, &reply).await {
             break Err(e);
         }
         // the client now sets up its side (its QP, its buffers): meanwhile, the window of the
@@ -475,9 +471,10 @@ fn replies_after<T>(step: &Step<T>) -> bool {
     )
 }
 
-/// Send the reply of a parked `Stage` (held for its batch, like any, where the client's next
-/// request is here).
-async fn send_staged(conn: &mut Conn, held: u32, m: &Metrics, reply: &Msg) -> Result<()> {
+/// Send a reply, counted by its code, or hold it for its batch where it may wait (see
+/// `may_hold`; `held`: the staged chunks the client holds) and the client's next request is
+/// here.
+async fn answer(conn: &mut Conn, held: u32, m: &Metrics, reply: &Msg) -> Result<()> {
     count_reply(m, reply);
     if may_hold(reply, held, conn.deferred_len()) && conn.next_is_here() {
         conn.defer(reply);
