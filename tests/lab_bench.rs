@@ -276,10 +276,10 @@ fn lab_nvme_bench_measures_the_bounce_path_of_a_cmb() {
         assert_eq!(r["path"], "bounce", "{r}");
         assert_eq!(r["validated"], true, "{r}");
         assert_eq!(r["iterations"], 8, "{r}");
-        // as `serve` would: at path MTU 4096 rxe reads the CMB from page starts, and every
-        // 1 MiB message starts on one, so reads are lent, not copied; puts into a CMB region
-        // are copied
-        let lent = if op == "read" && common::lab_port_mtu() == 4096 {
+        // as `serve` would: at path MTU 4096 rxe reads the CMB from page starts and lands
+        // READs there, and every 1 MiB message starts on one, so reads are lent and writes
+        // land in the CMB, not copied
+        let lent = if common::lab_port_mtu() == 4096 {
             1.0
         } else {
             0.0

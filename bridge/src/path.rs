@@ -489,17 +489,21 @@ async fn prove_from_page_starts(
 /// its own memory, from page starts: where canaries partway into a page failed and one from
 /// the start of a page passes (rxe's ODP on a CMB, LAB.md), a staged fetch's chunk that
 /// starts on a page is lent to the client through a read-only memory window over the
-/// region's own bytes instead of being copied, on connections at the proof's path MTU. The
-/// registration (`LOCAL_WRITE | MW_BIND`, no remote access of its own, None where no canary
-/// passes or the registration fails) and one line for the region's reason that says which.
-/// None at all for memory this does not apply to: block storage (its ring lends instead),
-/// device-private memory, memory whose decision failed no canary, and memory that holds data
-/// (the canaries write).
+/// region's own bytes instead of being copied, on connections at the proof's path MTU.
+/// `puts` (the region takes puts): a landing canary from a page start then proves that an
+/// RDMA READ lands in the region at that path MTU, and a put's chunk that starts on a page
+/// is read from the client straight into the region (NIC → memory) instead of through host
+/// staging. The registration (`LOCAL_WRITE | MW_BIND`, no remote access of its own, None
+/// where no canary passes or the registration fails) and one line for the region's reason
+/// that says which. None at all for memory this does not apply to: block storage (its ring
+/// lends instead), device-private memory, memory whose decision failed no canary, and memory
+/// that holds data (the canaries write).
 pub async fn page_start_lending(
     pd: &ProtectionDomain,
     mem: &Arc<dyn Provider>,
     decision: &peermem::plan::Decision,
     max_mtu: Option<u32>,
+    puts: bool,
 ) -> Option<(Option<RingNic>, String)> {
     use peermem::canary::register_mode;
     let canary_failed = decision
@@ -525,18 +529,26 @@ pub async fn page_start_lending(
     };
     let access = verbs::Access::LOCAL_WRITE | verbs::Access::MW_BIND;
     Some(match register_mode(pd, mem, 0..mem.len(), access, mode) {
-        Ok(mr) => (
-            Some(RingNic {
-                mr: Arc::new(mr),
-                page_start: Some(mtu),
-                puts: false,
-            }),
-            format!(
-                "the NIC reads the region's own bytes from the start of a page ({how}): \
-                 a staged fetch's chunk that starts on a page is lent through a read-only \
-                 memory window on connections at path MTU {mtu}, not copied"
-            ),
-        ),
+        Ok(mr) => {
+            let mr = Arc::new(mr);
+            let (lands, put_note) = if puts {
+                landing_from_page_starts(pd, &mr, mtu, max_mtu).await
+            } else {
+                (false, String::new())
+            };
+            (
+                Some(RingNic {
+                    mr,
+                    page_start: Some(mtu),
+                    puts: lands,
+                }),
+                format!(
+                    "the NIC reads the region's own bytes from the start of a page ({how}): \
+                     a staged fetch's chunk that starts on a page is lent through a read-only \
+                     memory window on connections at path MTU {mtu}, not copied{put_note}"
+                ),
+            )
+        }
         Err(e) => (
             None,
             format!(
@@ -545,6 +557,43 @@ pub async fn page_start_lending(
             ),
         ),
     })
+}
+
+/// Whether an RDMA READ lands right in `mr` (a region's own memory, read from page starts at
+/// path MTU `mtu`) from the start of a page at that path MTU: the landing canary
+/// ([`peermem::canary::run_landing_canary`]), which restores the bytes it wrote. Whether puts
+/// land, and the clause for the region's reason that says so or why not.
+async fn landing_from_page_starts(
+    pd: &ProtectionDomain,
+    mr: &Arc<peermem::canary::DeviceMr>,
+    mtu: u32,
+    max_mtu: Option<u32>,
+) -> (bool, String) {
+    use peermem::canary::{run_landing_canary, CanaryAt};
+    let copied = "every put is copied from host staging";
+    match run_landing_canary(pd, mr, CanaryAt::PageStart, max_mtu).await {
+        Ok(r) if r.ok() && r.path_mtu == mtu => (
+            true,
+            format!(
+                "; a put's chunk that starts on a page is read from the client straight into \
+                 the region by the NIC ({r}) on connections at path MTU {mtu}; other chunks \
+                 are copied from host staging"
+            ),
+        ),
+        Ok(r) if r.ok() => (
+            false,
+            format!(
+                "; {copied}: the landing canary passed at path MTU {}, not at {mtu}, where \
+                 fetches are lent",
+                r.path_mtu
+            ),
+        ),
+        Ok(r) => (false, format!("; {copied} ({r})")),
+        Err(e) => (
+            false,
+            format!("; {copied}: the landing canary could not run ({e})"),
+        ),
+    }
 }
 
 #[cfg(test)]

@@ -258,9 +258,10 @@ pub struct SizeResult {
     /// Latency: average.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub t_avg_us: Option<f64>,
-    /// The bounce path: the share of the bytes measured that the server lent its NIC from the
-    /// memory itself (chunks read from page starts, as `serve` lends them) instead of copying
-    /// them through host staging.
+    /// The bounce path: the share of the bytes measured that the server's NIC moved from or
+    /// into the memory itself instead of through host staging: reads lent (chunks read from
+    /// page starts, as `serve` lends them), writes landed (READs of the client's buffer into
+    /// the memory from page starts, as `serve` lands puts).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lent_fraction: Option<f64>,
 }

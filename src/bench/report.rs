@@ -141,7 +141,7 @@ pub fn row(r: &SizeResult, gbits: bool) -> String {
             r.path,
             r.strategy,
             r.lent_fraction
-                .map(|f| format!("  ({:.0}% lent, not copied)", f * 100.0))
+                .map(|f| format!("  ({:.0}% zero-copy, not through host staging)", f * 100.0))
                 .unwrap_or_default(),
             match r.validated {
                 Some(true) => "  (validated)",

@@ -196,7 +196,7 @@ pub(crate) async fn doctor(
     let page_starts = if direct {
         None
     } else {
-        bridge::path::page_start_lending(&pd, &provider, d, None)
+        bridge::path::page_start_lending(&pd, &provider, d, None, provider.writable())
             .await
             .map(|(_, note)| note)
     };

@@ -484,7 +484,9 @@ async fn lab_nvme_cmb_region_lends_the_nic_chunks_that_start_on_a_page_where_onl
     // rxe reads a p2pmem mapping through ODP, and copies each packet from the start of its
     // page (LAB.md): the region canary (partway into a page) fails, one from a page start
     // passes at path MTU 4096 and fails at 1024. Where it passes, a staged fetch's chunk that
-    // starts on a page is lent through a window over the CMB itself, not copied
+    // starts on a page is lent through a window over the CMB itself, not copied, and a put's
+    // chunk that starts on a page is read by the NIC straight into the CMB (a landing canary
+    // from a page start passes there too)
     let nvme = nvme_behind_switch();
     if kernel() == "6.12" {
         cmb_refused_without_p2pdma(&format!("c=cmb:{nvme}:4M")).await;
@@ -528,16 +530,44 @@ async fn lab_nvme_cmb_region_lends_the_nic_chunks_that_start_on_a_page_where_onl
         lends,
         "{v}"
     );
+    // puts land in the region itself where a landing canary from a page start passed
+    assert_eq!(
+        info.reason.contains(
+            "; a put's chunk that starts on a page is read from the client straight into the \
+             region by the NIC (landing canary passed"
+        ),
+        lends,
+        "{}",
+        info.reason
+    );
     let bytes = data(4 << 20, 21);
     // from offset 0 every chunk starts on a page; from 777 none does
     for (off, len) in [(0u64, 4u64 << 20), (777, 3 << 20)] {
         let want = &bytes[..len as usize];
         let (put, fetch) = round_trip(s.addr, "c", off, want).await;
         eprintln!("at {off}: put {put:?}, fetch {fetch:?}");
-        assert_eq!(put.zero_copy_bytes, 0, "puts are copied: {put:?}");
-        let lent = if lends && off == 0 { len } else { 0 };
-        assert_eq!(fetch.zero_copy_bytes, lent, "at {off}: {fetch:?}");
+        let moved_in_place = if lends && off == 0 { len } else { 0 };
+        assert_eq!(put.zero_copy_bytes, moved_in_place, "at {off}: {put:?}");
+        assert_eq!(put.bounce_bytes, len, "at {off}: {put:?}");
+        assert_eq!(fetch.zero_copy_bytes, moved_in_place, "at {off}: {fetch:?}");
         assert_eq!(fetch.bounce_bytes, len, "at {off}: {fetch:?}");
+        if off == 0 {
+            // what the NIC landed, seen by the CPU: a fetch that starts partway into a page
+            // is copied by the server from the CMB
+            let mut c = Client::connect(cfg(s.addr)).await.unwrap();
+            let r = c.open("c", false).await.unwrap();
+            let mut out = Vec::new();
+            let f = c
+                .fetch(&r, 4097, 1 << 20, &mut out, true, &mut |_| {})
+                .await
+                .unwrap();
+            assert_eq!(f.zero_copy_bytes, 0, "{f:?}");
+            assert!(
+                out == bytes[4097..4097 + (1 << 20)],
+                "the CPU's view of the landed put differs"
+            );
+            c.bye().await.unwrap();
+        }
     }
     s.stop().await;
 }

@@ -28,8 +28,9 @@ pub struct TransferReport {
     /// Bytes that took the bounce path.
     pub bounce_bytes: u64,
     /// Of the bounce bytes, those the server's NIC moved straight between our buffer and the
-    /// device's memory: no staging copy (device-private regions whose window MRs work, and
-    /// chunks of an NVMe region lent from its CMB ring, SSD → CMB → NIC).
+    /// device's memory: no staging copy (device-private regions whose window MRs work, chunks
+    /// of an NVMe region lent from or landed in its CMB ring, SSD → CMB → NIC and back, and
+    /// chunks of a CMB region that start on a page, read from or landed in the CMB itself).
     pub zero_copy_bytes: u64,
     /// Bytes that went over the TCP control connection (a client without an RDMA device,
     /// or `Transport::Tcp`).

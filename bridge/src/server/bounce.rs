@@ -24,7 +24,7 @@ use verbs::{
 
 use super::driver::{count_reply, internal, ConnState};
 use super::regions::removed;
-use super::ring_put::{PutRoute, PutSlot};
+use super::ring_put::{Landing, PutRoute};
 use super::ring_wait::wait_turn;
 use super::session::{Bounce, Catalog, Refusal};
 use super::Shared;
@@ -47,8 +47,9 @@ pub(super) struct InFlight {
     to_region: bool,
     /// A device-private transfer with windowed units moved by the NIC itself.
     window: Option<WindowXfer>,
-    /// A put's chunk landing in a CMB ring slot (written to the device once it landed).
-    ring: Option<Arc<PutSlot>>,
+    /// A put's chunk landing in a CMB ring slot (written to the device once it landed), or in
+    /// the region's own memory.
+    landing: Option<Landing>,
     /// For the metrics: the region and when the request arrived.
     meta: BounceMeta,
 }
@@ -65,8 +66,8 @@ struct BounceMeta {
 
 impl InFlight {
     /// A put's chunk landing in a CMB ring slot: its slot comes back once it completes.
-    pub(super) fn lands(&self) -> bool {
-        self.ring.is_some()
+    pub(super) fn holds_slot(&self) -> bool {
+        matches!(self.landing, Some(Landing::Slot(_)))
     }
 
     /// A posted bounce transfer of `req`'s range, waited for at most [`BOUNCE_STALL`].
@@ -75,7 +76,7 @@ impl InFlight {
         provider: Arc<dyn Provider>,
         req: &Bounce,
         window: Option<WindowXfer>,
-        ring: Option<Arc<PutSlot>>,
+        landing: Option<Landing>,
         meta: BounceMeta,
     ) -> InFlight {
         InFlight {
@@ -89,7 +90,7 @@ impl InFlight {
             len: req.len,
             to_region: req.to_region,
             window,
-            ring,
+            landing,
             meta,
         }
     }
@@ -262,7 +263,15 @@ impl ConnState {
             drop(locals);
             return self.finish_window(&f.provider, f.offset, f.len, f.to_region, w);
         }
-        if let Some(slot) = f.ring {
+        if let Some(Landing::InPlace(_)) = f.landing {
+            // the chunk landed where it belongs
+            drop(locals);
+            return Msg::BounceDone {
+                len: f.len,
+                zero_copy: f.len,
+            };
+        }
+        if let Some(Landing::Slot(slot)) = f.landing {
             // the chunk landed in the ring slot: the device takes it from there (the slot
             // goes back to the ring when the last reference, this one, is dropped)
             drop(locals);
@@ -556,15 +565,16 @@ impl ConnState {
             Ok(p) => p,
             Err(e) => return Ok(Err(e)),
         };
-        // a put of whole blocks into an `nvme` region whose CMB ring the NIC lands READs in
+        // a put of whole blocks into an `nvme` region whose CMB ring the NIC lands READs in,
+        // or one into memory the NIC lands READs in from page starts
         let mut line = None;
         loop {
             match self.put_slot(shared, r, &provider, &req) {
-                PutRoute::Ring(slot) => {
+                PutRoute::Lands(landing) => {
                     if line.is_some() {
                         shared.metrics().ring_wait(&r.info.name, true);
                     }
-                    return Ok(self.start_ring_put(shared, &req, provider, slot, meta));
+                    return Ok(self.start_landing(shared, &req, provider, landing, meta));
                 }
                 PutRoute::Wait => self.complete_oldest(shared, conn).await?,
                 PutRoute::Queue(q) if wait_turn(&mut line, &q, self.id).await => {}
@@ -671,14 +681,14 @@ impl ConnState {
         Ok(Ok(()))
     }
 
-    /// Start a put whose chunk lands in a CMB ring slot: an RDMA READ of the client's buffer
-    /// into the slot (see [`ConnState::put_slot`]).
-    fn start_ring_put(
+    /// Start a put whose chunk lands in a CMB ring slot or in place: an RDMA READ of the
+    /// client's buffer into it (see [`ConnState::put_slot`]).
+    fn start_landing(
         &mut self,
         shared: &Shared,
         req: &Bounce,
         provider: Arc<dyn Provider>,
-        slot: Arc<PutSlot>,
+        landing: Landing,
         mut meta: BounceMeta,
     ) -> std::result::Result<(), Refusal> {
         let remote = RemoteSlice {
@@ -691,9 +701,9 @@ impl ConnState {
             BounceStage::queued,
             meta.started.elapsed().as_secs_f64(),
         );
-        let local = slot.local().map_err(internal)?;
+        let local = landing.local(req).map_err(internal)?;
         let Some(qp) = self.qp.as_ref() else {
-            return Err(internal("a ring put on a connection without a QP"));
+            return Err(internal("a landing put on a connection without a QP"));
         };
         meta.posted = Some(Instant::now());
         let pending = qp
@@ -707,7 +717,7 @@ impl ConnState {
             provider,
             req,
             None,
-            Some(slot),
+            Some(landing),
             meta,
         ));
         Ok(())

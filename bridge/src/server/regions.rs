@@ -415,7 +415,9 @@ pub(super) async fn build_region(
     }
     // memory the NIC reads only from page starts (rxe's ODP on a CMB): chunks lent, not copied
     if direct_len == 0 && sharing.windows() {
-        let lending = crate::path::page_start_lending(pd, &provider, &d, cfg.qp_path.max_mtu).await;
+        let lending =
+            crate::path::page_start_lending(pd, &provider, &d, cfg.qp_path.max_mtu, !read_only)
+                .await;
         if let Some((nic, note)) = lending {
             tracing::info!(region = %name, lends = nic.is_some(), note, "page-start lending");
             ring_nic = nic;

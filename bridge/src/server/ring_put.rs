@@ -1,9 +1,12 @@
-//! Puts into an `nvme` region's CMB ring (NIC → CMB → SSD): where the NIC was proved to land
-//! an RDMA READ in the ring (the landing canary, see [`crate::path::ring_nic_leg`]) and the
-//! device to take a chunk from it (the CMB → device leg), a put's chunk of whole blocks is
-//! RDMA-READ from the client's buffer straight into a free ring slot, and the device writes it
-//! from there once the READ completed: no byte crosses host memory. Every other chunk goes
-//! through host staging as before.
+//! Puts that land without crossing host memory: the NIC RDMA-READs a put's chunk from the
+//! client's buffer straight into device memory, where a landing canary proved it may.
+//! - Into an `nvme` region's CMB ring (NIC → CMB → SSD; the canary: see
+//!   [`crate::path::ring_nic_leg`]): a chunk of whole blocks lands in a free ring slot, and the
+//!   device writes it from there once the READ completed.
+//! - Into a region's own memory that the NIC reaches from page starts (a CMB, see
+//!   [`crate::path::page_start_lending`]): a chunk that starts on a page lands in place.
+//!
+//! Every other chunk goes through host staging as before.
 
 use std::sync::Arc;
 
@@ -16,7 +19,7 @@ use super::driver::ConnState;
 use super::regions::Region;
 use super::ring_wait::{RingQueue, SlotFreed};
 use super::session::Bounce;
-use super::stage::lock;
+use super::stage::PAGE;
 use super::Shared;
 
 /// A ring slot a put's chunk lands in. The work request that writes it holds it as its local
@@ -60,10 +63,32 @@ impl PutSlot {
     }
 }
 
+/// Where a put's chunk lands without crossing host memory: the work request's local end.
+pub(super) enum Landing {
+    /// A CMB ring slot, written to the device once the chunk landed.
+    Slot(Arc<PutSlot>),
+    /// The region's own memory, registered from its first byte (`RingNic::mr` of a region
+    /// lent from page starts): the chunk is in place once it landed.
+    InPlace(Arc<DeviceMr>),
+}
+
+impl Landing {
+    /// The work request's local end for `req`'s chunk.
+    pub(super) fn local(&self, req: &Bounce) -> verbs::Result<Local> {
+        match self {
+            Landing::Slot(slot) => slot.local(),
+            Landing::InPlace(mr) => {
+                let me: Arc<dyn RegionRef> = Arc::clone(mr) as Arc<dyn RegionRef>;
+                Local::region(me, req.offset as usize..(req.offset + req.len) as usize)
+            }
+        }
+    }
+}
+
 /// Where a put's chunk goes: see [`ConnState::put_slot`].
 pub(super) enum PutRoute {
-    /// Into this ring slot.
-    Ring(Arc<PutSlot>),
+    /// Into this ring slot, or in place.
+    Lands(Landing),
     /// Into the ring once this connection's oldest transfer in flight completes: the
     /// connection is at its bounce depth, or every slot is lent and some to this connection's
     /// own landings, which give theirs back as they complete.
@@ -76,13 +101,16 @@ pub(super) enum PutRoute {
 }
 
 impl ConnState {
-    /// Where region `r`'s put `req` goes. Its chunk lands in the CMB ring when the NIC was
-    /// proved to land READs there on this connection's device (from page starts: at this
-    /// connection's path MTU only), the chunk is whole blocks no longer than a slot, a slot
-    /// is free, it is this connection's turn (`ring_wait`) and the connection is under its
-    /// bounce depth (ring puts hold no staging buffer, so the depth is what bounds them). A
-    /// chunk that would land waits for this connection's own transfers in flight, or else
-    /// its turn, rather than cross host memory.
+    /// Where region `r`'s put `req` goes. The NIC must have been proved to land READs in the
+    /// region's ring, or in its own memory, on this connection's device (from page starts: at
+    /// this connection's path MTU only, and only chunks that start on a page); the connection
+    /// must be under its bounce depth (landing puts hold no staging buffer, so the depth is
+    /// what bounds them).
+    /// - Into the ring: the chunk is whole blocks no longer than a slot, a slot is free and it
+    ///   is this connection's turn (`ring_wait`). A chunk that would land waits for this
+    ///   connection's own transfers in flight, or else its turn, rather than cross host
+    ///   memory.
+    /// - In place: any chunk that starts on a page.
     pub(super) fn put_slot(
         &self,
         shared: &Shared,
@@ -90,35 +118,29 @@ impl ConnState {
         provider: &Arc<dyn Provider>,
         req: &Bounce,
     ) -> PutRoute {
-        let lands = || -> Option<(Arc<DeviceMr>, &BlockStorage)> {
-            if !req.to_region {
-                return None;
-            }
-            let nic = lock(&r.ring_nic)
-                .clone()
-                .filter(|n| n.puts && self.nic == r.nic)?;
-            let block = provider.as_any().downcast_ref::<BlockStorage>()?;
-            let qp = self.qp.as_ref()?;
-            if let Some(proved) = nic.page_start {
-                // proved from page starts at `proved` only: at a smaller path MTU the READ's
-                // response packets land partway into pages
-                if qp.path_mtu() != Some(proved) {
-                    return None;
-                }
-            }
-            match block.put_lands(req.offset, req.len) {
-                Ok(true) => Some((nic.mr, block)),
-                Ok(false) => None,
-                Err(e) => {
-                    tracing::debug!(error = %e, req.offset, req.len, "no ring slot for a put");
-                    None
-                }
-            }
-        };
-        let Some((mr, block)) = lands() else {
+        let Some(nic) = self.lending_nic(r).filter(|n| n.puts && req.to_region) else {
             return PutRoute::Host;
         };
-        if self.inflight.len() >= shared.cfg.bounce_depth {
+        let at_depth = self.inflight.len() >= shared.cfg.bounce_depth;
+        let Some(block) = provider.as_any().downcast_ref::<BlockStorage>() else {
+            // the region's own memory: its registration starts on a page
+            return if nic.page_start.is_some() && req.offset % PAGE != 0 {
+                PutRoute::Host
+            } else if at_depth {
+                PutRoute::Wait
+            } else {
+                PutRoute::Lands(Landing::InPlace(nic.mr))
+            };
+        };
+        match block.put_lands(req.offset, req.len) {
+            Ok(true) => {}
+            Ok(false) => return PutRoute::Host,
+            Err(e) => {
+                tracing::debug!(error = %e, req.offset, req.len, "no ring slot for a put");
+                return PutRoute::Host;
+            }
+        }
+        if at_depth {
             return PutRoute::Wait;
         }
         let q = &r.ring_queue;
@@ -126,7 +148,8 @@ impl ConnState {
             match block.lend_slot_for_put(req.offset, req.len) {
                 Ok(Some(lease)) => {
                     let _freed = SlotFreed::new(q);
-                    return PutRoute::Ring(Arc::new(PutSlot { mr, lease, _freed }));
+                    let mr = nic.mr;
+                    return PutRoute::Lands(Landing::Slot(Arc::new(PutSlot { mr, lease, _freed })));
                 }
                 Err(e) => {
                     tracing::debug!(error = %e, req.offset, req.len, "no ring slot for a put");
@@ -139,7 +162,7 @@ impl ConnState {
         // landings give theirs back first; with none, it waits its turn (it holds no slot
         // that anyone waits for), unless nothing moved in the ring lately or its client still
         // holds chunks lent to its fetches (their releases would wait behind this put)
-        if self.inflight.iter().any(|f| f.lands()) {
+        if self.inflight.iter().any(|f| f.holds_slot()) {
             PutRoute::Wait
         } else if !self.lent.is_empty() {
             PutRoute::Host

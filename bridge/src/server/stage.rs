@@ -40,7 +40,7 @@ use crate::metrics::{BounceStage, Direction};
 use crate::protocol::{ErrorCode, Msg, RegionInfo, Span, StagedChunk};
 
 /// Chunks lent from page starts start on one of these.
-const PAGE: u64 = 4096;
+pub(super) const PAGE: u64 = 4096;
 
 /// Bytes of replies a connection may hold back at once (a `Staged` reply is under 100
 /// bytes): past it, a reply goes out at once.
@@ -222,7 +222,7 @@ impl ConnState {
     /// may read it: None where the ring lends to another device, or was proved from page
     /// starts at another path MTU than this connection's (a READ at a smaller one sends
     /// packets that start partway into pages).
-    fn lending_nic(&self, r: &Region) -> Option<crate::path::RingNic> {
+    pub(super) fn lending_nic(&self, r: &Region) -> Option<crate::path::RingNic> {
         let nic = lock(&r.ring_nic).clone().filter(|_| self.nic == r.nic)?;
         let qp = self.qp.as_ref()?;
         match nic.page_start {
