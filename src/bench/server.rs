@@ -85,6 +85,17 @@ pub struct ServerMem {
     pub p2p: P2pPolicy,
     /// Strategy.
     pub reg: RegChoice,
+    /// Memory that holds data (a file, block storage) may be written (`--overwrite`): the
+    /// benchmark writes it, and the server writes its pattern into it for reads.
+    pub overwrite: bool,
+}
+
+impl ServerMem {
+    /// Whether the benchmark must leave `provider`'s bytes as they are: it holds data, and
+    /// `--overwrite` was not given.
+    fn keeps(&self, provider: &dyn Provider) -> bool {
+        provider.holds_data() && !self.overwrite
+    }
 }
 
 /// What the server's memory must allow for the benchmark `p` (and nothing more).
@@ -191,10 +202,11 @@ pub(super) async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem)
                 )));
             }
             let access = target_access(&p);
-            if provider.holds_data() && access.contains(Access::REMOTE_WRITE) {
+            if mem.keeps(&*provider) && access.contains(Access::REMOTE_WRITE) {
                 return Err(BenchError::Config(format!(
                     "--mem {spec} holds data ({}): a {} benchmark would overwrite it; \
-                     benchmark reads of it, or writes to host:, cmb: or dmabuf: memory",
+                     benchmark reads of it, writes to host:, cmb: or dmabuf: memory, or give \
+                     the server --overwrite to let the benchmark destroy what it holds",
                     provider.describe(),
                     if p.op == BenchOp::Send {
                         "send"
@@ -242,11 +254,11 @@ pub(super) async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem)
     };
 
     // memory that holds data (a file) is never written by the benchmark: no pattern to check
-    let keep = provider.as_ref().is_some_and(|m| m.holds_data());
+    let keep = provider.as_ref().is_some_and(|m| mem.keeps(&**m));
     if keep && p.validate {
         return Err(BenchError::Config(format!(
             "--validate needs the server to write its pattern into the memory, and {} holds data; \
-             run without --validate",
+             run without --validate, or give the server --overwrite",
             mem.spec.as_deref().unwrap_or("the memory")
         )));
     }
@@ -528,10 +540,12 @@ pub(super) async fn serve_bounce(
     options: bridge::spec::RegionOptions,
     mem: &ServerMem,
 ) -> Result<()> {
-    if provider.holds_data() && p.op != BenchOp::Read {
+    let keep = mem.keeps(&*provider);
+    if keep && p.op != BenchOp::Read {
         return Err(BenchError::Config(format!(
             "the server memory holds data ({}): a write benchmark would overwrite it; \
-             benchmark reads of it, or writes to host:, cmb: or dmabuf: memory",
+             benchmark reads of it, writes to host:, cmb: or dmabuf: memory, or give the \
+             server --overwrite to let the benchmark destroy what it holds",
             provider.describe()
         )));
     }
@@ -581,7 +595,7 @@ pub(super) async fn serve_bounce(
     loop {
         match c.recv().await? {
             Msg::Run { size } => {
-                if p.op == BenchOp::Read && !provider.holds_data() {
+                if p.op == BenchOp::Read && !keep {
                     // every message the client may fetch in one pipelined span holds the pattern
                     let span = bounce_span(size, p.tx_depth, provider.len());
                     let mut off = 0;

@@ -90,6 +90,12 @@ pub(crate) struct BenchArgs {
     /// Server: registration strategy for --mem.
     #[arg(long = "reg", default_value = "auto", value_name = "STRATEGY")]
     pub(crate) reg: peermem::plan::RegChoice,
+    /// Server: let the benchmark write into --mem memory that holds data (a file, or a block
+    /// device's range: `nvme:/dev/nvme1n1:0:1G`), as `fio --rw=write` would; its bytes in the
+    /// range are lost. Without it, a write or send benchmark of such memory is refused, and
+    /// a read benchmark reads what it holds.
+    #[arg(long, requires = "mem")]
+    pub(crate) overwrite: bool,
     /// Check the data at the end of each size (like perftest's --data_validation).
     #[arg(long)]
     pub(crate) validate: bool,
@@ -131,6 +137,7 @@ pub(crate) async fn run(a: BenchArgs) -> anyhow::Result<()> {
         token_file,
         p2p,
         reg,
+        overwrite,
         validate,
         report_gbits,
         json,
@@ -167,6 +174,7 @@ pub(crate) async fn run(a: BenchArgs) -> anyhow::Result<()> {
             spec: mem,
             p2p,
             reg,
+            overwrite,
         };
         return bench::serve_one(listen, &side, &mem)
             .await

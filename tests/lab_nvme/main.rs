@@ -307,9 +307,9 @@ fn bench_cmd() -> std::process::Command {
 
 #[test]
 #[ignore = "lab"]
-fn lab_nvme_bench_reads_an_ssd_through_bounce_and_refuses_to_write_it() {
+fn lab_nvme_bench_reads_an_ssd_and_writes_it_only_when_told_to() {
     // the SSD holds data and is served through the bounce path (a NIC cannot address block
-    // storage): a write benchmark would overwrite it and is refused by both sides (before a
+    // storage): a write benchmark would overwrite it and, without --overwrite, is refused by both sides (before a
     // path is chosen), a read benchmark measures it through bounce, and the SSD's bytes are
     // the same afterwards
     let (dev, model) = ssd_with_image(4 << 20, 53);
@@ -380,5 +380,56 @@ fn lab_nvme_bench_reads_an_ssd_through_bounce_and_refuses_to_write_it() {
     assert!(
         dd_direct(&dev, 0, 4 << 20) == model,
         "the SSD's bytes changed under a bench"
+    );
+    // told to (--overwrite), the server lets a write benchmark destroy the SSD's bytes: through
+    // a CMB ring, each message lands there by the NIC where the landing canary passed (7.3 at
+    // path MTU 4096), and --validate reads the last message back from the SSD by direct I/O
+    let cmb = controller_of("p2plab0");
+    let ring = format!("{spec},via=cmb:{cmb}:8M");
+    let s = bench_cmd()
+        .args([
+            "bench",
+            "write",
+            "--port",
+            "19152",
+            "--mem",
+            &ring,
+            "--overwrite",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = bench_cmd()
+        .args([
+            "bench",
+            "write",
+            &addr(19152),
+            "--size",
+            "1M",
+            "--iters",
+            "8",
+            "--validate",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    let (ok, sv) = stderr_of(s);
+    assert!(
+        out.status.success() && ok,
+        "{}\nserver: {sv}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let row: serde_json::Value =
+        serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().next().unwrap()).unwrap();
+    eprintln!("{row}");
+    assert_eq!(row["path"], "bounce", "{row}");
+    assert_eq!(row["validated"], true, "{row}");
+    assert_eq!(row["iterations"], 8, "{row}");
+    let landed = if lab_port_mtu() == 4096 { 1.0 } else { 0.0 };
+    assert_eq!(row["lent_fraction"].as_f64(), Some(landed), "{row}");
+    assert!(
+        dd_direct(&dev, 0, 4 << 20) != model,
+        "the write benchmark left the SSD as it was"
     );
 }
