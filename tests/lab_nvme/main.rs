@@ -330,6 +330,21 @@ fn lab_nvme_bench_reads_an_ssd_and_writes_it_only_when_told_to() {
             String::from_utf8_lossy(&o.stderr).into_owned(),
         )
     };
+    // a run both sides ended well: the client's first JSON row
+    let row_of = |s: std::process::Child, out: std::process::Output| -> serde_json::Value {
+        let (ok, sv) = stderr_of(s);
+        assert!(
+            out.status.success() && ok,
+            "{}\nserver: {sv}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let first = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .to_string();
+        serde_json::from_str(&first).unwrap_or_else(|e| panic!("{e}: {first}"))
+    };
     let s = serve("write", 19150);
     let out = bench_cmd()
         .args([
@@ -367,14 +382,7 @@ fn lab_nvme_bench_reads_an_ssd_and_writes_it_only_when_told_to() {
         ])
         .output()
         .unwrap();
-    let (ok, sv) = stderr_of(s);
-    assert!(
-        out.status.success() && ok,
-        "{}\nserver: {sv}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let row: serde_json::Value =
-        serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().next().unwrap()).unwrap();
+    let row = row_of(s, out);
     assert_eq!(row["path"], "bounce", "{row}");
     assert_eq!(row["iterations"], 4, "{row}");
     assert!(
@@ -414,14 +422,7 @@ fn lab_nvme_bench_reads_an_ssd_and_writes_it_only_when_told_to() {
         ])
         .output()
         .unwrap();
-    let (ok, sv) = stderr_of(s);
-    assert!(
-        out.status.success() && ok,
-        "{}\nserver: {sv}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let row: serde_json::Value =
-        serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().next().unwrap()).unwrap();
+    let row = row_of(s, out);
     eprintln!("{row}");
     assert_eq!(row["path"], "bounce", "{row}");
     assert_eq!(row["validated"], true, "{row}");
