@@ -253,7 +253,8 @@ pub(super) async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem)
         }
     };
 
-    // memory that holds data (a file) is never written by the benchmark: no pattern to check
+    // memory that holds data (a file) is never written by the benchmark (unless --overwrite):
+    // no pattern to check
     let keep = provider.as_ref().is_some_and(|m| mem.keeps(&**m));
     if keep && p.validate {
         return Err(BenchError::Config(format!(
