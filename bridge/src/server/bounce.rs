@@ -263,19 +263,18 @@ impl ConnState {
             drop(locals);
             return self.finish_window(&f.provider, f.offset, f.len, f.to_region, w);
         }
-        if let Some(Landing::InPlace(_)) = f.landing {
-            // the chunk landed where it belongs
+        if let Some(landing) = f.landing {
             drop(locals);
-            return Msg::BounceDone {
-                len: f.len,
-                zero_copy: f.len,
+            let landed = match landing {
+                // the chunk landed where it belongs
+                Landing::InPlace(_) => Ok(()),
+                // the chunk landed in the ring slot: the device takes it from there (the slot
+                // goes back to the ring when the last reference, this one, is dropped)
+                Landing::Slot(slot) => {
+                    off_workers(&*f.provider, || slot.commit(&*f.provider, f.offset))
+                }
             };
-        }
-        if let Some(Landing::Slot(slot)) = f.landing {
-            // the chunk landed in the ring slot: the device takes it from there (the slot
-            // goes back to the ring when the last reference, this one, is dropped)
-            drop(locals);
-            return match off_workers(&*f.provider, || slot.commit(&*f.provider, f.offset)) {
+            return match landed {
                 Ok(()) => Msg::BounceDone {
                     len: f.len,
                     zero_copy: f.len,
