@@ -368,6 +368,8 @@ fn lab_nvme_bench_reads_an_ssd_and_writes_it_only_when_told_to() {
         sv.contains("holds data") && err.contains("holds data"),
         "server: {sv}\nclient: {err}"
     );
+    // and it names the way to allow it
+    assert!(err.contains("give the server --overwrite"), "{err}");
     let s = serve("read", 19151);
     let out = bench_cmd()
         .args([
