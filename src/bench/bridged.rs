@@ -9,8 +9,8 @@ use super::*;
 /// Bytes one timed fetch call moves at least (whole spans of the region): each call starts
 /// with a ramp (the first chunk's staging and control round trip, with nothing landing), so a
 /// call of a single 16 MiB span spent about a tenth of its time ramping between the lab guests,
-/// a cost the direct path's steady stream of READs does not have. Small enough that a 4 s run
-/// still has several call boundaries inside its measured window.
+/// a cost the direct path's steady stream of READs does not have. (The window counts the
+/// pieces as they land, so a call may be longer than the window.)
 const FETCH_CALL: u64 = 32 << 20;
 
 /// Run every size against the server's bridge at `port` of the bench server's host.
@@ -61,7 +61,9 @@ pub(super) async fn run(
         // starts: it creates the bridge client's QP and staging buffers and fills the server's
         // staging ring, so the timed loop measures transfers only. (The server writes the
         // pattern only once told to run: nothing is checked here.)
-        (mover, _, _) = mover.call(&mut bc, &r, size, per_span, span, None).await?;
+        (mover, _, _) = mover
+            .call(&mut bc, &r, size, per_span, span, None, &mut |_| {})
+            .await?;
         c.send(&Msg::Run { size }).await?;
         let Msg::Go = c.recv().await? else {
             return Err(BenchError::Control("expected go".into()));
@@ -82,13 +84,22 @@ pub(super) async fn run(
         let mut all = 0u64;
         let mut fetched_ok = true;
         let window = Window::of(p.duration, p.margin);
-        let mut clock = CallClock::default();
+        let mut clock = ByteClock::default();
         while n < limit && deadline.is_none_or(|d| Instant::now() < d) {
             // the last call of an --iters run moves only the messages left
             let msgs = per_call.min(limit - n);
             let t = Instant::now();
+            let mut before = 0u64;
+            let mut landed = |done: u64| {
+                if let Some(w) = &window {
+                    clock.landed(w, start.elapsed().as_secs_f64(), done - before);
+                }
+                before = done;
+            };
             let (ok, zero_copy);
-            (mover, ok, zero_copy) = mover.call(&mut bc, &r, size, msgs, span, check).await?;
+            (mover, ok, zero_copy) = mover
+                .call(&mut bc, &r, size, msgs, span, check, &mut landed)
+                .await?;
             fetched_ok &= ok;
             lent += zero_copy;
             let dt = t.elapsed().as_secs_f64();
@@ -97,14 +108,11 @@ pub(super) async fn run(
             }
             n += msgs;
             all += msgs;
-            if let Some(w) = &window {
-                clock.ended(w, start.elapsed().as_secs_f64(), msgs);
-            }
         }
         let (n, seconds) = match window {
-            // calls of many messages: measured whole, between call boundaries inside the
-            // window (too few calls in it: the whole run, ramp-up included)
-            Some(_) if clock.result().0 > 0 => clock.result(),
+            // the messages that landed inside the window, over its length (none did, a run
+            // slower than one message per window: the whole run, ramp-up included)
+            Some(w) if clock.bytes() >= size => (clock.bytes() / size, w.seconds()),
             _ => (n, start.elapsed().as_secs_f64()),
         };
         c.send(&Msg::Done { size }).await?;
@@ -143,7 +151,9 @@ impl Mover {
     /// span), or a fetch of `msgs` messages in spans of the region, every span landing at the
     /// start of the buffer. Returns the mover for the next call, whether every fetched
     /// message held `check` (true without one; a fetch losing its buffer ends the run) and
-    /// the bytes the server's NIC moved without a copy (lent chunks).
+    /// the bytes the server's NIC moved without a copy (lent chunks). `progress` hears the
+    /// bytes of the call landed (put: acknowledged) so far, each time a piece lands.
+    #[allow(clippy::too_many_arguments)]
     async fn call(
         self,
         bc: &mut bridge::Client,
@@ -152,14 +162,13 @@ impl Mover {
         msgs: u64,
         span: u64,
         check: Option<&[u8]>,
+        progress: &mut (dyn FnMut(u64) + Send),
     ) -> Result<(Mover, bool, u64)> {
         let bytes = msgs * size;
         let buf = match self {
             Mover::Put(data) => {
                 let mut cur = std::io::Cursor::new(&data[..bytes as usize]);
-                let rep = bc
-                    .put(r, 0, &mut cur, Some(bytes), false, &mut |_| {})
-                    .await?;
+                let rep = bc.put(r, 0, &mut cur, Some(bytes), false, progress).await?;
                 return Ok((Mover::Put(data), true, rep.zero_copy_bytes));
             }
             Mover::Fetch(buf) => buf,
@@ -177,7 +186,7 @@ impl Mover {
             left -= len;
         }
         let landed = bc
-            .fetch_many(&ranges, buf)
+            .fetch_many_with_progress(&ranges, buf, progress)
             .await
             .map_err(|s| BenchError::Bridge(s.error))?;
         for res in landed.results {

@@ -33,7 +33,7 @@ use report::*;
 pub use report::{header, row};
 use server::*;
 pub use server::{serve_one, ServerMem};
-use window::{CallClock, Window};
+use window::{ByteClock, Window};
 
 /// What to measure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

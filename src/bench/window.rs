@@ -4,9 +4,9 @@
 //! seconds after the start and `margin` seconds before the end (its `--margin`, by default a
 //! quarter of the duration): the ramp-up (the first batches, the first page faults, the CQ
 //! arming) and the drain are excluded on both ends, and the rate is the count over the window.
-//! [`Window`] applies the same rule to a stream of completions (one message each), and, for
-//! runs made of larger calls (the bounce path's put/fetch), measures between call boundaries so
-//! that no call is counted in part.
+//! [`Window`] applies the same rule to a stream of completions (one message each), and
+//! [`ByteClock`] to runs made of larger calls (the bounce path's put/fetch), by the pieces
+//! that land inside the window.
 
 /// Seconds from the start of a run at which counting starts and stops.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -36,37 +36,25 @@ impl Window {
     }
 }
 
-/// Measures a run made of calls that each move several messages: the clock starts at the end of
-/// the first call that ends at or after the window's start, and every later call that ends
-/// before the window's end counts, whole, up to its end.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct CallClock {
-    started: Option<f64>,
-    last: f64,
-    messages: u64,
+/// Measures a run made of calls that each move several messages (the bounce path's put and
+/// fetch) by the bytes each call reports as they land: every piece that lands inside the window
+/// counts, as perftest counts each completion, however long the calls around it are.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct ByteClock {
+    bytes: u64,
 }
 
-impl CallClock {
-    /// A call that moved `messages` ended `t` seconds after the start.
-    pub(crate) fn ended(&mut self, w: &Window, t: f64, messages: u64) {
-        if t < w.from || t >= w.to {
-            return;
-        }
-        match self.started {
-            None => self.started = Some(t),
-            Some(_) => {
-                self.messages += messages;
-                self.last = t;
-            }
+impl ByteClock {
+    /// `bytes` landed `t` seconds after the start.
+    pub(crate) fn landed(&mut self, w: &Window, t: f64, bytes: u64) {
+        if w.counts(t) {
+            self.bytes += bytes;
         }
     }
 
-    /// (messages counted, seconds between the first and last counted call boundaries).
-    pub(crate) fn result(&self) -> (u64, f64) {
-        match self.started {
-            Some(s) if self.messages > 0 => (self.messages, self.last - s),
-            _ => (0, 0.0),
-        }
+    /// Bytes that landed inside the window.
+    pub(crate) fn bytes(&self) -> u64 {
+        self.bytes
     }
 }
 
@@ -92,17 +80,19 @@ mod tests {
     }
 
     #[test]
-    fn calls_are_counted_whole_between_boundaries_inside_the_window() {
-        let w = Window::of(Some(10.0), Some(2.0)).unwrap();
-        let mut c = CallClock::default();
-        // calls of 4 messages ending every 1.5 s: 1.5 (before), 3.0 (starts the clock), 4.5,
-        // 6.0, 7.5 (counted), 9.0 (after the window)
-        for i in 1..=6 {
-            c.ended(&w, 1.5 * i as f64, 4);
+    fn pieces_count_by_when_they_land_not_by_their_calls() {
+        let w = Window::of(Some(8.0), Some(2.0)).unwrap();
+        let mut c = ByteClock::default();
+        // one long call landing a piece of 10 bytes every 0.5 s from 0.5 to 8.0: the pieces at
+        // 2.0 ... 5.5 land inside the window [2, 6)
+        for i in 1..=16 {
+            c.landed(&w, 0.5 * i as f64, 10);
         }
-        assert_eq!(c.result(), (12, 4.5));
-        let mut none = CallClock::default();
-        none.ended(&w, 3.0, 4);
-        assert_eq!(none.result(), (0, 0.0), "one boundary measures nothing");
+        assert_eq!(c.bytes(), 80);
+        assert_eq!(
+            ByteClock::default().bytes(),
+            0,
+            "nothing landed: nothing counted"
+        );
     }
 }

@@ -136,8 +136,8 @@ enum Held {
 }
 
 enum Flight {
-    /// RDMA READ into the buffer (of the piece at this region offset).
-    Direct(Pending, u64),
+    /// RDMA READ into the buffer (of the piece at this region offset, of this length).
+    Direct(Pending, u64, u64),
     /// The server RDMA-WRITEs into a staging buffer; then `len` bytes are copied to `at`.
     Bounce(RegisteredBuffer, u64, usize),
     /// A staged fetch asked for (`len` bytes of the region at `pos`): once the server says
@@ -301,6 +301,18 @@ impl Client {
         ranges: &[BatchRange<'_>],
         buf: LocalBuffer,
     ) -> std::result::Result<Landed, Stranded> {
+        self.fetch_many_with_progress(ranges, buf, &mut |_| {})
+            .await
+    }
+
+    /// [`Client::fetch_many`], calling `progress` with the bytes landed so far (in the buffer,
+    /// over every range) each time a piece lands.
+    pub async fn fetch_many_with_progress(
+        &mut self,
+        ranges: &[BatchRange<'_>],
+        buf: LocalBuffer,
+        progress: &mut (dyn FnMut(u64) + Send),
+    ) -> std::result::Result<Landed, Stranded> {
         let (mut rdma, buf, results) = self.begin_batch(ranges, buf, false).await?;
         let mut batch = Batch {
             ranges,
@@ -326,7 +338,7 @@ impl Client {
             }
         };
         let start = Instant::now();
-        let run = batch.run(&mut rdma, &mut self.conn).await;
+        let run = batch.run(&mut rdma, &mut self.conn, progress).await;
         let seconds = start.elapsed().as_secs_f64();
         if let Some(StagedAt { slot, .. }) = batch.first.take() {
             // the batch ended before that piece
@@ -424,7 +436,13 @@ impl Batch<'_, '_> {
         }
     }
 
-    async fn run(&mut self, rdma: &mut Rdma, conn: &mut Conn) -> Result<()> {
+    async fn run(
+        &mut self,
+        rdma: &mut Rdma,
+        conn: &mut Conn,
+        progress: &mut (dyn FnMut(u64) + Send),
+    ) -> Result<()> {
+        let mut landed = 0u64;
         let mut c = Cursor {
             i: 0,
             done: 0,
@@ -455,7 +473,7 @@ impl Batch<'_, '_> {
                         local: Local::sink(Arc::clone(sink), dst..dst + p.len as usize)?,
                     };
                     let pending = rdma.qp.post_send(vec![wr])?;
-                    self.window.push_back(Flight::Direct(pending, p.pos));
+                    self.window.push_back(Flight::Direct(pending, p.pos, p.len));
                     self.direct_by_range[i] += p.len;
                 } else if i == 0 && p.pos == self.ranges[0].offset && self.first.is_some() {
                     // the first range's first piece, staged by the open (`open_to_fetch`) and
@@ -532,13 +550,15 @@ impl Batch<'_, '_> {
                 ));
             };
             match front {
-                Flight::Direct(p, pos) => {
+                Flight::Direct(p, pos, len) => {
                     self.land(rdma, conn, p, None, pos).await?;
+                    landed += len;
                 }
                 Flight::Pull(p, at, pos) => {
                     self.land(rdma, conn, p, Some(at.slot), pos).await?;
                     self.bounce_bytes += at.remote.len;
                     self.zero_copy_bytes += at.zero_copy();
+                    landed += at.remote.len;
                 }
                 Flight::Stage { .. } => {
                     return Err(Error::Config(
@@ -558,8 +578,10 @@ impl Batch<'_, '_> {
                     rdma.pools.give(staging);
                     self.zero_copy_bytes += copied?;
                     self.bounce_bytes += n;
+                    landed += n;
                 }
             }
+            progress(landed);
             if alive.elapsed() >= KEEPALIVE {
                 conn.send(&Msg::KeepAlive).await?;
                 alive = Instant::now();
@@ -725,7 +747,7 @@ impl Batch<'_, '_> {
         let mut conn_ok = true;
         for f in self.window.drain(..) {
             match f {
-                Flight::Direct(p, _) => {
+                Flight::Direct(p, ..) => {
                     let _ = tokio::time::timeout(self.stall, p.wait()).await;
                 }
                 Flight::Bounce(staging, n, _) => {
