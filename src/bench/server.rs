@@ -208,11 +208,7 @@ pub(super) async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem)
                      benchmark reads of it, writes to host:, cmb: or dmabuf: memory, or give \
                      the server --overwrite to let the benchmark destroy what it holds",
                     provider.describe(),
-                    if p.op == BenchOp::Send {
-                        "send"
-                    } else {
-                        "write"
-                    }
+                    if p.bidir { "bidirectional" } else { "write" }
                 )));
             }
             let planned = bridge::path::decide_path(&pd, &provider, choice)
@@ -541,15 +537,8 @@ pub(super) async fn serve_bounce(
     options: bridge::spec::RegionOptions,
     mem: &ServerMem,
 ) -> Result<()> {
+    // (a write into memory that holds data was refused before the path was chosen)
     let keep = mem.keeps(&*provider);
-    if keep && p.op != BenchOp::Read {
-        return Err(BenchError::Config(format!(
-            "the server memory holds data ({}): a write benchmark would overwrite it; \
-             benchmark reads of it, writes to host:, cmb: or dmabuf: memory, or give the \
-             server --overwrite to let the benchmark destroy what it holds",
-            provider.describe()
-        )));
-    }
     if p.op == BenchOp::Send || p.lat || p.bidir {
         return Err(BenchError::Config(
             "the server memory goes through bounce buffers: only write and read bandwidth runs (put/fetch through the bridge) are measured on that path".into(),
