@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use tokio::net::TcpStream;
 use verbs::{
-    Access, Context, CqMode, HostBuffer, Local, ProtectionDomain, QueuePair, RegMode,
-    RegisteredBuffer, RemoteSlice, SendOp, SendWr, SinkBuffer,
+    Access, Context, HostBuffer, Local, ProtectionDomain, QueuePair, RegMode, RegisteredBuffer,
+    RemoteSlice, SendOp, SendWr, SinkBuffer,
 };
 
 use super::lat::{lat_in_memory, lat_loop};
@@ -209,13 +209,9 @@ pub async fn run_client(
     };
     let mut qps = Vec::new();
     for _ in 0..p.qps {
-        let mut opts = qp_options(&o.side, p, recv);
-        if p.lat && !p.poll {
-            // the latency loop sleeps on the completion channel on a thread of its own
-            // (`Settle::Block`): no runtime thread needs to wake with each event
-            opts.cq_mode = CqMode::Blocking;
-        }
-        qps.push(QueuePair::new(&pd, opts)?);
+        // (a latency loop without --poll sleeps on the completion channel on a thread of its
+        // own, `Settle::Block`: its CQ is `CqMode::Blocking`)
+        qps.push(QueuePair::new(&pd, qp_options(&o.side, p, recv))?);
     }
     let pat = pattern(max);
     // Local memory: a source for writes and sends, a sink for reads; one target for the

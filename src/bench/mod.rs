@@ -329,8 +329,12 @@ fn qp_options(side: &Side, p: &BenchParams, recv: u32) -> QpOptions {
         max_inline_data: p.inline_size(),
         // the QP takes the device's limit where it is lower
         max_rd_atomic: p.outs.map_or(u8::MAX, |n| n.min(255) as u8),
+        // a latency run waits on a thread of its own, both sides: spinning, or sleeping on
+        // the completion channel with no runtime thread woken by each event
         cq_mode: if p.poll {
             CqMode::Polling
+        } else if p.lat {
+            CqMode::Blocking
         } else {
             CqMode::Events
         },

@@ -1,6 +1,7 @@
-//! The server's half of a polled ping-pong (`bench write|send --lat --poll`): a partner that
-//! busy-polls for each ping on a thread of its own and answers with a pong written into the
-//! send queue ahead of time and posted by the very poll that sees the ping land
+//! The server's half of a ping-pong (`bench write|send --lat`): a partner that waits for each
+//! ping on a thread of its own, busy-polling (`--poll`) or sleeping on the completion channel
+//! between polls, and answers with a pong written into the send queue ahead of time and
+//! posted by the very poll that sees the ping land
 //! ([`verbs::PreparedSend::post_after_recv`]), as the client posts its pings.
 //!
 //! A pong has its ping's size, which changes from one run to the next, so a pong prepared
@@ -140,8 +141,9 @@ pub(super) enum Pings {
     Received(VecDeque<PendingRecv>),
 }
 
-/// Answer pings until `stop` is set (or the client goes quiet), busy-polling on the calling
-/// thread; counts them in `received`.
+/// Answer pings until `stop` is set (or the client goes quiet) on the calling thread,
+/// busy-polling (`poll`) or sleeping on the completion channel between polls; counts them in
+/// `received`. Pings in memory are seen only by polling it.
 pub(super) async fn partner(
     qp: &QueuePair,
     pings: Pings,
@@ -149,15 +151,27 @@ pub(super) async fn partner(
     run: &RunSize,
     stop: &AtomicBool,
     received: &AtomicU64,
+    poll: bool,
 ) -> Result<()> {
+    let wait = if poll {
+        Settle::Spin { stop }
+    } else {
+        Settle::Block
+    };
     match pings {
-        Pings::InMemory(landing) => answer_in_memory(qp, landing, pongs, run, stop, received).await,
-        Pings::Received(slots) => answer(qp, slots, pongs, run, stop, received).await,
+        Pings::InMemory(landing) if poll => {
+            answer_in_memory(qp, landing, pongs, run, stop, received).await
+        }
+        Pings::InMemory(_) => Err(BenchError::Config(
+            "pings written into memory are seen only by polling it (--poll)".into(),
+        )),
+        Pings::Received(slots) => answer(qp, slots, pongs, run, stop, received, wait).await,
     }
 }
 
-/// Answer pings on `qp` until `stop` is set (or the client goes quiet), busy-polling: the
-/// receives in `slots` are re-posted as they are used. Counts the pings in `received`.
+/// Answer pings on `qp` until `stop` is set (or the client goes quiet), waiting as `settle`
+/// says: the receives in `slots` are re-posted as they are used. Counts the pings in
+/// `received`.
 async fn answer(
     qp: &QueuePair,
     mut slots: VecDeque<PendingRecv>,
@@ -165,26 +179,28 @@ async fn answer(
     run: &RunSize,
     stop: &AtomicBool,
     received: &AtomicU64,
+    wait: Settle<'_>,
 ) -> Result<()> {
     let pong_max = pongs.source.len();
     let mut held: Option<(usize, PreparedSend)> = None;
     while let Some(front) = slots.pop_front() {
-        let seen = settle::spin(
-            || {
-                run.hold(&mut held, pong_max, pongs, qp)?;
-                match held.take() {
-                    Some((m, prepared)) => Ok(match prepared.post_after_recv(&front)? {
-                        AfterPoll::Posted(sent) => Some(Some((m, sent))),
-                        AfterPoll::NotYet(back) => {
-                            held = Some((m, back));
-                            None
-                        }
-                    }),
-                    None => Ok(front.poll_ready()?.then_some(None)),
-                }
-            },
-            stop,
-        );
+        let attempt = || {
+            run.hold(&mut held, pong_max, pongs, qp)?;
+            match held.take() {
+                Some((m, prepared)) => Ok(match prepared.post_after_recv(&front)? {
+                    AfterPoll::Posted(sent) => Some(Some((m, sent))),
+                    AfterPoll::NotYet(back) => {
+                        held = Some((m, back));
+                        None
+                    }
+                }),
+                None => Ok(front.poll_ready()?.then_some(None)),
+            }
+        };
+        let seen = match wait {
+            Settle::Spin { .. } => settle::spin(attempt, stop),
+            Settle::Block => settle::block(&front, attempt, stop),
+        };
         let sent: Option<(usize, Pending)> = match seen {
             Ok(Some(sent)) => sent,
             Ok(None) => break,
@@ -211,7 +227,7 @@ async fn answer(
         if m > pongs.inline {
             // a larger pong's buffer is shared and its completion awaited (a small one is
             // inline and asked for none: a later signaled one retires it)
-            if (Settle::Spin { stop }).settle(sent).await?.is_none() {
+            if wait.settle(sent).await?.is_none() {
                 break;
             }
         }

@@ -11,8 +11,8 @@ use peermem::plan::{P2pPolicy, PathKind, RegChoice};
 use peermem::Provider;
 use tokio::net::TcpListener;
 use verbs::{
-    Access, Context, HostBuffer, Local, PreparedSend, ProtectionDomain, QueuePair, RegMode,
-    RegisteredBuffer, SinkBuffer,
+    Access, Context, HostBuffer, Local, ProtectionDomain, QueuePair, RegMode, RegisteredBuffer,
+    SinkBuffer,
 };
 
 use super::pong::{self, Pings, Pongs, RunSize, PONG_BYTE};
@@ -334,9 +334,10 @@ pub(super) async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem)
                     slots.push_back(qp.post_recv(vec![Local::owned(b)])?);
                 }
             }
-            if p.lat && p.poll {
-                // a polled latency partner spins on a thread of its own, as the client's
-                // pings do, and is told each run's size before the run starts
+            if p.lat {
+                // a latency partner answers on a thread of its own, as the client pings: it
+                // spins (--poll) or sleeps on the completion channel, and is told each run's
+                // size before the run starts
                 let pings = match landing.take() {
                     Some(landing) => Pings::InMemory(landing),
                     None => Pings::Received(slots),
@@ -344,8 +345,9 @@ pub(super) async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem)
                 let run = Arc::new(RunSize::default());
                 runs.push(Arc::clone(&run));
                 let (qp, stop, received) = (qp.clone(), Arc::clone(&stop), Arc::clone(&received));
+                let poll = p.poll;
                 receivers.spawn(settle::on_own_thread(async move {
-                    pong::partner(&qp, pings, &pongs, &run, &stop, &received).await
+                    pong::partner(&qp, pings, &pongs, &run, &stop, &received, poll).await
                 }));
                 continue;
             }
@@ -356,10 +358,9 @@ pub(super) async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem)
                 Arc::clone(&bad),
                 Arc::clone(&pat),
             );
-            let (lat, validate, op) = (p.lat, p.validate, p.op);
-            let pong_max = source.len();
+            let (validate, op) = (p.validate, p.op);
+            // a SEND bandwidth run's receiver (latency runs have their partner, above)
             let receiver: settle::SpinTask<()> = Box::pin(async move {
-                let mut prepared: Option<(usize, PreparedSend)> = None;
                 while let Some(front) = slots.pop_front() {
                     let got = tokio::select! {
                         r = front.wait() => r,
@@ -370,28 +371,7 @@ pub(super) async fn serve_session(c: &mut Control, side: &Side, mem: &ServerMem)
                         break;
                     };
                     let n = info.byte_len as usize;
-                    if lat {
-                        // pong: the same size back. The next one is written into the send
-                        // queue as soon as this one is out, so that the next ping (of the
-                        // same size, but for the first of a run) leaves only its doorbell
-                        let n = n.min(pong_max);
-                        let pong = match prepared.take() {
-                            Some((m, r)) if m == n => r,
-                            stale => {
-                                // (a prepared pong holds the send queue: gone before the next)
-                                drop(stale);
-                                pongs.prepare(&qp, n)?
-                            }
-                        };
-                        let sent = pong.post()?;
-                        prepared = Some((n, pongs.prepare(&qp, n)?));
-                        if n > pongs.inline {
-                            // a larger pong's buffer is shared: awaited (a small one is
-                            // inline and asked for no completion: a later signaled one
-                            // retires it)
-                            sent.wait().await?;
-                        }
-                    } else if validate
+                    if validate
                         && op == BenchOp::Send
                         && local.bytes().map(|b| &b[..n]) != Some(&pat[..n])
                     {

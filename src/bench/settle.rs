@@ -207,6 +207,39 @@ pub(super) fn spin<T>(
     }
 }
 
+/// How long [`block`] sleeps on the completion channel at most before it looks at its
+/// attempt and the stop flag again.
+const SLICE: Duration = Duration::from_millis(50);
+
+/// As [`spin`], but sleeping on `w`'s completion channel between attempts (its CQ in
+/// `CqMode::Blocking`), in slices of at most [`SLICE`]: an attempt that waits for something
+/// other than a completion (a run's size) and the stop flag are looked at between them.
+pub(super) fn block<T, W: Waitable>(
+    w: &W,
+    mut attempt: impl FnMut() -> verbs::Result<Option<T>>,
+    stop: &AtomicBool,
+) -> Result<Option<T>> {
+    let start = Instant::now();
+    loop {
+        if let Some(v) = attempt()? {
+            return Ok(Some(v));
+        }
+        if stop.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
+        if start.elapsed() > QUIET_LIMIT {
+            return Err(quiet());
+        }
+        let until = Instant::now() + SLICE;
+        match w.sleep_until_event(until) {
+            Ok(()) => {}
+            // the slice ended with no event (ETIMEDOUT)
+            Err(_) if Instant::now() >= until => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
 /// Run `f` to completion on a thread of its own, outside the runtime's workers, so that a
 /// [`Settle::Spin`] inside it spins without starving other tasks.
 pub(super) async fn on_own_thread<T, F>(f: F) -> Result<T>
