@@ -185,26 +185,12 @@ fn quiet() -> BenchError {
 /// Call `attempt` until it gives a value (returned), `stop` is set (`None`) or [`QUIET_LIMIT`]
 /// passes.
 pub(super) fn spin<T>(
-    mut attempt: impl FnMut() -> verbs::Result<Option<T>>,
+    attempt: impl FnMut() -> verbs::Result<Option<T>>,
     stop: &AtomicBool,
 ) -> Result<Option<T>> {
-    let start = Instant::now();
-    loop {
-        for _ in 0..POLLS_PER_CHECK {
-            // no `pause` between polls (perftest's loops have none either): under TCG it
-            // leaves the translated code for QEMU's main loop, a detour that the completion
-            // can land in
-            if let Some(v) = attempt()? {
-                return Ok(Some(v));
-            }
-        }
-        if stop.load(Ordering::Relaxed) {
-            return Ok(None);
-        }
-        if start.elapsed() > QUIET_LIMIT {
-            return Err(quiet());
-        }
-    }
+    // no `pause` between polls (perftest's loops have none either): under TCG it leaves the
+    // translated code for QEMU's main loop, a detour that the completion can land in
+    attempt_until(attempt, stop, POLLS_PER_CHECK, || Ok(()))
 }
 
 /// How long [`block`] sleeps on the completion channel at most before it looks at its
@@ -216,13 +202,34 @@ const SLICE: Duration = Duration::from_millis(50);
 /// other than a completion (a run's size) and the stop flag are looked at between them.
 pub(super) fn block<T, W: Waitable>(
     w: &W,
+    attempt: impl FnMut() -> verbs::Result<Option<T>>,
+    stop: &AtomicBool,
+) -> Result<Option<T>> {
+    attempt_until(attempt, stop, 1, || {
+        let until = Instant::now() + SLICE;
+        match w.sleep_until_event(until) {
+            Ok(()) => Ok(()),
+            // the slice ended with no event (ETIMEDOUT)
+            Err(_) if Instant::now() >= until => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    })
+}
+
+/// `attempts` calls of `attempt`, then a look at `stop` and the quiet limit, then `between`,
+/// until `attempt` gives a value.
+fn attempt_until<T>(
     mut attempt: impl FnMut() -> verbs::Result<Option<T>>,
     stop: &AtomicBool,
+    attempts: u32,
+    mut between: impl FnMut() -> Result<()>,
 ) -> Result<Option<T>> {
     let start = Instant::now();
     loop {
-        if let Some(v) = attempt()? {
-            return Ok(Some(v));
+        for _ in 0..attempts {
+            if let Some(v) = attempt()? {
+                return Ok(Some(v));
+            }
         }
         if stop.load(Ordering::Relaxed) {
             return Ok(None);
@@ -230,13 +237,7 @@ pub(super) fn block<T, W: Waitable>(
         if start.elapsed() > QUIET_LIMIT {
             return Err(quiet());
         }
-        let until = Instant::now() + SLICE;
-        match w.sleep_until_event(until) {
-            Ok(()) => {}
-            // the slice ended with no event (ETIMEDOUT)
-            Err(_) if Instant::now() >= until => {}
-            Err(e) => return Err(e.into()),
-        }
+        between()?;
     }
 }
 
