@@ -169,7 +169,7 @@ pub(super) async fn partner(
     }
 }
 
-/// Answer pings on `qp` until `stop` is set (or the client goes quiet), waiting as `settle`
+/// Answer pings on `qp` until `stop` is set (or the client goes quiet), waiting as `wait`
 /// says: the receives in `slots` are re-posted as they are used. Counts the pings in
 /// `received`.
 async fn answer(
