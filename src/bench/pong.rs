@@ -143,7 +143,7 @@ pub(super) enum Pings {
 
 /// Answer pings until `stop` is set (or the client goes quiet) on the calling thread,
 /// busy-polling (`poll`) or sleeping on the completion channel between polls; counts them in
-/// `received`. Pings in memory are seen only by polling it.
+/// `received`. Pings in memory (plain WRITEs: a polled run's only) are seen by polling it.
 pub(super) async fn partner(
     qp: &QueuePair,
     pings: Pings,
@@ -159,12 +159,7 @@ pub(super) async fn partner(
         Settle::Block
     };
     match pings {
-        Pings::InMemory(landing) if poll => {
-            answer_in_memory(qp, landing, pongs, run, stop, received).await
-        }
-        Pings::InMemory(_) => Err(BenchError::Config(
-            "pings written into memory are seen only by polling it (--poll)".into(),
-        )),
+        Pings::InMemory(landing) => answer_in_memory(qp, landing, pongs, run, stop, received).await,
         Pings::Received(slots) => answer(qp, slots, pongs, run, stop, received, wait).await,
     }
 }

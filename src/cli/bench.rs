@@ -92,8 +92,8 @@ pub(crate) struct BenchArgs {
     pub(crate) reg: peermem::plan::RegChoice,
     /// Server: let the benchmark write into --mem memory that holds data (a file, or a block
     /// device's range: `nvme:/dev/nvme1n1:0:1G`), as `fio --rw=write` would; its bytes in the
-    /// range are lost. Without it, a write or send benchmark of such memory is refused, and
-    /// a read benchmark reads what it holds.
+    /// range are lost. Without it, a write (or bidirectional) benchmark of such memory is
+    /// refused, and a read benchmark reads what it holds.
     #[arg(long, requires = "mem")]
     pub(crate) overwrite: bool,
     /// Check the data at the end of each size (like perftest's --data_validation).

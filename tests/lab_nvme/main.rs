@@ -309,15 +309,17 @@ fn bench_cmd() -> std::process::Command {
 #[ignore = "lab"]
 fn lab_nvme_bench_reads_an_ssd_and_writes_it_only_when_told_to() {
     // the SSD holds data and is served through the bounce path (a NIC cannot address block
-    // storage): a write benchmark would overwrite it and, without --overwrite, is refused by both sides (before a
-    // path is chosen), a read benchmark measures it through bounce, and the SSD's bytes are
-    // the same afterwards
+    // storage): a write benchmark would overwrite it and, without --overwrite, is refused by
+    // both sides (before a path is chosen), a read benchmark measures it through bounce, and
+    // the SSD's bytes are the same afterwards
     let (dev, model) = ssd_with_image(4 << 20, 53);
     let spec = format!("nvme:{dev}:0:4M");
     let addr = |port: u16| format!("{}:{port}", lab_ip());
-    let serve = |op: &str, port: u16| {
+    // a bench server of `op` on `port` for `mem`, with `more` arguments
+    let serve = |op: &str, port: u16, mem: &str, more: &[&str]| {
         bench_cmd()
-            .args(["bench", op, "--port", &port.to_string(), "--mem", &spec])
+            .args(["bench", op, "--port", &port.to_string(), "--mem", mem])
+            .args(more)
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::piped())
             .spawn()
@@ -345,7 +347,7 @@ fn lab_nvme_bench_reads_an_ssd_and_writes_it_only_when_told_to() {
             .to_string();
         serde_json::from_str(&first).unwrap_or_else(|e| panic!("{e}: {first}"))
     };
-    let s = serve("write", 19150);
+    let s = serve("write", 19150, &spec, &[]);
     let out = bench_cmd()
         .args([
             "bench",
@@ -370,7 +372,7 @@ fn lab_nvme_bench_reads_an_ssd_and_writes_it_only_when_told_to() {
     );
     // and it names the way to allow it
     assert!(err.contains("give the server --overwrite"), "{err}");
-    let s = serve("read", 19151);
+    let s = serve("read", 19151, &spec, &[]);
     let out = bench_cmd()
         .args([
             "bench",
@@ -396,20 +398,7 @@ fn lab_nvme_bench_reads_an_ssd_and_writes_it_only_when_told_to() {
     // path MTU 4096), and --validate reads the last message back from the SSD by direct I/O
     let cmb = controller_of("p2plab0");
     let ring = format!("{spec},via=cmb:{cmb}:8M");
-    let s = bench_cmd()
-        .args([
-            "bench",
-            "write",
-            "--port",
-            "19152",
-            "--mem",
-            &ring,
-            "--overwrite",
-        ])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let s = serve("write", 19152, &ring, &["--overwrite"]);
     let out = bench_cmd()
         .args([
             "bench",
