@@ -330,6 +330,18 @@ fn lab_bench_server_refuses_strangers_long_lines_and_writes_into_files() {
         sv.contains("holds data") && err.contains("holds data"),
         "server: {sv}\nclient: {err}"
     );
+    // so would a bidirectional read (the server writes too), and the refusal says which
+    let mut s = server("read", 19144, &["--mem", &spec]);
+    let out = bin()
+        .args(["bench", "read", &addr(19144), "--bidir", "--iters", "5"])
+        .output()
+        .unwrap();
+    let sv = failed(&mut s);
+    assert!(!out.status.success());
+    assert!(
+        sv.contains("a bidirectional benchmark would overwrite it"),
+        "{sv}"
+    );
     let rows = run(
         "read",
         19143,
