@@ -99,6 +99,22 @@ pub enum Error {
         /// Local QP number.
         qpn: u32,
     },
+    /// The server refused our READ of a chunk it lent from its CMB ring: it took the slot
+    /// back, as it does when a client holds one past its ring hold limit while other clients
+    /// want the ring, or when the region is removed.
+    #[error(
+        "{source}; this READ was of a chunk the server lent from its CMB ring (slot {slot}), and \
+         the server takes such a slot back when a client holds it past the server's ring hold \
+         limit (ring_hold_secs, 30 s by default) while other clients want the ring, or when \
+         the region is removed: read promptly (a fetch that stops reading holds its slots)"
+    )]
+    LentTakenBack {
+        /// The server's staging slot.
+        slot: u32,
+        /// The READ's completion.
+        #[source]
+        source: verbs::Error,
+    },
     /// RDMA failure.
     #[error(transparent)]
     Verbs(#[from] verbs::Error),

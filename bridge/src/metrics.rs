@@ -165,6 +165,8 @@ pub struct Metrics {
     pub flushes: Family<RegionLabels, Counter>,
     /// Fetch and put chunks that waited for a slot of their region's CMB ring, by outcome.
     pub ring_waits: Family<RingWaitLabels, Counter>,
+    /// Slots of a region's CMB ring taken back from clients that held them past the limit.
+    pub ring_taken_back: Family<RegionLabels, Counter>,
     /// Connections now open (authenticated or not).
     pub connections: Gauge,
     /// Connections accepted since start.
@@ -230,6 +232,7 @@ impl Metrics {
             errors: Family::default(),
             flushes: Family::default(),
             ring_waits: Family::default(),
+            ring_taken_back: Family::default(),
             connections: Gauge::default(),
             connections_accepted: Counter::default(),
             unauthenticated: Gauge::default(),
@@ -294,6 +297,11 @@ impl Metrics {
                 "ring_waits",
                 "Fetch and put chunks that found every slot of their region's CMB ring lent (or other connections waiting for the next) and waited their turn (at most 5 s), by region and outcome: lent (a slot came in time) or copied (through host memory after all)",
                 m.ring_waits.clone(),
+            );
+            r.register(
+                "ring_slots_taken_back",
+                "Slots of a region's CMB ring taken back from a client that held a lent chunk longer than the server's ring hold limit while other connections wanted the ring (its window revoked), by region",
+                m.ring_taken_back.clone(),
             );
             r.register(
                 "connections",
@@ -449,6 +457,15 @@ impl Metrics {
             .get_or_create(&RingWaitLabels {
                 region: region.to_string(),
                 outcome: if lent { "lent" } else { "copied" }.to_string(),
+            })
+            .inc();
+    }
+
+    /// Count a ring slot taken back from a client that held it too long.
+    pub fn ring_taken_back(&self, region: &str) {
+        self.ring_taken_back
+            .get_or_create(&RegionLabels {
+                region: region.to_string(),
             })
             .inc();
     }

@@ -50,6 +50,7 @@ pub(crate) struct Limits {
     pub(crate) hello_timeout_secs: Option<u64>,
     pub(crate) idle_timeout_secs: Option<u64>,
     pub(crate) send_timeout_secs: Option<u64>,
+    pub(crate) ring_hold_secs: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -96,6 +97,7 @@ pub(crate) struct ServeConfig {
     pub(crate) hello_timeout_secs: Option<u64>,
     pub(crate) idle_timeout_secs: Option<u64>,
     pub(crate) send_timeout_secs: Option<u64>,
+    pub(crate) ring_hold_secs: Option<u64>,
     pub(crate) bounce_chunk: Option<u64>,
     pub(crate) staging_budget: Option<u64>,
     pub(crate) bounce_depth: Option<usize>,
@@ -158,6 +160,7 @@ pub(crate) fn parse(file: &Path, text: &str) -> Result<ServeConfig, Usage> {
         hello_timeout_secs: raw.limits.hello_timeout_secs,
         idle_timeout_secs: raw.limits.idle_timeout_secs,
         send_timeout_secs: raw.limits.send_timeout_secs,
+        ring_hold_secs: raw.limits.ring_hold_secs,
         bounce_depth: raw.bounce.depth,
         catalog: raw.catalog.clone(),
         ..ServeConfig::default()
@@ -280,6 +283,7 @@ drain_timeout_secs = 30
 
 [limits]
 max_connections = 128
+ring_hold_secs = 5
 
 [bounce]
 chunk = "2M"
@@ -318,6 +322,7 @@ advertise = ["10.0.0.7:7471"]
             Some(bridge::server::SharingPolicy::PerConnection)
         );
         assert_eq!(c.max_connections, Some(128));
+        assert_eq!(c.ring_hold_secs, Some(5));
         assert_eq!(c.drain_timeout_secs, Some(30));
         assert_eq!(c.regions.len(), 3);
         assert_eq!(c.catalog.node.as_deref(), Some("storage-7"));

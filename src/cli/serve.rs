@@ -135,7 +135,8 @@ Config file (--config, TOML; keys as the flags):\n\
   sharing = \"auto\"\n\
   [limits]  max_connections = 64  max_outstanding = 16  max_open_per_connection = 64\n\
             max_unauthenticated = 256  hello_timeout_secs = 10  idle_timeout_secs = 600\n\
-            send_timeout_secs = 30\n\
+            send_timeout_secs = 30  ring_hold_secs = 30 (a lent CMB ring slot, while\n\
+            others want the ring)\n\
   [bounce]  chunk = \"1M\"  depth = 8  budget = \"1G\" (pinned staging, all connections)\n\
   [[region]]  name = \"cmb\"  memory = \"cmb:nvme0:16M\"  p2p = \"required\"   (also reg, window,\n\
               policy, nic, via)\n\
@@ -239,6 +240,9 @@ pub(crate) async fn run(a: ServeArgs) -> anyhow::Result<()> {
     }
     if let Some(s) = file.send_timeout_secs {
         cfg.send_timeout = Duration::from_secs(s.max(1));
+    }
+    if let Some(s) = file.ring_hold_secs {
+        cfg.ring_hold = Duration::from_secs(s.max(1));
     }
     if let Some(n) = file.staging_budget {
         cfg.max_staging_bytes = n;

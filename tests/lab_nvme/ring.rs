@@ -645,3 +645,106 @@ async fn lab_nvme_a_ring_whose_slots_idle_clients_hold_is_not_waited_on() {
     c.bye().await.unwrap();
     s.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_nvme_ring_slots_held_past_the_hold_limit_while_others_want_them_are_taken_back() {
+    // as above, four clients hold the ring's four slots and read nothing, but the server's
+    // ring hold limit is 3 s: once it passed, and another client wants the ring, their slots
+    // go back to the ring and that client's fetches are lent again while the four are still
+    // connected. A slot nobody wants stays lent; a READ of a slot taken back fails and says why
+    use std::time::{Duration, Instant};
+    let cmb = controller_of("p2plab0");
+    let kernel = std::env::var("P2P_LAB_KERNEL").unwrap_or_default();
+    let (dev, model) = ssd_with_image(8 << 20, 75);
+    let spec = format!("d=nvme:{dev}:0:8M:ro,via=cmb:{cmb}:4M");
+    let hold = Duration::from_secs(3);
+    let s = start(&[&spec], |c| c.ring_hold = hold).await;
+    let connect = || async {
+        let mut cfg = client(s.addr);
+        cfg.chunk = 1 << 20;
+        Client::connect(cfg).await.unwrap()
+    };
+    let taken_back = || {
+        s.handle
+            .metrics()
+            .encode()
+            .lines()
+            .filter(|l| l.starts_with("p2p_rdma_ring_slots_taken_back_total{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .sum::<u64>()
+    };
+    let mut idle = Vec::new();
+    for i in 0..4u64 {
+        let mut c = connect().await;
+        let h = c.open_to_fetch("d", i << 20, 1 << 20).await.unwrap();
+        idle.push((c, h, i));
+    }
+    let lent_at = Instant::now();
+    let mut c = connect().await;
+    let info = c.list().await.unwrap().remove(0);
+    let (nic_reads_ring, _) = ring_nic_leg_expected();
+    let lends = kernel != "6.12"
+        && nic_reads_ring
+        && info.reason.contains("device → CMB: peer to peer, verified");
+    // past the limit, with nobody wanting the ring: the slots stay lent
+    tokio::time::sleep(hold + Duration::from_secs(2)).await;
+    assert_eq!(taken_back(), 0, "slots nobody wanted were taken back");
+    // now a client wants the ring: its first fetch finds every slot held and copies; the
+    // held slots go back within about a second, and a later fetch is lent whole
+    let h = c.open("d", false).await.unwrap();
+    let mut reps = Vec::new();
+    let wanted_at = Instant::now();
+    while reps.len() < 8 {
+        let rep = fetch_matches(&mut c, &h, 0, 8 << 20, &model).await;
+        let whole = rep.zero_copy_bytes == 8 << 20;
+        reps.push(rep.zero_copy_bytes);
+        if whole || !lends {
+            break;
+        }
+    }
+    eprintln!(
+        "held {:?} before the ring was wanted; fetches since then, zero-copy bytes: {reps:?} \
+         in {:?}; {} slots taken back",
+        wanted_at - lent_at,
+        wanted_at.elapsed(),
+        taken_back()
+    );
+    if !lends {
+        assert_eq!(reps, [0], "no ring lends here");
+        assert_eq!(taken_back(), 0);
+        for (c, _, _) in idle {
+            c.bye().await.unwrap();
+        }
+        s.stop().await;
+        return;
+    }
+    // (its first chunk found every slot held and was copied)
+    assert!(
+        reps[0] < 8 << 20,
+        "the first fetch found every slot held: {reps:?}"
+    );
+    assert_eq!(
+        *reps.last().unwrap(),
+        8 << 20,
+        "no fetch was lent whole while the four held their slots: {reps:?}"
+    );
+    assert_eq!(taken_back(), 4, "{}", s.handle.metrics().encode());
+    // the holders' READs of their chunks now fail, saying why; the server serves on
+    for (mut ic, ih, i) in idle {
+        let mut sink = Vec::new();
+        let e = ic
+            .fetch(&ih, i << 20, 1 << 20, &mut sink, false, &mut |_| {})
+            .await
+            .expect_err("a READ of a chunk whose slot was taken back");
+        let text = e.to_string();
+        assert!(
+            text.contains("ring hold limit") && text.contains("IBV_WC_REM_ACCESS_ERR"),
+            "{text}"
+        );
+    }
+    let again = fetch_matches(&mut c, &h, 0, 8 << 20, &model).await;
+    assert_eq!(again.zero_copy_bytes, 8 << 20, "{again:?}");
+    c.bye().await.unwrap();
+    s.stop().await;
+}

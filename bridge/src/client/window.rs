@@ -333,7 +333,8 @@ pub(super) async fn land(
             watch,
             (deadline, stall, op, at),
         )
-        .await?
+        .await
+        .map_err(|e| taken_back(e, staged_at.as_ref()))?
         {
             Woke::Done(back) => break back,
             Woke::Bytes => {
@@ -354,6 +355,26 @@ pub(super) async fn land(
         direct: server_slot.is_none(),
         zero_copy: staged_at.map_or(0, |at| at.zero_copy()),
     })
+}
+
+/// A READ of a lent chunk that the server's NIC refused (remote access error): the server took
+/// the chunk's ring slot back, and the error says when it does.
+pub(super) fn taken_back(e: Error, at: Option<&StagedAt>) -> Error {
+    match (e, at) {
+        (
+            Error::Verbs(
+                source @ verbs::Error::WorkCompletion {
+                    status: verbs::WcStatus::REM_ACCESS_ERR,
+                    ..
+                },
+            ),
+            Some(at),
+        ) if at.lent => Error::LentTakenBack {
+            slot: at.slot,
+            source,
+        },
+        (e, _) => e,
+    }
 }
 
 /// Whether staged fetches in `window` still wait for their `Staged` replies.

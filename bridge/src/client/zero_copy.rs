@@ -19,7 +19,7 @@ use verbs::{
 
 use super::window::{
     bounce_reply, done_or_bytes, end_oldest, may_stage, piece, read_op, staged, staged_reply,
-    staged_reply_ready, Piece, StagedAt, Woke,
+    staged_reply_ready, taken_back, Piece, StagedAt, Woke,
 };
 use super::{Client, OpenRegion, Rdma, KEEPALIVE};
 use crate::conn::Conn;
@@ -555,7 +555,7 @@ impl Batch<'_, '_> {
                     landed += len;
                 }
                 Flight::Pull(p, at, pos) => {
-                    self.land(rdma, conn, p, Some(at.slot), pos).await?;
+                    self.land(rdma, conn, p, Some(at), pos).await?;
                     self.bounce_bytes += at.remote.len;
                     self.zero_copy_bytes += at.zero_copy();
                     landed += at.remote.len;
@@ -619,7 +619,7 @@ impl Batch<'_, '_> {
             .any(|f| matches!(f, Flight::Stage { .. }))
     }
 
-    /// Wait for `p`, the oldest piece's READ (of the server's staging slot `slot`, which is
+    /// Wait for `p`, the oldest piece's READ (of the server's staging slot in `at`, which is
     /// then released), and meanwhile turn the `Staged` replies that arrive into READs (see
     /// [`done_or_bytes`]).
     async fn land(
@@ -627,15 +627,19 @@ impl Batch<'_, '_> {
         rdma: &mut Rdma,
         conn: &mut Conn,
         p: Pending,
-        slot: Option<u32>,
+        at: Option<StagedAt>,
         pos: u64,
     ) -> Result<()> {
+        let slot = at.map(|a| a.slot);
         let deadline = tokio::time::Instant::now() + self.stall;
         let mut done = std::pin::pin!(p.wait());
         loop {
             let limits = (deadline, self.stall, read_op(slot), pos);
             let watch = self.awaits_replies();
-            match done_or_bytes(&rdma.qp, conn, done.as_mut(), watch, limits).await? {
+            match done_or_bytes(&rdma.qp, conn, done.as_mut(), watch, limits)
+                .await
+                .map_err(|e| taken_back(e, at.as_ref()))?
+            {
                 // the returned locals are this sink's clones: dropped here
                 Woke::Done(_) => break,
                 Woke::Bytes => {

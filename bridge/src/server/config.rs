@@ -123,6 +123,12 @@ pub struct ServerConfig {
     /// nothing in flight before it is closed (its handles and registrations released).
     /// One-sided transfers end with a report, so a working client is never idle this long.
     pub idle_timeout: Duration,
+    /// How long a client may hold a chunk lent from a slot of a region's CMB ring while other
+    /// connections want the ring's slots: past it, the chunk's window is revoked and the slot
+    /// goes back to the ring (the client's READ of it, if it still comes, fails). A client
+    /// reads a lent chunk as soon as it is lent, so only a client that stopped reading holds
+    /// one this long.
+    pub ring_hold: Duration,
     /// How long a reply may wait for a client that stopped reading before the connection is
     /// closed (a full socket buffer must not hold a connection's resources forever).
     pub send_timeout: Duration,
@@ -185,6 +191,7 @@ impl ServerConfig {
             drain_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(600),
             send_timeout: Duration::from_secs(30),
+            ring_hold: Duration::from_secs(30),
             max_staging_bytes: 1 << 30,
             p2p: P2pPolicy::Preferred,
             reg: RegChoice::Auto,

@@ -48,6 +48,7 @@ mod nics;
 mod notices;
 mod preauth;
 mod regions;
+mod ring_hold;
 mod ring_put;
 mod ring_wait;
 pub(crate) mod session;

@@ -162,6 +162,7 @@ impl ConnState {
         // landings give theirs back first; with none, it waits its turn (it holds no slot
         // that anyone waits for), unless nothing moved in the ring lately or its client still
         // holds chunks lent to its fetches (their releases would wait behind this put)
+        q.wanted();
         if self.inflight.iter().any(|f| f.holds_slot()) {
             PutRoute::Wait
         } else if !self.lent.is_empty() {

@@ -57,6 +57,8 @@ pub(super) struct RingQueue {
     changed: watch::Sender<u64>,
     /// When a chunk was last lent from a slot or a slot came back.
     moved: Mutex<Option<Instant>>,
+    /// When a connection last wanted a slot and found none free (or others in line before it).
+    wanted: Mutex<Option<Instant>>,
 }
 
 impl Default for RingQueue {
@@ -65,6 +67,7 @@ impl Default for RingQueue {
             waiters: Mutex::default(),
             changed: watch::channel(0).0,
             moved: Mutex::default(),
+            wanted: Mutex::default(),
         }
     }
 }
@@ -81,6 +84,7 @@ impl RingQueue {
 
     /// Put `conn` in line (at the end, unless it is in line already).
     fn join(&self, conn: u64) {
+        self.wanted();
         let mut w = self.waiters();
         if !w.contains(&conn) {
             w.push_back(conn);
@@ -96,6 +100,17 @@ impl RingQueue {
         if was_first {
             self.signal();
         }
+    }
+
+    /// A connection wanted a slot now and found none free, or others in line before it.
+    pub(super) fn wanted(&self) {
+        *self.wanted.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
+    }
+
+    /// Whether a connection wanted a slot and found none at `since` or later.
+    pub(super) fn wanted_since(&self, since: Instant) -> bool {
+        let wanted = *self.wanted.lock().unwrap_or_else(|p| p.into_inner());
+        wanted.is_some_and(|t| t >= since)
     }
 
     /// A chunk was lent from a slot.

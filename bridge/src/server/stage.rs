@@ -91,6 +91,9 @@ pub(super) struct LentChunk {
     _lease: Option<RingLease>,
     /// The region's index.
     pub(super) region: usize,
+    /// Since when the client holds the ring slot, and when to look whether it held it too
+    /// long (see `ring_hold`); None for a chunk lent where it is, which holds no slot.
+    pub(super) held: Option<super::ring_hold::Held>,
     /// The ring's waiters look again once the slot is back (after the lease).
     _freed: Option<SlotFreed>,
 }
@@ -261,6 +264,8 @@ impl ConnState {
         if !lends.unwrap_or(false) || (block.free_slots() > 0 && q.my_turn(self.id)) {
             return None;
         }
+        // (slots held past the ring's hold limit go back now: see `ring_hold`)
+        q.wanted();
         if q.stalled() {
             // nothing moved in the ring for the wait's limit: its slots are held by clients
             // that read nothing, and waiting would end only at the limit
@@ -363,12 +368,16 @@ impl ConnState {
         m.observe_stage(dir, BounceStage::bind, binding.elapsed().as_secs_f64());
         let remote = window.remote();
         let freed = lease.as_ref().map(|_| SlotFreed::new(&r.ring_queue));
+        let held = lease
+            .as_ref()
+            .map(|_| super::ring_hold::Held::new(shared.cfg.ring_hold));
         self.lent.insert(
             slot,
             LentChunk {
                 _window: window,
                 _lease: lease,
                 region,
+                held,
                 _freed: freed,
             },
         );

@@ -292,6 +292,7 @@ async fn serve_connection(
         }
         // silent with nothing in flight: idle; a bounce in flight answers on its own
         let idle = st.inflight.is_empty().then_some(shared.cfg.idle_timeout);
+        let hold_look = st.next_hold_look();
         let msg = tokio::select! {
             biased;
             _ = stop.changed(), if !stopping => {
@@ -319,6 +320,11 @@ async fn serve_connection(
                         break 'conn Err(e);
                     }
                 }
+                continue;
+            }
+            _ = ConnState::hold_look(hold_look) => {
+                // a ring slot the client held past the limit: back to the ring if wanted
+                st.take_back_held(shared);
                 continue;
             }
             m = conn.recv(idle, "a request (idle timeout)") => m,
