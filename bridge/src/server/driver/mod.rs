@@ -92,27 +92,6 @@ pub(super) fn blocking<R>(f: impl FnOnce() -> R) -> R {
     }
 }
 
-/// What an open on a QP of device `here` sees of a region whose direct part is registered on
-/// another device: every byte through bounce buffers, and why.
-fn elsewhere(info: &crate::protocol::RegionInfo, here: &str) -> crate::protocol::RegionInfo {
-    let home = info.nic.as_deref().unwrap_or("another device");
-    let mut out = info.clone();
-    out.path = crate::protocol::DataPath::Bounce;
-    out.strategy = None;
-    out.extents = vec![crate::protocol::Extent {
-        offset: 0,
-        len: info.size,
-        path: crate::protocol::DataPath::Bounce,
-    }];
-    out.reason = format!(
-        "{}; this connection's QP is on {here}, and the direct part is registered on {home}: \
-         this handle moves its bytes through bounce buffers (connect on {home} for one-sided \
-         access)",
-        info.reason
-    );
-    out
-}
-
 pub(super) fn internal(e: impl std::fmt::Display) -> Refusal {
     (ErrorCode::Internal, e.to_string())
 }
@@ -624,7 +603,7 @@ impl ConnState {
                 let info = if home {
                     r.info.clone()
                 } else {
-                    elsewhere(&r.info, shared.nics.get(self.nic).name())
+                    super::nics::elsewhere(&r.info, shared.nics.get(self.nic).name())
                 };
                 let first = match first {
                     Some(span) => self.stage_first(shared, handle, span, &info).await,
