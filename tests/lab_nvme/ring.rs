@@ -19,6 +19,16 @@ fn ring_nic_leg_expected() -> (bool, &'static str) {
     }
 }
 
+/// Whether the ring lends fetches' chunks to the NIC in this guest: a kernel with P2PDMA, the
+/// CMB → NIC leg proved at this path MTU, and the SSD → CMB leg verified (`reason`: the
+/// region's).
+fn ring_lends(reason: &str) -> bool {
+    let kernel = std::env::var("P2P_LAB_KERNEL").unwrap_or_default();
+    kernel != "6.12"
+        && ring_nic_leg_expected().0
+        && reason.contains("device → CMB: peer to peer, verified")
+}
+
 /// The server's count of chunks that waited for a ring slot with `outcome` (lent, copied), from
 /// its metrics' text.
 fn ring_waits(metrics: &str, outcome: &str) -> u64 {
@@ -495,10 +505,7 @@ async fn lab_nvme_a_ring_too_small_for_eight_chunks_lends_whole_chunks_from_fewe
     let rep = fetch_matches(&mut c, &h, 0, 8 << 20, &model).await;
     let lent = cmb_to_nic(&mut c).await;
     eprintln!("{lent} MiB read by the NIC from the ring, {rep:?}");
-    let (nic_reads_ring, _) = ring_nic_leg_expected();
-    let lends = kernel != "6.12"
-        && nic_reads_ring
-        && info.reason.contains("device → CMB: peer to peer, verified");
+    let lends = ring_lends(&info.reason);
     if lends {
         assert_eq!(rep.zero_copy_bytes, 8 << 20, "{rep:?}");
         assert!(same_as_server(rep.zero_copy_bytes, lent), "{lent} MiB lent");
@@ -517,7 +524,6 @@ async fn lab_nvme_clients_that_share_a_ring_take_turns_at_its_slots_instead_of_c
     // chunk that finds every slot lent waits for one to come back, in turn with the other
     // clients' chunks; before, it was copied through host memory
     let cmb = controller_of("p2plab0");
-    let kernel = std::env::var("P2P_LAB_KERNEL").unwrap_or_default();
     let (dev, mut model) = ssd_with_image(12 << 20, 71);
     let s = start(&[&format!("d=nvme:{dev}:0:12M,via=cmb:{cmb}:4M")], |_| {}).await;
     let mut cs = Vec::new();
@@ -554,10 +560,7 @@ async fn lab_nvme_clients_that_share_a_ring_take_turns_at_its_slots_instead_of_c
         reps.iter().map(|r| r.zero_copy_bytes).collect::<Vec<_>>(),
         reps.iter().map(|r| r.mib_per_sec as u32).collect::<Vec<_>>()
     );
-    let (nic_reads_ring, _) = ring_nic_leg_expected();
-    let lends = kernel != "6.12"
-        && nic_reads_ring
-        && info.reason.contains("device → CMB: peer to peer, verified");
+    let lends = ring_lends(&info.reason);
     let lands = lends && info.reason.contains("CMB → device: peer to peer, verified");
     for rep in &reps[..3] {
         assert_eq!(
@@ -596,7 +599,6 @@ async fn lab_nvme_a_ring_whose_slots_idle_clients_hold_is_not_waited_on() {
     // two seconds, then every chunk is copied without waiting; once the four let go, the
     // ring lends again
     let cmb = controller_of("p2plab0");
-    let kernel = std::env::var("P2P_LAB_KERNEL").unwrap_or_default();
     let (dev, model) = ssd_with_image(8 << 20, 73);
     let s = start(&[&format!("d=nvme:{dev}:0:8M:ro,via=cmb:{cmb}:4M")], |_| {}).await;
     let connect = || async {
@@ -627,10 +629,7 @@ async fn lab_nvme_a_ring_whose_slots_idle_clients_hold_is_not_waited_on() {
          slots free: {} zero-copy bytes",
         held.zero_copy_bytes, free.zero_copy_bytes
     );
-    let (nic_reads_ring, _) = ring_nic_leg_expected();
-    let lends = kernel != "6.12"
-        && nic_reads_ring
-        && info.reason.contains("device → CMB: peer to peer, verified");
+    let lends = ring_lends(&info.reason);
     assert_eq!(held.zero_copy_bytes, 0, "{held:?}");
     if lends {
         // the chunks asked for before the ring stalled waited (the client asks for four at
@@ -655,7 +654,6 @@ async fn lab_nvme_ring_slots_held_past_the_hold_limit_while_others_want_them_are
     // connected. A slot nobody wants stays lent; a READ of a slot taken back fails and says why
     use std::time::{Duration, Instant};
     let cmb = controller_of("p2plab0");
-    let kernel = std::env::var("P2P_LAB_KERNEL").unwrap_or_default();
     let (dev, model) = ssd_with_image(8 << 20, 75);
     let spec = format!("d=nvme:{dev}:0:8M:ro,via=cmb:{cmb}:4M");
     let hold = Duration::from_secs(3);
@@ -683,10 +681,7 @@ async fn lab_nvme_ring_slots_held_past_the_hold_limit_while_others_want_them_are
     let lent_at = Instant::now();
     let mut c = connect().await;
     let info = c.list().await.unwrap().remove(0);
-    let (nic_reads_ring, _) = ring_nic_leg_expected();
-    let lends = kernel != "6.12"
-        && nic_reads_ring
-        && info.reason.contains("device → CMB: peer to peer, verified");
+    let lends = ring_lends(&info.reason);
     // past the limit, with nobody wanting the ring: the slots stay lent
     tokio::time::sleep(hold + Duration::from_secs(2)).await;
     assert_eq!(taken_back(), 0, "slots nobody wanted were taken back");
