@@ -7,8 +7,10 @@
 //! purpose) would keep them until its connection ends: the other connections' chunks wait
 //! for the ring only until it stops moving (`ring_wait`), and then cross host memory.
 //!
-//! So a slot held past the server's `ring_hold` limit (30 s by default) while other
-//! connections want the ring is taken back: the chunk's window is revoked, and the slot goes
+//! So a slot held past the server's `ring_hold` limit (30 s by default) while the ring is
+//! wanted (a connection found no free slot, or others in line before it, in the last few
+//! seconds: another connection as a rule, since a client holds no more chunks than the ring
+//! has slots) is taken back: the chunk's window is revoked, and the slot goes
 //! to the next in line. Nothing the client may still rely on is lost: a READ that already
 //! completed has the bytes, and one that comes later fails with a remote access error (the
 //! client says why it may have). The slot stays the client's in the session's books until it
@@ -47,8 +49,7 @@ impl Held {
     }
 
     /// Whether a slot held since `self.since` should go back at `now`: it is due, and
-    /// `wanted_since` says another connection wanted the ring since the slot was lent and
-    /// lately. When not, the next look is [`LOOK_AGAIN`] later.
+    /// `wanted_since` says a connection wanted the ring since the slot was lent and lately. When not, the next look is [`LOOK_AGAIN`] later.
     fn take_back(&mut self, now: Instant, wanted_since: impl Fn(Instant) -> bool) -> bool {
         if now < self.look_at {
             return false;
