@@ -108,46 +108,46 @@ pub(crate) struct ServeArgs {
 /// The `after_help` of `serve`: the region grammar from the parser's own table, then the rest.
 pub(crate) fn help() -> String {
     format!(
-        "{}\n\
-Paths: for each region the server tries dma-buf, pinned and ODP registration (or the one --reg\n\
-names) and proves the first that registers with a canary transfer (RDMA WRITE + READ compared\n\
-byte for byte). A region that no strategy serves goes through bounce buffers: the server copies\n\
-with the memory's copy engine into registered host staging buffers and RDMA-writes them to the\n\
-client (or reads the client's for a put). --p2p required refuses such a region (and says why);\n\
---p2p disabled forces bounce. The path and its reason are printed at start and shown by `ls`.\n\
-\n\
-Operating: --metrics serves /metrics, /healthz and /readyz; readiness (and systemd's READY=1,\n\
-when started with Type=notify) comes once every region is proved. SIGTERM/SIGINT stop accepting\n\
-and refuse new opens, let open transfers finish (--drain-timeout), exit 0. SIGHUP re-reads\n\
---token-file; connected clients are not disturbed. A unit file: contrib/p2p-rdma.service.\n\
-\n\
-Token file: one secret per line; alone it grants every region, followed by region names it\n\
-grants only those (NAME or NAME:ro for reading, NAME:rw for writing too); other regions are\n\
-not listed to its holder. Clients give only their own secret.\n\
-  8f0c...admin\n\
-  3b1e...reader   img:ro logs\n\
-  c9d2...ingest   scratch:rw\n\
-\n\
-Config file (--config, TOML; keys as the flags):\n\
-  listen = \"0.0.0.0:7471\"          token_file = \"/etc/p2p-rdma/token\"\n\
-  metrics = \"127.0.0.1:9471\"       device = \"mlx5_0\"    p2p = \"preferred\"    reg = \"auto\"\n\
-  drain_timeout_secs = 30            (several devices: device = \"mlx5_0,mlx5_2\" or \"all\")\n\
-  sharing = \"auto\"\n\
-  [limits]  max_connections = 64  max_outstanding = 16  max_open_per_connection = 64\n\
-            max_unauthenticated = 256  hello_timeout_secs = 10  idle_timeout_secs = 600\n\
-            send_timeout_secs = 30  ring_hold_secs = 30 (a lent CMB ring slot, while\n\
-            others want the ring)\n\
-  [bounce]  chunk = \"1M\"  depth = 8  budget = \"1G\" (pinned staging, all connections)\n\
-  [[region]]  name = \"cmb\"  memory = \"cmb:nvme0:16M\"  p2p = \"required\"   (also reg, window,\n\
-              policy, nic, via)\n\
-\n\
-Examples:\n\
-  head -c 32 /dev/urandom | base64 > token\n\
-  p2p-rdma serve --listen 0.0.0.0:7471 --token-file token --region ram=host:1G --region img=file:/data/img.bin:ro\n\
-  p2p-rdma serve --config /etc/p2p-rdma/serve.toml --metrics 127.0.0.1:9471\n\
-  p2p-rdma serve --device all --token-file token --region cmb0=cmb:nvme0:16M --region cmb1=cmb:nvme1:16M\n\
-  p2p-rdma serve --token-file token --region data=nvme:/dev/nvme1n1:0:16G,via=cmb:nvme0:64M\n\
-  p2p-rdma serve --check-config /etc/p2p-rdma/serve.toml",
+        r#"{}
+Paths: for each region the server tries dma-buf, pinned and ODP registration (or the one --reg
+names) and proves the first that registers with a canary transfer (RDMA WRITE + READ compared
+byte for byte). A region that no strategy serves goes through bounce buffers: the server copies
+with the memory's copy engine into registered host staging buffers and RDMA-writes them to the
+client (or reads the client's for a put). --p2p required refuses such a region (and says why);
+--p2p disabled forces bounce. The path and its reason are printed at start and shown by `ls`.
+
+Operating: --metrics serves /metrics, /healthz and /readyz; readiness (and systemd's READY=1,
+when started with Type=notify) comes once every region is proved. SIGTERM/SIGINT stop accepting
+and refuse new opens, let open transfers finish (--drain-timeout), exit 0. SIGHUP re-reads
+--token-file; connected clients are not disturbed. A unit file: contrib/p2p-rdma.service.
+
+Token file: one secret per line; alone it grants every region, followed by region names it
+grants only those (NAME or NAME:ro for reading, NAME:rw for writing too); other regions are
+not listed to its holder. Clients give only their own secret.
+  8f0c...admin
+  3b1e...reader   img:ro logs
+  c9d2...ingest   scratch:rw
+
+Config file (--config, TOML; keys as the flags):
+  listen = "0.0.0.0:7471"          token_file = "/etc/p2p-rdma/token"
+  metrics = "127.0.0.1:9471"       device = "mlx5_0"    p2p = "preferred"    reg = "auto"
+  drain_timeout_secs = 30            (several devices: device = "mlx5_0,mlx5_2" or "all")
+  sharing = "auto"
+  [limits]  max_connections = 64  max_outstanding = 16  max_open_per_connection = 64
+            max_unauthenticated = 256  hello_timeout_secs = 10  idle_timeout_secs = 600
+            send_timeout_secs = 30  ring_hold_secs = 30 (a lent CMB ring slot, while
+            others want the ring)
+  [bounce]  chunk = "1M"  depth = 8  budget = "1G" (pinned staging, all connections)
+  [[region]]  name = "cmb"  memory = "cmb:nvme0:16M"  p2p = "required"   (also reg, window,
+              policy, nic, via)
+
+Examples:
+  head -c 32 /dev/urandom | base64 > token
+  p2p-rdma serve --listen 0.0.0.0:7471 --token-file token --region ram=host:1G --region img=file:/data/img.bin:ro
+  p2p-rdma serve --config /etc/p2p-rdma/serve.toml --metrics 127.0.0.1:9471
+  p2p-rdma serve --device all --token-file token --region cmb0=cmb:nvme0:16M --region cmb1=cmb:nvme1:16M
+  p2p-rdma serve --token-file token --region data=nvme:/dev/nvme1n1:0:16G,via=cmb:nvme0:64M
+  p2p-rdma serve --check-config /etc/p2p-rdma/serve.toml"#,
         bridge::RegionSpec::help(100)
     )
 }
@@ -515,4 +515,21 @@ async fn shutdown_signal() {
     eprintln!(
         "p2p-rdma: shutting down (no new connections or opens; letting open transfers finish)"
     );
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_help_keeps_the_indentation_of_its_examples() {
+        // (a string continued with `\` drops the next line's leading spaces)
+        let h = super::help();
+        for line in [
+            "\n  8f0c...admin\n",
+            "\n            max_unauthenticated = 256",
+            "\n              policy, nic, via)\n",
+            "\n  p2p-rdma serve --check-config /etc/p2p-rdma/serve.toml",
+        ] {
+            assert!(h.contains(line), "{line:?} is not in:\n{h}");
+        }
+    }
 }
