@@ -29,15 +29,32 @@ fn ring_lends(reason: &str) -> bool {
         && reason.contains("device → CMB: peer to peer, verified")
 }
 
+/// The sum of the series of counter `name` in the server's metrics text whose labels hold
+/// `label` (`""`: every series).
+fn counter_sum(metrics: &str, name: &str, label: &str) -> u64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")))
+        .filter(|l| l.contains(label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
+}
+
 /// The server's count of chunks that waited for a ring slot with `outcome` (lent, copied), from
 /// its metrics' text.
 fn ring_waits(metrics: &str, outcome: &str) -> u64 {
-    metrics
-        .lines()
-        .filter(|l| l.starts_with("p2p_rdma_ring_waits_total{"))
-        .filter(|l| l.contains(&format!("outcome=\"{outcome}\"")))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
-        .sum()
+    counter_sum(
+        metrics,
+        "p2p_rdma_ring_waits_total",
+        &format!("outcome=\"{outcome}\""),
+    )
+}
+
+/// A client that asks for 1 MiB chunks: one to a slot of the tests' 4 MiB rings.
+async fn ring_client(addr: std::net::SocketAddr) -> Client {
+    let mut cfg = client(addr);
+    cfg.chunk = 1 << 20;
+    Client::connect(cfg).await.unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -482,9 +499,7 @@ async fn lab_nvme_a_ring_too_small_for_eight_chunks_lends_whole_chunks_from_fewe
     let kernel = std::env::var("P2P_LAB_KERNEL").unwrap_or_default();
     let (dev, model) = ssd_with_image(8 << 20, 67);
     let s = start(&[&format!("d=nvme:{dev}:0:8M:ro,via=cmb:{cmb}:4M")], |_| {}).await;
-    let mut cfg = client(s.addr);
-    cfg.chunk = 1 << 20;
-    let mut c = Client::connect(cfg).await.unwrap();
+    let mut c = ring_client(s.addr).await;
     let info = c.list().await.unwrap().remove(0);
     eprintln!("reason: {}", info.reason);
     if kernel == "6.12" {
@@ -528,9 +543,7 @@ async fn lab_nvme_clients_that_share_a_ring_take_turns_at_its_slots_instead_of_c
     let s = start(&[&format!("d=nvme:{dev}:0:12M,via=cmb:{cmb}:4M")], |_| {}).await;
     let mut cs = Vec::new();
     for _ in 0..4 {
-        let mut cfg = client(s.addr);
-        cfg.chunk = 1 << 20;
-        let mut c = Client::connect(cfg).await.unwrap();
+        let mut c = ring_client(s.addr).await;
         let h = c.open("d", true).await.unwrap();
         cs.push((c, h));
     }
@@ -601,18 +614,13 @@ async fn lab_nvme_a_ring_whose_slots_idle_clients_hold_is_not_waited_on() {
     let cmb = controller_of("p2plab0");
     let (dev, model) = ssd_with_image(8 << 20, 73);
     let s = start(&[&format!("d=nvme:{dev}:0:8M:ro,via=cmb:{cmb}:4M")], |_| {}).await;
-    let connect = || async {
-        let mut cfg = client(s.addr);
-        cfg.chunk = 1 << 20;
-        Client::connect(cfg).await.unwrap()
-    };
     let mut idle = Vec::new();
     for i in 0..4u64 {
-        let mut c = connect().await;
+        let mut c = ring_client(s.addr).await;
         let h = c.open_to_fetch("d", i << 20, 1 << 20).await.unwrap();
         idle.push((c, h));
     }
-    let mut c = connect().await;
+    let mut c = ring_client(s.addr).await;
     let info = c.list().await.unwrap().remove(0);
     let h = c.open("d", false).await.unwrap();
     let started = std::time::Instant::now();
@@ -658,28 +666,18 @@ async fn lab_nvme_ring_slots_held_past_the_hold_limit_while_others_want_them_are
     let spec = format!("d=nvme:{dev}:0:8M:ro,via=cmb:{cmb}:4M");
     let hold = Duration::from_secs(3);
     let s = start(&[&spec], |c| c.ring_hold = hold).await;
-    let connect = || async {
-        let mut cfg = client(s.addr);
-        cfg.chunk = 1 << 20;
-        Client::connect(cfg).await.unwrap()
-    };
     let taken_back = || {
-        s.handle
-            .metrics()
-            .encode()
-            .lines()
-            .filter(|l| l.starts_with("p2p_rdma_ring_slots_taken_back_total{"))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
-            .sum::<u64>()
+        let metrics = s.handle.metrics().encode();
+        counter_sum(&metrics, "p2p_rdma_ring_slots_taken_back_total", "")
     };
     let mut idle = Vec::new();
     for i in 0..4u64 {
-        let mut c = connect().await;
+        let mut c = ring_client(s.addr).await;
         let h = c.open_to_fetch("d", i << 20, 1 << 20).await.unwrap();
         idle.push((c, h, i));
     }
     let lent_at = Instant::now();
-    let mut c = connect().await;
+    let mut c = ring_client(s.addr).await;
     let info = c.list().await.unwrap().remove(0);
     let lends = ring_lends(&info.reason);
     // past the limit, with nobody wanting the ring: the slots stay lent
