@@ -53,6 +53,7 @@ pub fn merge(reports: &[TransferReport], seconds: f64) -> Option<TransferReport>
         tcp_bytes: 0,
         crc32c: None,
         verified: true,
+        reasked_chunks: 0,
         ..first.clone()
     };
     for (i, r) in reports.iter().enumerate() {
@@ -67,6 +68,7 @@ pub fn merge(reports: &[TransferReport], seconds: f64) -> Option<TransferReport>
         m.bounce_bytes += r.bounce_bytes;
         m.zero_copy_bytes += r.zero_copy_bytes;
         m.tcp_bytes += r.tcp_bytes;
+        m.reasked_chunks += r.reasked_chunks;
         m.verified &= r.verified;
         // the stripes start together: the range's first bytes are the earliest stripe's
         m.first_bytes_ms = match (m.first_bytes_ms, r.first_bytes_ms) {
@@ -104,6 +106,7 @@ mod tests {
             verified,
             first_bytes_ms: None,
             open_ms: None,
+            reasked_chunks: 0,
         }
     }
 

@@ -107,6 +107,13 @@ pub(crate) fn print_report(r: &bridge::TransferReport, json: bool) -> anyhow::Re
             _ => String::new(),
         }
     );
+    if r.reasked_chunks > 0 {
+        eprintln!(
+            "p2p-rdma: {} lent chunk(s) came too late to read within the server's ring hold \
+             limit (this side was slow: its output blocked, say) and were asked for again",
+            r.reasked_chunks
+        );
+    }
     Ok(())
 }
 

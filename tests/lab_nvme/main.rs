@@ -5,6 +5,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 mod ring;
+mod ring_hold;
 
 use std::os::unix::fs::FileExt;
 

@@ -4,9 +4,11 @@
 //! batch's: [`Client::fetch_into`], [`Client::fetch_many`]) is posted at once, as on the
 //! direct path, instead of after a `Stage` exchange.
 
+use std::time::{Duration, Instant};
+
 use verbs::RemoteSlice;
 
-use super::window::{piece, staged, StagedAt};
+use super::window::{piece, readable_in_time, staged, StagedAt};
 use super::{Client, OpenRegion};
 use crate::error::Result;
 use crate::protocol::{Msg, Span, StagedChunk};
@@ -21,6 +23,7 @@ fn readable(c: &StagedChunk) -> StagedAt {
             len: c.len,
         },
         lent: c.lent,
+        hold: (c.hold_ms > 0).then(|| Duration::from_millis(c.hold_ms)),
     }
 }
 
@@ -50,12 +53,36 @@ impl OpenFor {
     }
 }
 
+/// What a fetch finds of the chunk its open staged ([`Client::take_first_for`]).
+#[derive(Debug, Clone, Copy)]
+pub(super) enum First {
+    /// Its first piece: READ it there.
+    Read(StagedAt),
+    /// None, or another piece (given back).
+    Nothing,
+    /// Its first piece, lent and held too long to be READ within the server's ring hold
+    /// limit: given back, and the fetch asks for it again.
+    Late,
+}
+
+impl First {
+    /// Where to READ the first piece, if it is staged and in time.
+    pub(super) fn at(self) -> Option<StagedAt> {
+        match self {
+            First::Read(at) => Some(at),
+            First::Nothing | First::Late => None,
+        }
+    }
+}
+
 /// A first chunk staged by an open, held for this client until its fetch reads it (or it
 /// goes back unread).
 #[derive(Debug, Clone, Copy)]
 pub(super) struct FirstStaged {
     handle: u32,
     chunk: StagedChunk,
+    /// When the open was sent: the server lent the chunk no earlier.
+    asked: Instant,
 }
 
 impl Client {
@@ -96,12 +123,14 @@ impl Client {
     }
 
     /// Keep the chunk an `Opened` reply staged for `asked`, if it is one: else it goes back.
+    /// `sent`: when the open was sent.
     pub(super) fn keep_first(
         &mut self,
         handle: u32,
         asked: Option<Span>,
         staged: Option<Box<StagedChunk>>,
         pull_depth: u32,
+        sent: Instant,
     ) {
         let Some(&chunk) = staged.as_deref() else {
             return;
@@ -110,7 +139,11 @@ impl Client {
             chunk.offset == a.offset && chunk.len > 0 && chunk.len <= a.len && pull_depth > 0
         });
         if fits {
-            self.first = Some(FirstStaged { handle, chunk });
+            self.first = Some(FirstStaged {
+                handle,
+                chunk,
+                asked: sent,
+            });
         } else {
             tracing::debug!(?chunk, ?asked, "a first chunk not asked for: released");
             self.conn.defer(&Msg::Unstage { slot: chunk.slot });
@@ -118,14 +151,34 @@ impl Client {
     }
 
     /// The staged first chunk, if it is `len` bytes at `pos` of `handle`'s region (where to
-    /// READ it); any other goes back (its release rides on the next request).
-    fn take_first(&mut self, handle: u32, pos: u64, len: u64) -> Option<StagedAt> {
-        let f = self.first.take()?;
+    /// READ it); any other goes back (its release rides on the next request), and so does a
+    /// lent chunk held too long to be READ within the server's ring hold limit
+    /// ([`readable_in_time`]): the fetch asks for it again.
+    fn take_first(&mut self, handle: u32, pos: u64, len: u64) -> First {
+        let Some(f) = self.first.take() else {
+            return First::Nothing;
+        };
+        let mut late = false;
         if f.handle == handle && f.chunk.offset == pos && f.chunk.len == len {
-            return Some(readable(&f.chunk));
+            let at = readable(&f.chunk);
+            if readable_in_time(&at, f.asked, Instant::now()) {
+                return First::Read(at);
+            }
+            late = true;
+            tracing::info!(
+                slot = at.slot,
+                held_ms = f.asked.elapsed().as_millis() as u64,
+                hold_ms = f.chunk.hold_ms,
+                "the chunk lent with the open was held too long to READ within the server's \
+                 ring hold limit: given back unread, and asked for again"
+            );
         }
         self.conn.defer(&Msg::Unstage { slot: f.chunk.slot });
-        None
+        if late {
+            First::Late
+        } else {
+            First::Nothing
+        }
     }
 
     /// The staged first chunk, if it is the first piece of a fetch of `len` bytes at `offset`
@@ -138,12 +191,12 @@ impl Client {
         offset: u64,
         len: u64,
         chunk: u64,
-    ) -> Option<StagedAt> {
+    ) -> First {
         match piece(&r.info.extents(), offset, len, chunk, r.bounce_chunk) {
             Ok(p) if len > 0 && staged(r, &p, false) => self.take_first(r.handle, p.pos, p.len),
             _ => {
                 self.release_first();
-                None
+                First::Nothing
             }
         }
     }

@@ -309,7 +309,7 @@ impl Client {
                 first: staged,
             } => {
                 let open_ms = millis(asked.elapsed());
-                self.keep_first(handle, first, staged, pull_depth);
+                self.keep_first(handle, first, staged, pull_depth, asked);
                 Ok(OpenRegion {
                     handle,
                     info,
@@ -581,7 +581,8 @@ impl Client {
         let extents = r.info.extents();
         // the first piece, if the open staged it (`open_to_fetch`); any other chunk it staged
         // goes back
-        let mut pre = self.take_first_for(r, offset, len, chunk);
+        let first_staged = self.take_first_for(r, offset, len, chunk);
+        let mut pre = first_staged.at();
         let start = Instant::now();
         let mut window: VecDeque<Slot> = VecDeque::with_capacity(depth);
         let mut next = 0u64;
@@ -591,6 +592,7 @@ impl Client {
         let mut alive = Instant::now();
         let mut scratch = Vec::new();
         let mut first = None;
+        let mut reasked = u64::from(matches!(first_staged, first::First::Late));
         let result: Result<()> = async {
             loop {
                 let mut asking = false;
@@ -629,7 +631,10 @@ impl Client {
                     // the batch's `Stage`s (and the releases before them) in one write
                     self.conn.send_deferred().await?;
                 }
-                if window.iter().any(|s| matches!(s, Slot::Stage(..))) {
+                if window
+                    .iter()
+                    .any(|s| matches!(s, Slot::Stage(..) | Slot::Again(..)))
+                {
                     start_pulls(&mut rdma, &mut self.conn, &mut window).await?;
                 }
                 let Some(slot) = window.pop_front() else {
@@ -641,9 +646,11 @@ impl Client {
                     n,
                     direct,
                     zero_copy,
+                    again,
                 } = land(&mut rdma, &mut self.conn, slot, &mut window, stall, at).await?;
                 first.get_or_insert_with(|| start.elapsed());
                 by_path[2] += zero_copy;
+                reasked += u64::from(again);
                 let bytes = if buf.remotely_writable() {
                     // the server may write this buffer at any time: copy, never borrow
                     scratch.resize(n as usize, 0);
@@ -685,6 +692,7 @@ impl Client {
         let verified = self.verify(r, "fetch", offset, len, crc).await?;
         let mut rep = report("fetch", r, offset, done, seconds, crc, verified, by_path);
         rep.first_bytes_ms = first.map(millis);
+        rep.reasked_chunks = reasked;
         Ok(rep)
     }
 
@@ -789,7 +797,7 @@ impl Client {
                         done += n;
                     }
                     // a put stages nothing (staged() is for fetches); settled all the same
-                    s @ (Slot::Stage(..) | Slot::Pull(..)) => {
+                    s @ (Slot::Stage(..) | Slot::Again(..) | Slot::Pull(..)) => {
                         let l = land(&mut rdma, &mut self.conn, s, &mut window, stall, at).await?;
                         rdma.pools.give(l.buf);
                         return Err(Error::Config("a staged fetch in a put's window".into()));

@@ -54,6 +54,12 @@ pub struct TransferReport {
     /// and bounce paths count `seconds` plus this.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub open_ms: Option<f64>,
+    /// Chunks lent from a CMB ring whose replies came too late to be read within the server's
+    /// ring hold limit (the client's sink blocked for most of it, say): given back unread and
+    /// asked for again, so that a READ never meets a slot the server may have taken back.
+    /// Counted once per ask again.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub reasked_chunks: u64,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -91,5 +97,6 @@ pub(super) fn report(
         verified,
         first_bytes_ms: None,
         open_ms: None,
+        reasked_chunks: 0,
     }
 }

@@ -6,7 +6,7 @@
 use std::collections::VecDeque;
 use std::future::Future;
 use std::io::Read;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use verbs::{Local, Pending, RegisteredBuffer, RemoteSlice, SendOp, SendWr};
 
@@ -24,20 +24,57 @@ pub(super) enum Slot {
     Bounce(RegisteredBuffer, u64),
     /// A staged fetch asked for: once the server's `Staged` reply is read, we RDMA-READ the
     /// chunk into this buffer.
-    Stage(RegisteredBuffer, u64),
-    /// A staged chunk being read: the READ, and the chunk (its slot is released once the READ
-    /// completes).
-    Pull(Pending, StagedAt),
+    Stage(RegisteredBuffer, Asked),
+    /// A lent chunk whose `Staged` reply came too late to be READ in time
+    /// ([`readable_in_time`]): given back unread, and asked for again once no earlier `Stage`
+    /// awaits its reply ([`ask_again`]).
+    Again(RegisteredBuffer, Asked),
+    /// A staged chunk being read: the READ, the chunk (its slot is released once the READ
+    /// completes), and how many times it was asked for again.
+    Pull(Pending, StagedAt, u8),
+}
+
+/// A staged fetch asked for: what (to ask again) and when.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Asked {
+    pub(super) handle: u32,
+    pub(super) pos: u64,
+    pub(super) len: u64,
+    /// When its `Stage` was issued: the server lent the chunk no earlier.
+    pub(super) at: Instant,
+    /// How many times it was asked for again.
+    pub(super) again: u8,
+}
+
+/// How many times a lent chunk that came too late is asked for again before it is READ all
+/// the same.
+const MAX_ASKS_AGAIN: u8 = 3;
+
+/// Whether a chunk staged for a `Stage` issued at `asked` may still be READ at `now`. A lent
+/// chunk that holds a slot of the region's CMB ring may have the slot taken back once the
+/// server's hold limit (`StagedAt::hold`) has passed since it lent the chunk, which it did no
+/// earlier than `asked`, if others want the ring then; its READ is posted only while a third
+/// of the limit is left for it to complete. Else (the client's sink blocked for most of the
+/// limit, say, while the reply waited unread) the chunk goes back unread and is asked for
+/// again: the fetch loses time, not its bytes. (A READ of a slot taken back fails with a
+/// remote access error, and takes the QP down with it.)
+pub(super) fn readable_in_time(at: &StagedAt, asked: Instant, now: Instant) -> bool {
+    match at.hold {
+        Some(hold) if at.lent => now.saturating_duration_since(asked) < hold - hold / 3,
+        _ => true,
+    }
 }
 
 /// A chunk the server staged for us to READ: its slot there, where it is (`remote.len` is its
-/// length), and whether the server lent it as it is (a slot of the region's CMB ring: no copy
-/// on the server, and no byte of it in the server's host memory).
+/// length), whether the server lent it as it is (a slot of the region's CMB ring: no copy
+/// on the server, and no byte of it in the server's host memory), and for a lent chunk that
+/// holds a ring slot, the server's hold limit (see [`readable_in_time`]).
 #[derive(Debug, Clone, Copy)]
 pub(super) struct StagedAt {
     pub(super) slot: u32,
     pub(super) remote: RemoteSlice,
     pub(super) lent: bool,
+    pub(super) hold: Option<Duration>,
 }
 
 impl StagedAt {
@@ -58,6 +95,8 @@ pub(super) struct Arrived {
     pub(super) n: u64,
     pub(super) direct: bool,
     pub(super) zero_copy: u64,
+    /// How many times it was asked for again ([`readable_in_time`]).
+    pub(super) again: u8,
 }
 
 /// Whether a piece is a staged fetch: a bounce extent of a handle whose server stages.
@@ -69,7 +108,7 @@ pub(super) fn staged(r: &OpenRegion, p: &Piece, to_region: bool) -> bool {
 pub(super) fn pulls(window: &VecDeque<Slot>) -> usize {
     window
         .iter()
-        .filter(|s| matches!(s, Slot::Stage(..) | Slot::Pull(..)))
+        .filter(|s| matches!(s, Slot::Stage(..) | Slot::Again(..) | Slot::Pull(..)))
         .count()
 }
 
@@ -133,12 +172,17 @@ pub(super) async fn issue(
         return Ok(Slot::Rdma(rdma.qp.post_send(vec![wr])?, p.len));
     }
     if stage && !to_region {
-        conn.defer(&Msg::Stage {
-            handle: r.handle,
-            offset: p.pos,
-            len: p.len,
-        });
-        return Ok(Slot::Stage(buf, p.len));
+        let asked = ask(
+            conn,
+            Asked {
+                handle: r.handle,
+                pos: p.pos,
+                len: p.len,
+                at: Instant::now(),
+                again: 0,
+            },
+        );
+        return Ok(Slot::Stage(buf, asked));
     }
     let m = Msg::Bounce {
         handle: r.handle,
@@ -152,6 +196,19 @@ pub(super) async fn issue(
     // registers a replacement
     conn.send(&m).await?;
     Ok(Slot::Bounce(buf, p.len))
+}
+
+/// Defer the `Stage` of `a` (the caller sends it with the others of its batch); `a` as asked now.
+fn ask(conn: &mut Conn, a: Asked) -> Asked {
+    conn.defer(&Msg::Stage {
+        handle: a.handle,
+        offset: a.pos,
+        len: a.len,
+    });
+    Asked {
+        at: Instant::now(),
+        ..a
+    }
 }
 
 /// The server's answer to one bounce request: how many of its bytes the server's NIC moved
@@ -200,10 +257,12 @@ async fn check_staged(conn: &mut Conn, m: Msg, n: u64) -> Result<StagedAt> {
             rkey,
             len,
             lent,
+            hold_ms,
         } if len == n => Ok(StagedAt {
             slot,
             remote: RemoteSlice { addr, rkey, len },
             lent,
+            hold: (hold_ms > 0).then(|| Duration::from_millis(hold_ms)),
         }),
         Msg::Staged { slot, .. } => {
             conn.send(&Msg::Unstage { slot }).await?;
@@ -254,7 +313,90 @@ pub(super) async fn pull_staged(
     at: StagedAt,
 ) -> Result<Slot> {
     let (p, at) = pull(rdma, conn, buf, Ok(at)).await?;
-    Ok(Slot::Pull(p, at))
+    Ok(Slot::Pull(p, at, 0))
+}
+
+/// What a `Staged` reply (or the error instead of it) makes of the chunk `asked` for: its READ
+/// into `buf` in flight, or, when the reply came too late for the READ to be in time
+/// ([`readable_in_time`]), the chunk given back (with our next message) to be asked for again.
+async fn take_reply(
+    rdma: &mut Rdma,
+    conn: &mut Conn,
+    buf: RegisteredBuffer,
+    asked: Asked,
+    reply: Result<StagedAt>,
+) -> Result<Slot> {
+    if let Ok(at) = &reply {
+        if asked.again < MAX_ASKS_AGAIN && !readable_in_time(at, asked.at, Instant::now()) {
+            tracing::info!(
+                slot = at.slot,
+                offset = asked.pos,
+                asked_ms = asked.at.elapsed().as_millis() as u64,
+                hold_ms = at.hold.map_or(0, |h| h.as_millis() as u64),
+                "a lent chunk's reply came too late to READ it within the server's ring hold \
+                 limit: given back unread, and asked for again"
+            );
+            conn.defer(&Msg::Unstage { slot: at.slot });
+            return Ok(Slot::Again(buf, asked));
+        }
+    }
+    let (p, at) = pull(rdma, conn, buf, reply).await?;
+    Ok(Slot::Pull(p, at, asked.again))
+}
+
+/// Ask again for the chunks given back unread ([`Slot::Again`]), in window order, once no
+/// `Stage` in the window awaits its reply: replies come in request order, and the window's
+/// requested chunks are answered in window order.
+async fn ask_again(conn: &mut Conn, window: &mut VecDeque<Slot>) -> Result<()> {
+    if awaits_replies(window) {
+        return Ok(());
+    }
+    let mut asked = false;
+    for i in 0..window.len() {
+        if !matches!(window[i], Slot::Again(..)) {
+            continue;
+        }
+        let Some(Slot::Again(buf, a)) = window.remove(i) else {
+            continue;
+        };
+        let a = ask(
+            conn,
+            Asked {
+                again: a.again + 1,
+                ..a
+            },
+        );
+        window.insert(i, Slot::Stage(buf, a));
+        asked = true;
+    }
+    if asked {
+        conn.send_deferred().await?;
+    }
+    Ok(())
+}
+
+/// Wait for the `Staged` replies of every chunk in `window` still asked for, in order, and
+/// turn each into its READ (or into a chunk to ask for again).
+async fn await_replies(
+    rdma: &mut Rdma,
+    conn: &mut Conn,
+    window: &mut VecDeque<Slot>,
+    stall: Duration,
+) -> Result<()> {
+    for i in 0..window.len() {
+        match &window[i] {
+            Slot::Stage(..) => {}
+            Slot::Bounce(..) => break,
+            _ => continue,
+        }
+        let Some(Slot::Stage(buf, asked)) = window.remove(i) else {
+            continue;
+        };
+        let reply = staged_reply(conn, stall, asked.len).await;
+        let s = take_reply(rdma, conn, buf, asked, reply).await?;
+        window.insert(i, s);
+    }
+    Ok(())
 }
 
 /// Turn the requested staged fetches whose `Staged` replies have arrived into READs in
@@ -270,20 +412,20 @@ pub(super) async fn start_pulls(
 ) -> Result<()> {
     for i in 0..window.len() {
         let n = match &window[i] {
-            Slot::Rdma(..) | Slot::Pull(..) => continue,
+            Slot::Rdma(..) | Slot::Pull(..) | Slot::Again(..) => continue,
             Slot::Bounce(..) => break,
-            Slot::Stage(_, n) => *n,
+            Slot::Stage(_, a) => a.len,
         };
         let Some(reply) = staged_reply_ready(conn, n).await.transpose() else {
             break;
         };
-        let Some(Slot::Stage(buf, _)) = window.remove(i) else {
+        let Some(Slot::Stage(buf, asked)) = window.remove(i) else {
             continue;
         };
-        let (p, at) = pull(rdma, conn, buf, reply).await?;
-        window.insert(i, Slot::Pull(p, at));
+        let s = take_reply(rdma, conn, buf, asked, reply).await?;
+        window.insert(i, s);
     }
-    Ok(())
+    ask_again(conn, window).await
 }
 
 /// Wait for the oldest piece of a fetch and hand over its bytes. Staged fetches release their
@@ -297,28 +439,51 @@ pub(super) async fn land(
     stall: Duration,
     at: u64,
 ) -> Result<Arrived> {
-    let (p, staged_at, n) = match slot {
-        Slot::Rdma(p, n) => (p, None, n),
-        Slot::Bounce(buf, n) => {
-            return match bounce_reply(conn, stall, n).await {
-                Ok(zero_copy) => Ok(Arrived {
-                    buf,
-                    n,
-                    direct: false,
-                    zero_copy,
-                }),
-                Err(e) => {
+    let mut slot = slot;
+    let (p, staged_at, n, again) = loop {
+        slot = match slot {
+            Slot::Rdma(p, n) => break (p, None, n, 0),
+            Slot::Bounce(buf, n) => {
+                return match bounce_reply(conn, stall, n).await {
+                    Ok(zero_copy) => Ok(Arrived {
+                        buf,
+                        n,
+                        direct: false,
+                        zero_copy,
+                        again: 0,
+                    }),
+                    Err(e) => {
+                        rdma.pools.give(buf);
+                        Err(e)
+                    }
+                };
+            }
+            Slot::Stage(buf, asked) => {
+                let reply = staged_reply(conn, stall, asked.len).await;
+                take_reply(rdma, conn, buf, asked, reply).await?
+            }
+            Slot::Again(buf, asked) => {
+                // the replies of the chunks asked for before it come first; then it is asked
+                // for again, ahead of any other given back
+                if let Err(e) = await_replies(rdma, conn, window, stall).await {
                     rdma.pools.give(buf);
-                    Err(e)
+                    return Err(e);
                 }
-            };
-        }
-        Slot::Stage(buf, n) => {
-            let reply = staged_reply(conn, stall, n).await;
-            let (p, at) = pull(rdma, conn, buf, reply).await?;
-            (p, Some(at), n)
-        }
-        Slot::Pull(p, at) => (p, Some(at), at.remote.len),
+                let asked = ask(
+                    conn,
+                    Asked {
+                        again: asked.again + 1,
+                        ..asked
+                    },
+                );
+                if let Err(e) = ask_again(conn, window).await {
+                    rdma.pools.give(buf);
+                    return Err(e);
+                }
+                Slot::Stage(buf, asked)
+            }
+            Slot::Pull(p, at, again) => break (p, Some(at), at.remote.len, again),
+        };
     };
     let server_slot = staged_at.map(|at| at.slot);
     let op = read_op(server_slot);
@@ -354,6 +519,7 @@ pub(super) async fn land(
         n,
         direct: server_slot.is_none(),
         zero_copy: staged_at.map_or(0, |at| at.zero_copy()),
+        again,
     })
 }
 
@@ -406,9 +572,9 @@ pub(super) async fn settle(
                 }
                 rdma.pools.give(buf);
             }
-            Slot::Stage(buf, n) => {
+            Slot::Stage(buf, asked) => {
                 if conn_ok {
-                    match staged_reply(conn, stall, n).await {
+                    match staged_reply(conn, stall, asked.len).await {
                         Ok(at) => {
                             conn_ok = conn.send(&Msg::Unstage { slot: at.slot }).await.is_ok()
                         }
@@ -417,7 +583,11 @@ pub(super) async fn settle(
                 }
                 rdma.pools.give(buf);
             }
-            Slot::Pull(p, StagedAt { slot, .. }) => {
+            Slot::Again(buf, _) => {
+                // its release is deferred: it goes with the next message
+                rdma.pools.give(buf);
+            }
+            Slot::Pull(p, StagedAt { slot, .. }, _) => {
                 if let Ok(Ok(v)) = tokio::time::timeout(stall, p.wait()).await {
                     for b in v.into_iter().filter_map(Local::into_owned) {
                         rdma.pools.give(b);
@@ -636,6 +806,33 @@ mod tests {
         assert!(r.remote_at(G - 10, 20).is_err());
         let e = r.remote_at(G + G / 4, 1).unwrap_err().to_string();
         assert!(e.contains("none of the server's 2 segments"), "{e}");
+    }
+
+    #[test]
+    fn a_lent_chunk_is_read_only_while_a_third_of_the_hold_limit_is_left() {
+        let at = |lent, hold: Option<u64>| StagedAt {
+            slot: 0,
+            remote: RemoteSlice {
+                addr: 0,
+                rkey: 0,
+                len: 1 << 20,
+            },
+            lent,
+            hold: hold.map(Duration::from_secs),
+        };
+        let asked = Instant::now();
+        let after = |s: u64| asked + Duration::from_secs(s);
+        let held = at(true, Some(30));
+        assert!(readable_in_time(&held, asked, asked));
+        assert!(readable_in_time(&held, asked, after(19)));
+        // 20 s of 30 gone: the READ would have 10 s, a third, left: too late
+        assert!(!readable_in_time(&held, asked, after(20)));
+        assert!(!readable_in_time(&held, asked, after(45)));
+        // a copied chunk, or a lent one that holds no ring slot, is never taken back
+        assert!(readable_in_time(&at(false, None), asked, after(3600)));
+        assert!(readable_in_time(&at(true, None), asked, after(3600)));
+        // a clock read before the ask (never in practice) is in time
+        assert!(readable_in_time(&held, after(5), asked));
     }
 
     #[test]

@@ -331,7 +331,9 @@ impl Client {
         // its READ is then that piece's. Any other goes back before the batch asks for its own
         // (held meanwhile, it would leave the batch one slot short of the depth)
         batch.first = match ranges.first().filter(|_| batch.ok.first() == Some(&true)) {
-            Some(r) => self.take_first_for(r.region, r.offset, r.len, batch.chunk),
+            Some(r) => self
+                .take_first_for(r.region, r.offset, r.len, batch.chunk)
+                .at(),
             None => {
                 self.release_first();
                 None

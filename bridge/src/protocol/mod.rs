@@ -107,6 +107,9 @@ pub struct StagedChunk {
     /// As [`Msg::Staged`]'s `lent`.
     #[serde(default, skip_serializing_if = "is_false")]
     pub lent: bool,
+    /// As [`Msg::Staged`]'s `hold_ms`.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub hold_ms: u64,
 }
 
 /// One of a server's RDMA devices, as [`Msg::Welcome`] announces it.
@@ -452,6 +455,13 @@ pub enum Msg {
         /// (Absent: false, as from a server that predates it.)
         #[serde(default, skip_serializing_if = "is_false")]
         lent: bool,
+        /// A lent chunk that holds a slot of the region's CMB ring: the server's ring hold
+        /// limit in milliseconds. Once that much time has passed since it lent the chunk, the
+        /// server may take the slot back (its window revoked) when other clients want the ring;
+        /// a client READs the chunk well before, or gives it back and asks again. (0, absent:
+        /// the server takes nothing back, or the chunk holds no ring slot.)
+        #[serde(default, skip_serializing_if = "is_zero")]
+        hold_ms: u64,
     },
     /// Client → server, no reply: the client has read a staged slot, which may be staged
     /// again (under the same window). It need not come at once: the client sends it before

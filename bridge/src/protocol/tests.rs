@@ -74,6 +74,7 @@ fn sample() -> Vec<Msg> {
             rkey: 0x1234,
             len: 1 << 20,
             lent: false,
+            hold_ms: 0,
         },
         Msg::Staged {
             slot: 8,
@@ -81,6 +82,7 @@ fn sample() -> Vec<Msg> {
             rkey: 0x1235,
             len: 1 << 20,
             lent: true,
+            hold_ms: 30_000,
         },
         Msg::Unstage { slot: 7 },
         Msg::KeepAlive,
@@ -124,6 +126,7 @@ fn sample() -> Vec<Msg> {
                 addr: 1 << 44,
                 rkey: 0x55,
                 lent: true,
+                hold_ms: 30_000,
             })),
         },
         Msg::Opened {
@@ -204,9 +207,10 @@ fn a_staged_reply_says_lent_only_when_the_chunk_is_lent() {
         rkey: 9,
         len: 512,
         lent: false,
+        hold_ms: 0,
     };
     let json = serde_json::to_string(&copied).unwrap();
-    assert!(!json.contains("lent"), "{json}");
+    assert!(!json.contains("lent") && !json.contains("hold"), "{json}");
     // an older server's reply (no `lent`) is a copied chunk
     let old: Msg =
         serde_json::from_str(r#"{"type":"staged","slot":1,"addr":4096,"rkey":9,"len":512}"#)
@@ -216,7 +220,26 @@ fn a_staged_reply_says_lent_only_when_the_chunk_is_lent() {
         r#"{"type":"staged","slot":1,"addr":4096,"rkey":9,"len":512,"lent":true}"#,
     )
     .unwrap();
-    assert!(matches!(lent, Msg::Staged { lent: true, .. }));
+    assert!(matches!(
+        lent,
+        Msg::Staged {
+            lent: true,
+            hold_ms: 0,
+            ..
+        }
+    ));
+    let held: Msg = serde_json::from_str(
+        r#"{"type":"staged","slot":1,"addr":4096,"rkey":9,"len":512,"lent":true,"hold_ms":3000}"#,
+    )
+    .unwrap();
+    assert!(matches!(
+        held,
+        Msg::Staged {
+            lent: true,
+            hold_ms: 3000,
+            ..
+        }
+    ));
 }
 
 #[test]
@@ -403,6 +426,7 @@ fn arb_msg() -> impl Strategy<Value = Msg> {
                         addr: addr ^ 5,
                         rkey: rkey.rotate_left(3),
                         lent: rkey % 2 == 0,
+                        hold_ms: u64::from(rkey % 5) * 1000,
                     })
                 }),
             }),
@@ -464,7 +488,8 @@ fn arb_msg() -> impl Strategy<Value = Msg> {
                 addr,
                 rkey,
                 len,
-                lent
+                lent,
+                hold_ms: if lent { addr % 60_000 } else { 0 },
             }),
         any::<u32>().prop_map(|slot| Msg::Unstage { slot }),
         any::<u32>().prop_map(|handle| Msg::Close { handle }),

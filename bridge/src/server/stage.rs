@@ -197,6 +197,7 @@ impl ConnState {
             rkey: remote.rkey,
             len,
             lent: false,
+            hold_ms: 0,
         }))
     }
 
@@ -371,6 +372,10 @@ impl ConnState {
         let held = lease
             .as_ref()
             .map(|_| super::ring_hold::Held::new(shared.cfg.ring_hold));
+        // the client is told when the slot may be taken back (never for one outside the ring)
+        let hold_ms = held.as_ref().map_or(0, |_| {
+            u64::try_from(shared.cfg.ring_hold.as_millis()).unwrap_or(u64::MAX)
+        });
         self.lent.insert(
             slot,
             LentChunk {
@@ -388,6 +393,7 @@ impl ConnState {
             rkey: remote.rkey,
             len,
             lent: true,
+            hold_ms,
         }))
     }
 
@@ -426,6 +432,7 @@ impl ConnState {
                 rkey,
                 len,
                 lent,
+                hold_ms,
             })) => {
                 shared.metrics().observe_stage(
                     Direction::of(false),
@@ -439,6 +446,7 @@ impl ConnState {
                     addr,
                     rkey,
                     lent,
+                    hold_ms,
                 }))
             }
             other => {
@@ -648,6 +656,7 @@ mod tests {
             rkey: 7,
             len: 1 << 20,
             lent: false,
+            hold_ms: 0,
         };
         assert!(may_hold(&staged, 2, 0));
         assert!(may_hold(&staged, 8, MAX_HELD_REPLIES - 1));

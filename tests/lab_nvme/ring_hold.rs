@@ -1,0 +1,200 @@
+//! The CMB ring's hold limit: slots held too long while others want the ring are taken back,
+//! and a client whose chunks come too late to READ in time asks for them again.
+
+use super::ring::{counter_sum, ring_client, ring_lends};
+use super::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_nvme_ring_slots_held_past_the_hold_limit_while_others_want_them_are_taken_back() {
+    // as above, four clients hold the ring's four slots and read nothing, but the server's
+    // ring hold limit is 3 s: once it passed, and another client wants the ring, their slots
+    // go back to the ring and that client's fetches are lent again while the four are still
+    // connected. A slot nobody wants stays lent; a holder that comes back gives its chunk back
+    // unread and asks for it again
+    use std::time::{Duration, Instant};
+    let cmb = controller_of("p2plab0");
+    let (dev, model) = ssd_with_image(8 << 20, 75);
+    let spec = format!("d=nvme:{dev}:0:8M:ro,via=cmb:{cmb}:4M");
+    let hold = Duration::from_secs(3);
+    let s = start(&[&spec], |c| c.ring_hold = hold).await;
+    let taken_back = || {
+        let metrics = s.handle.metrics().encode();
+        counter_sum(&metrics, "p2p_rdma_ring_slots_taken_back_total", "")
+    };
+    let mut idle = Vec::new();
+    for i in 0..4u64 {
+        let mut c = ring_client(s.addr).await;
+        let h = c.open_to_fetch("d", i << 20, 1 << 20).await.unwrap();
+        idle.push((c, h, i));
+    }
+    let lent_at = Instant::now();
+    let mut c = ring_client(s.addr).await;
+    let info = c.list().await.unwrap().remove(0);
+    let lends = ring_lends(&info.reason);
+    // past the limit, with nobody wanting the ring: the slots stay lent
+    tokio::time::sleep(hold + Duration::from_secs(2)).await;
+    assert_eq!(taken_back(), 0, "slots nobody wanted were taken back");
+    // now a client wants the ring: its first fetch finds every slot held and copies; the
+    // held slots go back within about a second, and a later fetch is lent whole
+    let h = c.open("d", false).await.unwrap();
+    let mut reps = Vec::new();
+    let wanted_at = Instant::now();
+    while reps.len() < 8 {
+        let rep = fetch_matches(&mut c, &h, 0, 8 << 20, &model).await;
+        let whole = rep.zero_copy_bytes == 8 << 20;
+        reps.push(rep.zero_copy_bytes);
+        if whole || !lends {
+            break;
+        }
+    }
+    eprintln!(
+        "held {:?} before the ring was wanted; fetches since then, zero-copy bytes: {reps:?} \
+         in {:?}; {} slots taken back",
+        wanted_at - lent_at,
+        wanted_at.elapsed(),
+        taken_back()
+    );
+    if !lends {
+        assert_eq!(reps, [0], "no ring lends here");
+        assert_eq!(taken_back(), 0);
+        for (c, _, _) in idle {
+            c.bye().await.unwrap();
+        }
+        s.stop().await;
+        return;
+    }
+    // (its first chunk found every slot held and was copied)
+    assert!(
+        reps[0] < 8 << 20,
+        "the first fetch found every slot held: {reps:?}"
+    );
+    assert_eq!(
+        *reps.last().unwrap(),
+        8 << 20,
+        "no fetch was lent whole while the four held their slots: {reps:?}"
+    );
+    assert_eq!(taken_back(), 4, "{}", s.handle.metrics().encode());
+    // the holders' fetches now find their chunks held too long to READ: each gives its chunk
+    // back unread and asks for it again (a READ of a slot taken back would fail and take the
+    // QP down), and gets its bytes
+    for (mut ic, ih, i) in idle {
+        let rep = fetch_matches(&mut ic, &ih, i << 20, 1 << 20, &model).await;
+        assert_eq!(rep.reasked_chunks, 1, "{rep:?}");
+        ic.bye().await.unwrap();
+    }
+    let again = fetch_matches(&mut c, &h, 0, 8 << 20, &model).await;
+    assert_eq!(again.zero_copy_bytes, 8 << 20, "{again:?}");
+    c.bye().await.unwrap();
+    s.stop().await;
+}
+
+/// A sink whose first write blocks for a while (a pipe to a stalled reader, say).
+struct StallingSink {
+    bytes: Vec<u8>,
+    stall: Option<std::time::Duration>,
+}
+
+impl std::io::Write for StallingSink {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        if let Some(d) = self.stall.take() {
+            std::thread::sleep(d);
+        }
+        self.bytes.extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_nvme_a_fetch_whose_sink_blocks_asks_again_for_chunks_lent_too_long_ago_to_read() {
+    // Three idle clients hold three of the ring's four slots past the 3 s hold limit; a fetch
+    // of 8 MiB opens with its first chunk lent from the fourth, and its sink blocks for 6 s on
+    // that chunk. The fetch's next chunks wait in line until the idle slots are taken back
+    // (its own want counts), so they are lent while its sink blocks and their replies wait
+    // unread; meanwhile another client fetches all along and wants the ring, so those slots
+    // are due to be taken back too before the sink returns. The fetch gives the late chunks
+    // back unread and asks for them again (a READ of them could fail and take its QP down),
+    // and gets every byte.
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+    let cmb = controller_of("p2plab0");
+    let (dev, model) = ssd_with_image(8 << 20, 76);
+    let spec = format!("d=nvme:{dev}:0:8M:ro,via=cmb:{cmb}:4M");
+    let hold = Duration::from_secs(3);
+    let s = start(&[&spec], |c| c.ring_hold = hold).await;
+    let mut idle = Vec::new();
+    for i in 1..4u64 {
+        let mut c = ring_client(s.addr).await;
+        let h = c.open_to_fetch("d", i << 20, 1 << 20).await.unwrap();
+        idle.push((c, h));
+    }
+    let mut slow = ring_client(s.addr).await;
+    let info = slow.list().await.unwrap().remove(0);
+    let lends = ring_lends(&info.reason);
+    tokio::time::sleep(hold + Duration::from_secs(1)).await;
+    let h = slow.open_to_fetch("d", 0, 8 << 20).await.unwrap();
+    // the other client starts once the slow fetch is in line for the ring
+    let stop = Arc::new(AtomicBool::new(false));
+    let other = {
+        let (stop, model, addr) = (Arc::clone(&stop), model.clone(), s.addr);
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let mut c = ring_client(addr).await;
+            let h = c.open("d", false).await.unwrap();
+            let mut n = 0;
+            while !stop.load(Ordering::SeqCst) {
+                fetch_matches(&mut c, &h, 4 << 20, 4 << 20, &model).await;
+                n += 1;
+            }
+            c.bye().await.unwrap();
+            n
+        })
+    };
+    let started = Instant::now();
+    let mut sink = StallingSink {
+        bytes: Vec::new(),
+        stall: Some(Duration::from_secs(6)),
+    };
+    let rep = slow
+        .fetch(&h, 0, 8 << 20, &mut sink, true, &mut |_| {})
+        .await
+        .expect("a fetch whose sink blocked past the hold limit");
+    let took = started.elapsed();
+    stop.store(true, Ordering::SeqCst);
+    let others = other.await.unwrap();
+    let metrics = s.handle.metrics().encode();
+    let taken_back = counter_sum(&metrics, "p2p_rdma_ring_slots_taken_back_total", "");
+    eprintln!(
+        "fetch of 8 MiB in {took:?} (6 s of it the sink): {} chunks asked for again, {} bytes \
+         zero-copy; {others} fetches of 4 MiB by the other client meanwhile; {taken_back} \
+         slots taken back",
+        rep.reasked_chunks, rep.zero_copy_bytes
+    );
+    assert!(
+        sink.bytes == model,
+        "the fetched bytes differ from the image"
+    );
+    assert!(rep.verified, "{rep:?}");
+    assert!(others > 0, "the other client fetched nothing");
+    if lends {
+        assert!(
+            rep.reasked_chunks > 0,
+            "no chunk of the fetch came late, so this run did not test asking again: the \
+             fetch's chunks were not lent while its sink blocked ({rep:?})"
+        );
+        assert!(taken_back >= 3, "{metrics}");
+    } else {
+        assert_eq!(rep.reasked_chunks, 0, "nothing is lent here: {rep:?}");
+        assert_eq!(taken_back, 0);
+    }
+    slow.bye().await.unwrap();
+    for (c, _) in idle {
+        c.bye().await.unwrap();
+    }
+    s.stop().await;
+}
