@@ -1,7 +1,7 @@
 //! The CMB ring's hold limit: slots held too long while others want the ring are taken back,
 //! and a client whose chunks come too late to READ in time asks for them again.
 
-use super::ring::{counter_sum, ring_client, ring_lends};
+use super::ring::{counter_sum, ring_client, ring_lends, ring_nic_leg_expected};
 use super::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -196,5 +196,85 @@ async fn lab_nvme_a_fetch_whose_sink_blocks_asks_again_for_chunks_lent_too_long_
     for (c, _) in idle {
         c.bye().await.unwrap();
     }
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_nvme_puts_that_want_the_ring_take_back_slots_held_past_the_hold_limit() {
+    // as the fetches above, a client's puts want the ring: four idle clients hold its four
+    // slots past the 3 s limit, the first put finds no slot and is copied, the slots go back
+    // within about a second, and a later put lands in the ring whole. Every byte reaches the
+    // SSD, and the holders still get theirs (asked for again)
+    use std::time::Duration;
+    let cmb = controller_of("p2plab0");
+    let kernel = std::env::var("P2P_LAB_KERNEL").unwrap_or_default();
+    let size: u64 = 8 << 20;
+    let (dev, mut model) = ssd_with_image(size as usize, 77);
+    let spec = format!("d=nvme:{dev}:0:8M,via=cmb:{cmb}:4M");
+    let hold = Duration::from_secs(3);
+    let s = start(&[&spec], |c| c.ring_hold = hold).await;
+    let taken_back = || {
+        let metrics = s.handle.metrics().encode();
+        counter_sum(&metrics, "p2p_rdma_ring_slots_taken_back_total", "")
+    };
+    let mut idle = Vec::new();
+    for i in 0..4u64 {
+        let mut c = ring_client(s.addr).await;
+        let h = c.open_to_fetch("d", i << 20, 1 << 20).await.unwrap();
+        idle.push((c, h, i));
+    }
+    let mut c = ring_client(s.addr).await;
+    let info = c.list().await.unwrap().remove(0);
+    let lends = ring_lends(&info.reason);
+    let lands = kernel != "6.12"
+        && ring_nic_leg_expected().0
+        && info.reason.contains("CMB → device: peer to peer, verified");
+    tokio::time::sleep(hold + Duration::from_secs(1)).await;
+    assert_eq!(taken_back(), 0, "slots nobody wanted were taken back");
+    // puts of 1 MiB into the half the holders do not read, until one lands whole
+    let h = c.open("d", true).await.unwrap();
+    let mut reps = Vec::new();
+    for k in 0..20u64 {
+        let off = (4 + k % 4) << 20;
+        let rep = put_model(&mut c, &h, off, &data(1 << 20, 100 + k as u32), &mut model).await;
+        reps.push(rep.zero_copy_bytes);
+        if rep.zero_copy_bytes == 1 << 20 || !(lends && lands) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    eprintln!(
+        "puts since the slots were due, zero-copy bytes: {reps:?}; {} slots taken back",
+        taken_back()
+    );
+    assert!(
+        dd_direct(&dev, 0, size) == model,
+        "the puts are not on the device as put"
+    );
+    if lends && lands {
+        assert_eq!(reps[0], 0, "the first put found every slot held: {reps:?}");
+        assert_eq!(
+            *reps.last().unwrap(),
+            1 << 20,
+            "no put landed whole while the four held their slots: {reps:?}"
+        );
+        // a put lands once one slot is back; the others go back at their next look (each
+        // once a second) after the last put that wanted the ring
+        let until = std::time::Instant::now() + Duration::from_secs(3);
+        while taken_back() < 4 && std::time::Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(taken_back(), 4);
+    } else {
+        assert!(reps.iter().all(|&z| z == 0), "{reps:?}");
+        assert_eq!(taken_back(), 0);
+    }
+    for (mut ic, ih, i) in idle {
+        let rep = fetch_matches(&mut ic, &ih, i << 20, 1 << 20, &model).await;
+        assert_eq!(rep.reasked_chunks, u64::from(lends), "{rep:?}");
+        ic.bye().await.unwrap();
+    }
+    c.bye().await.unwrap();
     s.stop().await;
 }
