@@ -160,6 +160,21 @@ async fn lab_one_registration_serves_every_client_through_its_own_window() {
             e.to_string().contains("IBV_WC_REM_ACCESS_ERR"),
             "another client's window: {e}"
         );
+        // that error took c1's QP down: its next transfer, of its own region, is refused
+        // with the cause, not flushed
+        let own = clients[1].1.clone();
+        let e = clients[1]
+            .0
+            .fetch(&own, 0, 4096, &mut sink, false, &mut |_| {})
+            .await
+            .unwrap_err();
+        let text = e.to_string();
+        assert!(
+            matches!(e, p2p_rdma::bridge::Error::QpDown { .. })
+                && text.contains("IBV_WC_REM_ACCESS_ERR")
+                && text.contains("Connect a new client"),
+            "a transfer after the QP went down: {text}"
+        );
         for (mut c, r) in clients.drain(2..) {
             c.close(&r).await.unwrap();
             c.bye().await.unwrap();

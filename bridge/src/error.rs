@@ -115,6 +115,19 @@ pub enum Error {
         #[source]
         source: verbs::Error,
     },
+    /// The client's QP went to the error state in an earlier transfer (a work request failed
+    /// or stalled): every work request on it would only be flushed.
+    #[error(
+        "this client's QP {qpn} is in the error state since an earlier transfer failed \
+         ({cause}): RDMA on this connection is over. Connect a new client and open the regions \
+         again"
+    )]
+    QpDown {
+        /// Local QP number.
+        qpn: u32,
+        /// The error of the transfer that left it there.
+        cause: String,
+    },
     /// RDMA failure.
     #[error(transparent)]
     Verbs(#[from] verbs::Error),

@@ -113,6 +113,9 @@ struct Rdma {
     qp: QueuePair,
     /// The QP's inline room: puts of at most this many bytes into a direct extent go inline.
     inline: u32,
+    /// Why the QP is in the error state, once a transfer that failed left it there: later
+    /// transfers are refused with it ([`Error::QpDown`]) instead of being flushed.
+    down: Option<String>,
 }
 
 impl Rdma {
@@ -465,7 +468,17 @@ impl Client {
     async fn take_rdma(&mut self, region: Option<&str>) -> Result<Rdma> {
         let depth = self.depth();
         let rdma = match self.rdma.take() {
-            Some(r) => r,
+            Some(r) => {
+                if let Some(cause) = &r.down {
+                    let e = Error::QpDown {
+                        qpn: r.qp.qpn(),
+                        cause: cause.clone(),
+                    };
+                    self.rdma = Some(r);
+                    return Err(e);
+                }
+                r
+            }
             None => {
                 let nic = self.nic_for(region).await?;
                 let (ctx, local_ip) = self.local_side(nic.as_deref())?;
@@ -514,6 +527,7 @@ impl Client {
                     pools: Pools::default(),
                     qp,
                     inline,
+                    down: None,
                 }
             }
         };
@@ -552,6 +566,19 @@ impl Client {
     }
 
     fn put_back(&mut self, rdma: Rdma) {
+        self.rdma = Some(rdma);
+    }
+
+    /// [`Client::put_back`] after a transfer that may have `failed`: if it failed and left
+    /// the QP in the error state (a work request that failed or stalled takes it there), the
+    /// error is kept, and the next transfer is refused with it rather than flushed.
+    fn put_back_after(&mut self, mut rdma: Rdma, failed: Option<&Error>) {
+        if let Some(e) = failed.filter(|_| rdma.down.is_none()) {
+            if let Ok(verbs::QpState::Error | verbs::QpState::Sqe) = rdma.qp.state() {
+                tracing::warn!(qpn = rdma.qp.qpn(), error = %e, "the transfer left the QP in the error state: RDMA on this connection is over");
+                rdma.down = Some(e.to_string());
+            }
+        }
         self.rdma = Some(rdma);
     }
 
@@ -681,7 +708,7 @@ impl Client {
             self.conn.defer(&Msg::Unstage { slot: at.slot });
         }
         settle(&mut rdma, &mut self.conn, &mut window, stall).await;
-        self.put_back(rdma);
+        self.put_back_after(rdma, result.as_ref().err());
         result?;
         let seconds = start.elapsed().as_secs_f64();
         if by_path[2] > 0 {
@@ -814,7 +841,7 @@ impl Client {
         }
         .await;
         settle(&mut rdma, &mut self.conn, &mut window, stall).await;
-        self.put_back(rdma);
+        self.put_back_after(rdma, result.as_ref().err());
         result?;
         if overflow {
             return Err(overflow_error(r, room, offset, done));

@@ -348,7 +348,7 @@ impl Client {
         }
         if let Err(error) = run {
             batch.settle(&mut rdma, &mut self.conn).await;
-            self.put_back(rdma);
+            self.put_back_after(rdma, Some(&error));
             let buffer = match batch.held {
                 Some(Held::Owned(b)) => Some(LocalBuffer(b)),
                 Some(Held::Sink(s)) => SinkBuffer::into_inner(s).ok().map(LocalBuffer),

@@ -78,7 +78,7 @@ impl Client {
             Ok(n) => n,
             Err(error) => {
                 settle(&mut rdma, &mut self.conn, &mut window, self.cfg.timeout).await;
-                self.put_back(rdma);
+                self.put_back_after(rdma, Some(&error));
                 let buffer = Arc::try_unwrap(shared).ok().map(LocalBuffer);
                 return Err(Stranded { error, buffer });
             }
