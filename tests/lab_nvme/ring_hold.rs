@@ -1,39 +1,62 @@
 //! The CMB ring's hold limit: slots held too long while others want the ring are taken back,
 //! and a client whose chunks come too late to READ in time asks for them again.
 
+use std::time::Duration;
+
+use p2p_rdma::bridge::OpenRegion;
+
 use super::ring::{counter_sum, ring_client, ring_lends, ring_nic_leg_expected};
 use super::*;
+
+/// The tests' ring hold limit.
+const HOLD: Duration = Duration::from_secs(3);
+
+/// A server of `nvme:` region `spec` whose ring hold limit is [`HOLD`].
+async fn hold_server(spec: &str) -> Running {
+    start(&[spec], |c| c.ring_hold = HOLD).await
+}
+
+/// The server's count of ring slots taken back.
+fn taken_back(s: &Running) -> u64 {
+    let metrics = s.handle.metrics().encode();
+    counter_sum(&metrics, "p2p_rdma_ring_slots_taken_back_total", "")
+}
+
+/// Clients that each open region `d` to fetch the MiB at `mib` (for each of `mibs`) and read
+/// nothing: each holds the slot its first chunk was lent from (where the ring lends).
+async fn holders(
+    addr: std::net::SocketAddr,
+    mibs: std::ops::Range<u64>,
+) -> Vec<(Client, OpenRegion, u64)> {
+    let mut held = Vec::new();
+    for i in mibs {
+        let mut c = ring_client(addr).await;
+        let h = c.open_to_fetch("d", i << 20, 1 << 20).await.unwrap();
+        held.push((c, h, i));
+    }
+    held
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "lab"]
 async fn lab_nvme_ring_slots_held_past_the_hold_limit_while_others_want_them_are_taken_back() {
-    // as above, four clients hold the ring's four slots and read nothing, but the server's
-    // ring hold limit is 3 s: once it passed, and another client wants the ring, their slots
+    // as in `lab_nvme_a_ring_whose_slots_idle_clients_hold_is_not_waited_on`, four clients
+    // hold the ring's four slots and read nothing, but the server's ring hold limit is 3 s: once it passed, and another client wants the ring, their slots
     // go back to the ring and that client's fetches are lent again while the four are still
     // connected. A slot nobody wants stays lent; a holder that comes back gives its chunk back
     // unread and asks for it again
-    use std::time::{Duration, Instant};
+    use std::time::Instant;
     let cmb = controller_of("p2plab0");
     let (dev, model) = ssd_with_image(8 << 20, 75);
-    let spec = format!("d=nvme:{dev}:0:8M:ro,via=cmb:{cmb}:4M");
-    let hold = Duration::from_secs(3);
-    let s = start(&[&spec], |c| c.ring_hold = hold).await;
-    let taken_back = || {
-        let metrics = s.handle.metrics().encode();
-        counter_sum(&metrics, "p2p_rdma_ring_slots_taken_back_total", "")
-    };
-    let mut idle = Vec::new();
-    for i in 0..4u64 {
-        let mut c = ring_client(s.addr).await;
-        let h = c.open_to_fetch("d", i << 20, 1 << 20).await.unwrap();
-        idle.push((c, h, i));
-    }
+    let s = hold_server(&format!("d=nvme:{dev}:0:8M:ro,via=cmb:{cmb}:4M")).await;
+    let taken_back = || taken_back(&s);
+    let idle = holders(s.addr, 0..4).await;
     let lent_at = Instant::now();
     let mut c = ring_client(s.addr).await;
     let info = c.list().await.unwrap().remove(0);
     let lends = ring_lends(&info.reason);
     // past the limit, with nobody wanting the ring: the slots stay lent
-    tokio::time::sleep(hold + Duration::from_secs(2)).await;
+    tokio::time::sleep(HOLD + Duration::from_secs(2)).await;
     assert_eq!(taken_back(), 0, "slots nobody wanted were taken back");
     // now a client wants the ring: its first fetch finds every slot held and copies; the
     // held slots go back within about a second, and a later fetch is lent whole
@@ -121,22 +144,15 @@ async fn lab_nvme_a_fetch_whose_sink_blocks_asks_again_for_chunks_lent_too_long_
     // and gets every byte.
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
-    use std::time::{Duration, Instant};
+    use std::time::Instant;
     let cmb = controller_of("p2plab0");
     let (dev, model) = ssd_with_image(8 << 20, 76);
-    let spec = format!("d=nvme:{dev}:0:8M:ro,via=cmb:{cmb}:4M");
-    let hold = Duration::from_secs(3);
-    let s = start(&[&spec], |c| c.ring_hold = hold).await;
-    let mut idle = Vec::new();
-    for i in 1..4u64 {
-        let mut c = ring_client(s.addr).await;
-        let h = c.open_to_fetch("d", i << 20, 1 << 20).await.unwrap();
-        idle.push((c, h));
-    }
+    let s = hold_server(&format!("d=nvme:{dev}:0:8M:ro,via=cmb:{cmb}:4M")).await;
+    let idle = holders(s.addr, 1..4).await;
     let mut slow = ring_client(s.addr).await;
     let info = slow.list().await.unwrap().remove(0);
     let lends = ring_lends(&info.reason);
-    tokio::time::sleep(hold + Duration::from_secs(1)).await;
+    tokio::time::sleep(HOLD + Duration::from_secs(1)).await;
     let h = slow.open_to_fetch("d", 0, 8 << 20).await.unwrap();
     // the other client starts once the slow fetch is in line for the ring
     let stop = Arc::new(AtomicBool::new(false));
@@ -167,8 +183,7 @@ async fn lab_nvme_a_fetch_whose_sink_blocks_asks_again_for_chunks_lent_too_long_
     let took = started.elapsed();
     stop.store(true, Ordering::SeqCst);
     let others = other.await.unwrap();
-    let metrics = s.handle.metrics().encode();
-    let taken_back = counter_sum(&metrics, "p2p_rdma_ring_slots_taken_back_total", "");
+    let taken_back = taken_back(&s);
     eprintln!(
         "fetch of 8 MiB in {took:?} (6 s of it the sink): {} chunks asked for again, {} bytes \
          zero-copy; {others} fetches of 4 MiB by the other client meanwhile; {taken_back} \
@@ -187,13 +202,13 @@ async fn lab_nvme_a_fetch_whose_sink_blocks_asks_again_for_chunks_lent_too_long_
             "no chunk of the fetch came late, so this run did not test asking again: the \
              fetch's chunks were not lent while its sink blocked ({rep:?})"
         );
-        assert!(taken_back >= 3, "{metrics}");
+        assert!(taken_back >= 3, "{}", s.handle.metrics().encode());
     } else {
         assert_eq!(rep.reasked_chunks, 0, "nothing is lent here: {rep:?}");
         assert_eq!(taken_back, 0);
     }
     slow.bye().await.unwrap();
-    for (c, _) in idle {
+    for (c, ..) in idle {
         c.bye().await.unwrap();
     }
     s.stop().await;
@@ -206,31 +221,20 @@ async fn lab_nvme_puts_that_want_the_ring_take_back_slots_held_past_the_hold_lim
     // slots past the 3 s limit, the first put finds no slot and is copied, the slots go back
     // within about a second, and a later put lands in the ring whole. Every byte reaches the
     // SSD, and the holders still get theirs (asked for again)
-    use std::time::Duration;
     let cmb = controller_of("p2plab0");
     let kernel = std::env::var("P2P_LAB_KERNEL").unwrap_or_default();
     let size: u64 = 8 << 20;
     let (dev, mut model) = ssd_with_image(size as usize, 77);
-    let spec = format!("d=nvme:{dev}:0:8M,via=cmb:{cmb}:4M");
-    let hold = Duration::from_secs(3);
-    let s = start(&[&spec], |c| c.ring_hold = hold).await;
-    let taken_back = || {
-        let metrics = s.handle.metrics().encode();
-        counter_sum(&metrics, "p2p_rdma_ring_slots_taken_back_total", "")
-    };
-    let mut idle = Vec::new();
-    for i in 0..4u64 {
-        let mut c = ring_client(s.addr).await;
-        let h = c.open_to_fetch("d", i << 20, 1 << 20).await.unwrap();
-        idle.push((c, h, i));
-    }
+    let s = hold_server(&format!("d=nvme:{dev}:0:8M,via=cmb:{cmb}:4M")).await;
+    let taken_back = || taken_back(&s);
+    let idle = holders(s.addr, 0..4).await;
     let mut c = ring_client(s.addr).await;
     let info = c.list().await.unwrap().remove(0);
     let lends = ring_lends(&info.reason);
     let lands = kernel != "6.12"
         && ring_nic_leg_expected().0
         && info.reason.contains("CMB → device: peer to peer, verified");
-    tokio::time::sleep(hold + Duration::from_secs(1)).await;
+    tokio::time::sleep(HOLD + Duration::from_secs(1)).await;
     assert_eq!(taken_back(), 0, "slots nobody wanted were taken back");
     // puts of 1 MiB into the half the holders do not read, until one lands whole
     let h = c.open("d", true).await.unwrap();
