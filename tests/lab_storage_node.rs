@@ -145,9 +145,10 @@ async fn lab_one_registration_serves_every_client_through_its_own_window() {
             grew as f64 / (1 << 20) as f64
         ));
         assert!(grew < BIG / 4, "pinned memory grew by {grew} bytes");
-        // windows are per client: client 0's rkey is useless on client 1's QP
+        // windows are per client: client 0's rkey is useless on client 1's QP (forged under
+        // client 1's own handle: the client refuses a handle not open on it before any READ)
         let forged = p2p_rdma::bridge::OpenRegion {
-            handle: u32::MAX,
+            handle: clients[1].1.handle,
             ..clients[0].1.clone()
         };
         let c1 = &mut clients[1].0;
@@ -175,6 +176,26 @@ async fn lab_one_registration_serves_every_client_through_its_own_window() {
                 && text.contains("Connect a new client"),
             "a transfer after the QP went down: {text}"
         );
+        // a handle closed (or another client's) is refused by the client itself, and its QP
+        // stays up: the region opened again is fetched
+        let others = clients[3].1.clone();
+        let (c2, r2) = &mut clients[2];
+        c2.close(r2).await.unwrap();
+        let e = c2
+            .fetch(r2, 0, 4096, &mut sink, false, &mut |_| {})
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("is not open on this client"), "{e}");
+        let e = c2
+            .fetch(&others, 0, 4096, &mut sink, false, &mut |_| {})
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("is not open on this client"), "{e}");
+        let (c2, r2) = &mut clients[2];
+        *r2 = c2.open("big", false).await.unwrap();
+        c2.fetch(r2, 0, 4096, &mut sink, false, &mut |_| {})
+            .await
+            .unwrap();
         for (mut c, r) in clients.drain(2..) {
             c.close(&r).await.unwrap();
             c.bye().await.unwrap();
@@ -542,7 +563,7 @@ async fn lab_a_region_over_one_mrs_size_limit_goes_direct_as_several_mrs() {
         // the second MR is useless on the reader's QP
         assert_eq!((mrs_of(GIB), mrs_of(HUGE - GIB)), (1, 1));
         let forged = p2p_rdma::bridge::OpenRegion {
-            handle: u32::MAX,
+            handle: r.handle,
             ..w.clone()
         };
         let e = reader

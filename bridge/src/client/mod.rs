@@ -137,6 +137,9 @@ pub struct Client {
     server: String,
     max_outstanding: u32,
     rdma: Option<Rdma>,
+    /// The handles open on this connection: a transfer through any other (closed, or another
+    /// client's) is refused here, before a READ through a dead window takes the QP down.
+    open: std::collections::HashSet<u32>,
     /// Why this client moves bytes over TCP (None: over RDMA, or not decided yet).
     tcp: Option<String>,
     /// The device opened to decide the transport, kept for the QP (opened once).
@@ -224,6 +227,7 @@ impl Client {
                     server,
                     max_outstanding,
                     rdma: None,
+                    open: std::collections::HashSet::new(),
                     tcp: None,
                     device: None,
                     nics,
@@ -313,6 +317,7 @@ impl Client {
             } => {
                 let open_ms = millis(asked.elapsed());
                 self.keep_first(handle, first, staged, pull_depth, asked);
+                self.open.insert(handle);
                 Ok(OpenRegion {
                     handle,
                     info,
@@ -339,7 +344,10 @@ impl Client {
             .request(&Msg::Close { handle: r.handle }, "closed")
             .await?
         {
-            Msg::Closed { .. } => Ok(()),
+            Msg::Closed { .. } => {
+                self.open.remove(&r.handle);
+                Ok(())
+            }
             other => Err(reply_err(&self.conn.peer, other, "closed")),
         }
     }
@@ -552,7 +560,15 @@ impl Client {
         Ok(rdma)
     }
 
-    fn check_range(r: &OpenRegion, offset: u64, len: u64) -> Result<()> {
+    /// A transfer's range: through a handle open on this connection, inside its region.
+    fn check_range(&self, r: &OpenRegion, offset: u64, len: u64) -> Result<()> {
+        if !self.open.contains(&r.handle) {
+            return Err(Error::Config(format!(
+                "region '{}' (handle {}) is not open on this client: it was closed, or opened \
+                 by another client (its keys work only on that client's QP); open it again here",
+                r.info.name, r.handle
+            )));
+        }
         match offset.checked_add(len) {
             Some(end) if end <= r.info.size => Ok(()),
             _ => Err(Error::Server {
@@ -596,7 +612,7 @@ impl Client {
         verify: bool,
         progress: &mut (dyn FnMut(u64) + Send),
     ) -> Result<TransferReport> {
-        Self::check_range(r, offset, len)?;
+        self.check_range(r, offset, len)?;
         if self.over_tcp() {
             return self.fetch_tcp(r, offset, len, sink, verify, progress).await;
         }
@@ -738,9 +754,9 @@ impl Client {
         progress: &mut (dyn FnMut(u64) + Send),
     ) -> Result<TransferReport> {
         if let Some(l) = limit {
-            Self::check_range(r, offset, l)?;
+            self.check_range(r, offset, l)?;
         } else {
-            Self::check_range(r, offset, 0)?;
+            self.check_range(r, offset, 0)?;
         }
         if self.over_tcp() {
             return self

@@ -214,7 +214,7 @@ impl Client {
                         r.region.info.name
                     )));
                 }
-                Self::check_range(r.region, r.offset, r.len)?;
+                self.check_range(r.region, r.offset, r.len)?;
                 match (r.at as u64).checked_add(r.len) {
                     Some(end) if end <= size => Ok(()),
                     _ => Err(Error::Config(format!(
