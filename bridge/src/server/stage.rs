@@ -372,9 +372,12 @@ impl ConnState {
         let held = lease
             .as_ref()
             .map(|_| super::ring_hold::Held::new(shared.cfg.ring_hold));
-        // the client is told when the slot may be taken back (never for one outside the ring)
+        // the client is told when the slot may be taken back (never for one outside the ring;
+        // 0 says no limit, so a limit under a millisecond is told as one)
         let hold_ms = held.as_ref().map_or(0, |_| {
-            u64::try_from(shared.cfg.ring_hold.as_millis()).unwrap_or(u64::MAX)
+            u64::try_from(shared.cfg.ring_hold.as_millis())
+                .unwrap_or(u64::MAX)
+                .max(1)
         });
         self.lent.insert(
             slot,
