@@ -5,32 +5,33 @@ use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
-use verbs::{
-    Context, Local, ProtectionDomain, QpOptions, QueuePair, RegisteredBuffer, RemoteSlice,
-};
+use verbs::{Context, Local, RemoteSlice};
 
 use crate::conn::Conn;
 use crate::error::{Error, Result};
 use crate::protocol::{DataPath, Extent, Msg, RegionInfo, Span, VERSION};
-use crate::staging::{Pools, Use};
 
 mod checksum;
 mod config;
 mod first;
 mod nic;
+mod rdma;
 mod report;
 mod tcp;
+mod wait;
 mod window;
 mod zero_copy;
 mod zero_copy_put;
 use checksum::Checksum;
 pub use config::{ClientConfig, Transport, DEFAULT_INLINE};
 pub use first::OpenFor;
+use rdma::Rdma;
 pub use report::TransferReport;
 use report::{millis, report};
+use wait::await_or_stall;
 use window::{
-    await_or_stall, bounce_reply, issue, land, may_stage, more_input, overflow_error, piece,
-    pull_staged, pulls, read_full, settle, staged, start_pulls, Arrived, Slot,
+    bounce_reply, issue, land, may_stage, more_input, overflow_error, piece, pull_staged, pulls,
+    read_full, settle, staged, start_pulls, Arrived, Slot,
 };
 pub use zero_copy::{BatchRange, Landed, LocalBuffer, Stranded};
 
@@ -104,29 +105,6 @@ impl OpenRegion {
         } else {
             self.info.extents()
         }
-    }
-}
-
-struct Rdma {
-    // drop order: staging buffers, then the QP (which holds the PD)
-    pools: Pools,
-    qp: QueuePair,
-    /// The QP's inline room: puts of at most this many bytes into a direct extent go inline.
-    inline: u32,
-    /// Why the QP is in the error state, once a transfer that failed left it there: later
-    /// transfers are refused with it ([`Error::QpDown`]) instead of being flushed.
-    down: Option<String>,
-}
-
-impl Rdma {
-    /// A staging buffer for a piece on `path`, moving data to the region or from it.
-    fn take(&mut self, path: DataPath, to_region: bool, chunk: usize) -> Result<RegisteredBuffer> {
-        let u = match (path, to_region) {
-            (DataPath::Direct, _) => Use::Direct,
-            (_, false) => Use::BounceIn,
-            (_, true) => Use::BounceOut,
-        };
-        self.pools.take(u, self.qp.pd(), chunk)
     }
 }
 
@@ -463,103 +441,6 @@ impl Client {
         Ok(())
     }
 
-    fn depth(&self) -> usize {
-        self.cfg.depth.min(self.max_outstanding.max(1) as usize)
-    }
-
-    /// Take the RDMA state out of `self` so that it and the control connection can be used
-    /// together ([`Client::put_back`] returns it). The first call creates our QP and has the
-    /// server connect its own to it. `region`: what is about to be opened (on a server with
-    /// several devices, the QP goes to the one that serves it). No staging buffer is
-    /// registered here: a client that moves bytes only from and into its own registered
-    /// buffers (zero-copy) never pins any.
-    async fn take_rdma(&mut self, region: Option<&str>) -> Result<Rdma> {
-        let depth = self.depth();
-        let rdma = match self.rdma.take() {
-            Some(r) => {
-                if let Some(cause) = &r.down {
-                    let e = Error::QpDown {
-                        qpn: r.qp.qpn(),
-                        cause: cause.clone(),
-                    };
-                    self.rdma = Some(r);
-                    return Err(e);
-                }
-                r
-            }
-            None => {
-                let nic = self.nic_for(region).await?;
-                let (ctx, local_ip) = self.local_side(nic.as_deref())?;
-                let pd = ProtectionDomain::new(&ctx)?;
-                let opts = |inline| {
-                    self.cfg.qp_path.apply(
-                        QpOptions {
-                            max_send_wr: depth as u32,
-                            max_recv_wr: 1,
-                            max_rd_atomic: depth.min(255) as u8,
-                            max_inline_data: inline,
-                            ..QpOptions::default()
-                        },
-                        local_ip,
-                    )
-                };
-                let (qp, inline) = match QueuePair::new(&pd, opts(self.cfg.inline)) {
-                    Ok(qp) => (qp, self.cfg.inline),
-                    Err(e) if self.cfg.inline > 0 => {
-                        // a QP without inline room that works shows the room was the cause
-                        let qp = QueuePair::new(&pd, opts(0))?;
-                        tracing::info!(
-                            inline = self.cfg.inline,
-                            error = %e,
-                            "the device refused a QP with inline room; small puts go from \
-                             registered buffers"
-                        );
-                        (qp, 0)
-                    }
-                    Err(e) => return Err(e.into()),
-                };
-                let ep = qp.endpoint();
-                let m = Msg::Connect {
-                    endpoint: ep.into(),
-                    nic,
-                };
-                let remote = match self.request(&m, "connected").await? {
-                    Msg::Connected { endpoint, nic } => {
-                        self.qp_nic = nic;
-                        verbs::Endpoint::from(endpoint)
-                    }
-                    other => return Err(reply_err(&self.conn.peer, other, "connected")),
-                };
-                qp.connect(&remote)?;
-                Rdma {
-                    pools: Pools::default(),
-                    qp,
-                    inline,
-                    down: None,
-                }
-            }
-        };
-        Ok(rdma)
-    }
-
-    /// [`Client::take_rdma`] for a transfer of `len` bytes through staging buffers (`fetch`,
-    /// `put`): one direct-path buffer per slot the transfer can have in flight (its chunks, at
-    /// most the depth), ready before the transfer starts (an earlier
-    /// transfer that stalled or failed may have left some with the CQ); the bounce path's
-    /// (remotely writable or readable, see crate::staging) are registered when first needed.
-    async fn take_staged_rdma(&mut self, len: u64) -> Result<Rdma> {
-        let mut rdma = self.take_rdma(None).await?;
-        // no more than the transfer can use at once: 32 clients of 2 MiB fetches each in a
-        // 1 GiB host must not pin 16 MiB apiece
-        let chunk = self.cfg.chunk.max(1) as u64;
-        let n = len.div_ceil(chunk).min(self.depth() as u64) as usize;
-        if let Err(e) = rdma.pools.prefill(rdma.qp.pd(), self.cfg.chunk, n) {
-            self.rdma = Some(rdma);
-            return Err(e);
-        }
-        Ok(rdma)
-    }
-
     /// A transfer's range: through a handle open on this connection, inside its region.
     fn check_range(&self, r: &OpenRegion, offset: u64, len: u64) -> Result<()> {
         if !self.open.contains(&r.handle) {
@@ -579,23 +460,6 @@ impl Client {
                 ),
             }),
         }
-    }
-
-    fn put_back(&mut self, rdma: Rdma) {
-        self.rdma = Some(rdma);
-    }
-
-    /// [`Client::put_back`] after a transfer that may have `failed`: if it failed and left
-    /// the QP in the error state (a work request that failed or stalled takes it there), the
-    /// error is kept, and the next transfer is refused with it rather than flushed.
-    fn put_back_after(&mut self, mut rdma: Rdma, failed: Option<&Error>) {
-        if let Some(e) = failed.filter(|_| rdma.down.is_none()) {
-            if let Ok(verbs::QpState::Error | verbs::QpState::Sqe) = rdma.qp.state() {
-                tracing::warn!(qpn = rdma.qp.qpn(), error = %e, "the transfer left the QP in the error state: RDMA on this connection is over");
-                rdma.down = Some(e.to_string());
-            }
-        }
-        self.rdma = Some(rdma);
     }
 
     /// Fetch `len` bytes at `offset` of the region into `sink`: direct extents with RDMA READ,

@@ -17,9 +17,10 @@ use verbs::{
     Access, HostBuffer, Local, Pending, RegMode, RegisteredBuffer, SendOp, SendWr, SinkBuffer,
 };
 
+use super::wait::{done_or_bytes, end_oldest, read_op, Woke};
 use super::window::{
-    bounce_reply, done_or_bytes, end_oldest, may_stage, piece, read_op, staged, staged_reply,
-    staged_reply_ready, taken_back, Piece, StagedAt, Woke,
+    bounce_reply, may_stage, piece, staged, staged_reply, staged_reply_ready, taken_back, Piece,
+    StagedAt,
 };
 use super::{Client, OpenRegion, Rdma, KEEPALIVE};
 use crate::conn::Conn;

@@ -11,7 +11,8 @@ use std::time::Instant;
 
 use verbs::{Local, Pending, RegisteredBuffer, SendOp, SendWr};
 
-use super::window::{await_or_stall, bounce_reply, piece};
+use super::wait::await_or_stall;
+use super::window::{bounce_reply, piece};
 use super::zero_copy::{BatchRange, Landed, LocalBuffer, Stranded};
 use super::{Client, Rdma, KEEPALIVE};
 use crate::conn::Conn;
