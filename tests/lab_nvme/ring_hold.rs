@@ -131,17 +131,24 @@ impl std::io::Write for StallingSink {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "lab"]
-async fn lab_nvme_a_fetch_whose_sink_blocks_asks_again_for_chunks_lent_too_long_ago_to_read() {
-    // Three idle clients hold three of the ring's four slots past the 3 s hold limit; a fetch
-    // of 8 MiB opens with its first chunk lent from the fourth, and its sink blocks for 6 s on
-    // that chunk. The fetch's next chunks wait in line until the idle slots are taken back
-    // (its own want counts), so they are lent while its sink blocks and their replies wait
-    // unread; meanwhile another client fetches all along and wants the ring, so those slots
-    // are due to be taken back too before the sink returns. The fetch gives the late chunks
-    // back unread and asks for them again (a READ of them could fail and take its QP down),
-    // and gets every byte.
+/// How the slow reader of [`a_slow_reader_asks_again`] reads.
+#[derive(Clone, Copy, PartialEq)]
+enum Reader {
+    /// `fetch`, into a sink whose first write blocks.
+    Sink,
+    /// `fetch_many_with_progress` into a registered buffer, with a progress callback whose
+    /// first call blocks.
+    Batch,
+}
+
+/// Three idle clients hold three of the ring's four slots past the 3 s hold limit; a reader
+/// of 8 MiB opens with its first chunk lent from the fourth, and blocks for 6 s once that
+/// chunk is in (`how`). Its next chunks wait in line until the idle slots are taken back (its
+/// own want counts), so they are lent while it blocks and their replies wait unread; meanwhile
+/// another client fetches all along and wants the ring, so those slots are due to be taken back
+/// too before the reader goes on. The reader gives the late chunks back unread and asks for
+/// them again (a READ of them could fail and take its QP down), and gets every byte.
+async fn a_slow_reader_asks_again(how: Reader) {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
     use std::time::Instant;
@@ -152,9 +159,10 @@ async fn lab_nvme_a_fetch_whose_sink_blocks_asks_again_for_chunks_lent_too_long_
     let mut slow = ring_client(s.addr).await;
     let info = slow.list().await.unwrap().remove(0);
     let lends = ring_lends(&info.reason);
+    let buf = slow.buffer(8 << 20).await.unwrap();
     tokio::time::sleep(HOLD + Duration::from_secs(1)).await;
     let h = slow.open_to_fetch("d", 0, 8 << 20).await.unwrap();
-    // the other client starts once the slow fetch is in line for the ring
+    // the other client starts once the slow reader is in line for the ring
     let stop = Arc::new(AtomicBool::new(false));
     let other = {
         let (stop, model, addr) = (Arc::clone(&stop), model.clone(), s.addr);
@@ -172,39 +180,70 @@ async fn lab_nvme_a_fetch_whose_sink_blocks_asks_again_for_chunks_lent_too_long_
         })
     };
     let started = Instant::now();
-    let mut sink = StallingSink {
-        bytes: Vec::new(),
-        stall: Some(Duration::from_secs(6)),
+    let stall = Duration::from_secs(6);
+    let (bytes, reasked, zero_copy) = match how {
+        Reader::Sink => {
+            let mut sink = StallingSink {
+                bytes: Vec::new(),
+                stall: Some(stall),
+            };
+            let rep = slow
+                .fetch(&h, 0, 8 << 20, &mut sink, true, &mut |_| {})
+                .await
+                .expect("a fetch whose sink blocked past the hold limit");
+            assert!(rep.verified, "{rep:?}");
+            (sink.bytes, rep.reasked_chunks, rep.zero_copy_bytes)
+        }
+        Reader::Batch => {
+            let ranges = [p2p_rdma::bridge::BatchRange {
+                region: &h,
+                offset: 0,
+                len: 8 << 20,
+                at: 0,
+            }];
+            let mut first = true;
+            let mut progress = |_| {
+                if std::mem::take(&mut first) {
+                    std::thread::sleep(stall);
+                }
+            };
+            let landed = slow
+                .fetch_many_with_progress(&ranges, buf, &mut progress)
+                .await
+                .expect("a batch whose progress callback blocked past the hold limit");
+            assert!(landed.results.iter().all(Result::is_ok), "{landed:?}");
+            (
+                landed.buffer.as_slice().to_vec(),
+                landed.reasked_chunks,
+                landed.zero_copy_bytes,
+            )
+        }
     };
-    let rep = slow
-        .fetch(&h, 0, 8 << 20, &mut sink, true, &mut |_| {})
-        .await
-        .expect("a fetch whose sink blocked past the hold limit");
     let took = started.elapsed();
     stop.store(true, Ordering::SeqCst);
     let others = other.await.unwrap();
     let taken_back = taken_back(&s);
     eprintln!(
-        "fetch of 8 MiB in {took:?} (6 s of it the sink): {} chunks asked for again, {} bytes \
-         zero-copy; {others} fetches of 4 MiB by the other client meanwhile; {taken_back} \
-         slots taken back",
-        rep.reasked_chunks, rep.zero_copy_bytes
+        "{} of 8 MiB in {took:?} (6 s of it blocked): {reasked} chunks asked for again, \
+         {zero_copy} bytes zero-copy; {others} fetches of 4 MiB by the other client meanwhile; \
+         {taken_back} slots taken back",
+        if how == Reader::Sink {
+            "fetch"
+        } else {
+            "batch"
+        }
     );
-    assert!(
-        sink.bytes == model,
-        "the fetched bytes differ from the image"
-    );
-    assert!(rep.verified, "{rep:?}");
+    assert!(bytes == model, "the bytes read differ from the image");
     assert!(others > 0, "the other client fetched nothing");
     if lends {
         assert!(
-            rep.reasked_chunks > 0,
-            "no chunk of the fetch came late, so this run did not test asking again: the \
-             fetch's chunks were not lent while its sink blocked ({rep:?})"
+            reasked > 0,
+            "no chunk came late, so this run did not test asking again: the reader's chunks \
+             were not lent while it blocked"
         );
         assert!(taken_back >= 3, "{}", s.handle.metrics().encode());
     } else {
-        assert_eq!(rep.reasked_chunks, 0, "nothing is lent here: {rep:?}");
+        assert_eq!(reasked, 0, "nothing is lent here");
         assert_eq!(taken_back, 0);
     }
     slow.bye().await.unwrap();
@@ -212,6 +251,18 @@ async fn lab_nvme_a_fetch_whose_sink_blocks_asks_again_for_chunks_lent_too_long_
         c.bye().await.unwrap();
     }
     s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_nvme_a_fetch_whose_sink_blocks_asks_again_for_chunks_lent_too_long_ago_to_read() {
+    a_slow_reader_asks_again(Reader::Sink).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_nvme_a_batch_whose_progress_blocks_asks_again_for_chunks_lent_too_long_ago() {
+    a_slow_reader_asks_again(Reader::Batch).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -49,7 +49,7 @@ pub(super) struct Asked {
 
 /// How many times a lent chunk that came too late is asked for again before it is READ all
 /// the same.
-const MAX_ASKS_AGAIN: u8 = 3;
+pub(super) const MAX_ASKS_AGAIN: u8 = 3;
 
 /// Whether a chunk staged for a `Stage` issued at `asked` may still be READ at `now`. A lent
 /// chunk that holds a slot of the region's CMB ring may have the slot taken back once the
@@ -200,7 +200,7 @@ pub(super) async fn issue(
 }
 
 /// Defer the `Stage` of `a` (the caller sends it with the others of its batch); `a` as asked now.
-fn ask(conn: &mut Conn, a: Asked) -> Asked {
+pub(super) fn ask(conn: &mut Conn, a: Asked) -> Asked {
     conn.defer(&Msg::Stage {
         handle: a.handle,
         offset: a.pos,

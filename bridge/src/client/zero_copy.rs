@@ -17,15 +17,14 @@ use verbs::{
     Access, HostBuffer, Local, Pending, RegMode, RegisteredBuffer, SendOp, SendWr, SinkBuffer,
 };
 
-use super::wait::{done_or_bytes, end_oldest, read_op, Woke};
-use super::window::{
-    bounce_reply, may_stage, piece, staged, staged_reply, staged_reply_ready, taken_back, Piece,
-    StagedAt,
-};
+use super::first::First;
+use super::window::{ask, bounce_reply, may_stage, piece, staged, Asked, Piece, StagedAt};
 use super::{Client, OpenRegion, Rdma, KEEPALIVE};
 use crate::conn::Conn;
 use crate::error::{Error, Result};
 use crate::protocol::{DataPath, Extent, Msg};
+
+mod pulls;
 
 /// Host memory the application owns, registered for zero-copy transfers on one [`Client`]
 /// (see [`Client::buffer`]). Only local work requests write it, so its bytes may be borrowed.
@@ -99,6 +98,9 @@ pub struct Landed {
     pub zero_copy_bytes: u64,
     /// Seconds from the first post to the last completion.
     pub seconds: f64,
+    /// Lent chunks whose replies came too late to be read within the server's ring hold
+    /// limit, given back unread and asked for again, as [`super::TransferReport`]'s.
+    pub reasked_chunks: u64,
 }
 
 impl Landed {
@@ -141,9 +143,12 @@ enum Flight {
     Direct(Pending, u64, u64),
     /// The server RDMA-WRITEs into a staging buffer; then `len` bytes are copied to `at`.
     Bounce(RegisteredBuffer, u64, usize),
-    /// A staged fetch asked for (`len` bytes of the region at `pos`): once the server says
-    /// where, they are READ straight into the buffer at `at`.
-    Stage { len: u64, pos: u64, at: usize },
+    /// A staged fetch asked for: once the server says where, its bytes are READ straight into
+    /// the buffer at `at`.
+    Stage { asked: Asked, at: usize },
+    /// A lent chunk whose reply came too late to READ in time (`readable_in_time`): given
+    /// back unread, and asked for again once no earlier `Stage` awaits its reply.
+    Again { asked: Asked, at: usize },
     /// A staged chunk being READ into the buffer: the READ, the chunk (its server slot is
     /// released once the READ completes) and its region offset.
     Pull(Pending, StagedAt, u64),
@@ -326,20 +331,21 @@ impl Client {
             direct_by_range: vec![0; ranges.len()],
             bounce_bytes: 0,
             zero_copy_bytes: 0,
+            reasked: 0,
             first: None,
         };
         // the first chunk an open staged, if it is the first piece of the batch's first range:
         // its READ is then that piece's. Any other goes back before the batch asks for its own
         // (held meanwhile, it would leave the batch one slot short of the depth)
-        batch.first = match ranges.first().filter(|_| batch.ok.first() == Some(&true)) {
-            Some(r) => self
-                .take_first_for(r.region, r.offset, r.len, batch.chunk)
-                .at(),
+        let first = match ranges.first().filter(|_| batch.ok.first() == Some(&true)) {
+            Some(r) => self.take_first_for(r.region, r.offset, r.len, batch.chunk),
             None => {
                 self.release_first();
-                None
+                First::Nothing
             }
         };
+        batch.reasked = u64::from(matches!(first, First::Late));
+        batch.first = first.at();
         let start = Instant::now();
         let run = batch.run(&mut rdma, &mut self.conn, progress).await;
         let seconds = start.elapsed().as_secs_f64();
@@ -391,6 +397,7 @@ impl Client {
             bounce_bytes: batch.bounce_bytes,
             zero_copy_bytes: batch.zero_copy_bytes,
             seconds,
+            reasked_chunks: batch.reasked,
         })
     }
 }
@@ -408,6 +415,8 @@ struct Batch<'r, 'a> {
     direct_by_range: Vec<u64>,
     bounce_bytes: u64,
     zero_copy_bytes: u64,
+    /// Chunks asked for again (see [`Flight::Again`]).
+    reasked: u64,
     /// A first chunk staged by an open ([`Client::open_to_fetch`]), the first piece of the
     /// first range, until that piece READs it (if the batch ends before, it goes back).
     first: Option<StagedAt>,
@@ -508,16 +517,17 @@ impl Batch<'_, '_> {
                         break;
                     }
                     asking = true;
-                    conn.defer(&Msg::Stage {
-                        handle: region.handle,
-                        offset: p.pos,
-                        len: p.len,
-                    });
-                    self.window.push_back(Flight::Stage {
-                        len: p.len,
-                        pos: p.pos,
-                        at: dst,
-                    });
+                    let asked = ask(
+                        conn,
+                        Asked {
+                            handle: region.handle,
+                            pos: p.pos,
+                            len: p.len,
+                            at: Instant::now(),
+                            again: 0,
+                        },
+                    );
+                    self.window.push_back(Flight::Stage { asked, at: dst });
                 } else {
                     // copies need the buffer to themselves: no READ may be in flight
                     if !self.take_back() {
@@ -540,7 +550,7 @@ impl Batch<'_, '_> {
             if asking {
                 conn.send_deferred().await?;
             }
-            if self.awaits_replies() {
+            if self.awaits_replies() || self.asks_again() {
                 self.start_pulls(rdma, conn, true).await?;
             }
             let Some(front) = self.window.pop_front() else {
@@ -563,7 +573,7 @@ impl Batch<'_, '_> {
                     self.zero_copy_bytes += at.zero_copy();
                     landed += at.remote.len;
                 }
-                Flight::Stage { .. } => {
+                Flight::Stage { .. } | Flight::Again { .. } => {
                     return Err(Error::Config(
                         "internal: a staged fetch was not started before its turn".into(),
                     ));
@@ -607,104 +617,6 @@ impl Batch<'_, '_> {
         usize::try_from(here + later).unwrap_or(usize::MAX)
     }
 
-    /// Staged fetches in the window (requested or being read).
-    fn pulls(&self) -> usize {
-        self.window
-            .iter()
-            .filter(|f| matches!(f, Flight::Stage { .. } | Flight::Pull(..)))
-            .count()
-    }
-
-    /// Whether staged fetches in the window still wait for their `Staged` replies.
-    fn awaits_replies(&self) -> bool {
-        self.window
-            .iter()
-            .any(|f| matches!(f, Flight::Stage { .. }))
-    }
-
-    /// Wait for `p`, the oldest piece's READ (of the server's staging slot in `at`, which is
-    /// then released), and meanwhile turn the `Staged` replies that arrive into READs (see
-    /// [`done_or_bytes`]).
-    async fn land(
-        &mut self,
-        rdma: &mut Rdma,
-        conn: &mut Conn,
-        p: Pending,
-        at: Option<StagedAt>,
-        pos: u64,
-    ) -> Result<()> {
-        let slot = at.map(|a| a.slot);
-        let deadline = tokio::time::Instant::now() + self.stall;
-        let mut done = std::pin::pin!(p.wait());
-        loop {
-            let limits = (deadline, self.stall, read_op(slot), pos);
-            let watch = self.awaits_replies();
-            match done_or_bytes(&rdma.qp, conn, done.as_mut(), watch, limits)
-                .await
-                .map_err(|e| taken_back(e, at.as_ref()))?
-            {
-                // the returned locals are this sink's clones: dropped here
-                Woke::Done(_) => break,
-                Woke::Bytes => {
-                    if let Err(e) = self.start_pulls(rdma, conn, false).await {
-                        return Err(end_oldest(conn, done.as_mut(), deadline, slot, e).await);
-                    }
-                }
-            }
-        }
-        if let Some(slot) = slot {
-            // with our next message (the next chunk's `Stage`, as a rule): see `Conn::defer`
-            conn.defer(&Msg::Unstage { slot });
-        }
-        Ok(())
-    }
-
-    /// Turn the requested staged fetches into READs into the buffer, in order (replies come
-    /// in request order: up to the first classic bounce request), so that they overlap. Only
-    /// the oldest piece's reply is waited for, with `wait_first` (it is next to land); the
-    /// others are taken if they have arrived, so that a late reply holds up no landing (as in
-    /// a fetch).
-    async fn start_pulls(
-        &mut self,
-        rdma: &mut Rdma,
-        conn: &mut Conn,
-        wait_first: bool,
-    ) -> Result<()> {
-        for i in 0..self.window.len() {
-            let (len, pos, dst) = match self.window[i] {
-                Flight::Direct(..) | Flight::Pull(..) => continue,
-                Flight::Bounce(..) => break,
-                Flight::Stage { len, pos, at } => (len, pos, at),
-            };
-            let Some(Held::Sink(sink)) = &self.held else {
-                return Err(Error::Config(
-                    "internal: a staged fetch without the buffer shared with READs".into(),
-                ));
-            };
-            let at = if i == 0 && wait_first {
-                staged_reply(conn, self.stall, len).await?
-            } else {
-                match staged_reply_ready(conn, len).await? {
-                    Some(r) => r,
-                    None => break,
-                }
-            };
-            let wr = SendWr {
-                op: SendOp::Read(at.remote),
-                local: Local::sink(Arc::clone(sink), dst..dst + len as usize)?,
-            };
-            let pending = match rdma.qp.post_send(vec![wr]) {
-                Ok(p) => p,
-                Err(e) => {
-                    conn.send(&Msg::Unstage { slot: at.slot }).await?;
-                    return Err(e.into());
-                }
-            };
-            self.window[i] = Flight::Pull(pending, at, pos);
-        }
-        Ok(())
-    }
-
     /// Share the buffer with READs; false while bounce copies into it are pending.
     fn share_with_reads(&mut self) -> bool {
         match self.held.take() {
@@ -746,38 +658,6 @@ impl Batch<'_, '_> {
         match h {
             Held::Owned(b) => Ok(b),
             Held::Sink(s) => SinkBuffer::into_inner(s).map_err(Held::Sink),
-        }
-    }
-
-    /// After an error: wait (bounded) for what is in flight, reading every bounce reply.
-    async fn settle(&mut self, rdma: &mut Rdma, conn: &mut Conn) {
-        let mut conn_ok = true;
-        for f in self.window.drain(..) {
-            match f {
-                Flight::Direct(p, ..) => {
-                    let _ = tokio::time::timeout(self.stall, p.wait()).await;
-                }
-                Flight::Bounce(staging, n, _) => {
-                    if conn_ok && bounce_reply(conn, self.stall, n).await.is_err() {
-                        conn_ok = false;
-                    }
-                    rdma.pools.give(staging);
-                }
-                Flight::Stage { len, .. } => {
-                    if conn_ok {
-                        conn_ok = match staged_reply(conn, self.stall, len).await {
-                            Ok(at) => conn.send(&Msg::Unstage { slot: at.slot }).await.is_ok(),
-                            Err(_) => false,
-                        };
-                    }
-                }
-                Flight::Pull(p, StagedAt { slot, .. }, _) => {
-                    let _ = tokio::time::timeout(self.stall, p.wait()).await;
-                    if conn_ok {
-                        conn_ok = conn.send(&Msg::Unstage { slot }).await.is_ok();
-                    }
-                }
-            }
         }
     }
 }

@@ -127,6 +127,7 @@ impl Client {
             bounce_bytes,
             zero_copy_bytes,
             seconds,
+            reasked_chunks: 0,
         })
     }
 
