@@ -49,7 +49,7 @@ pub(super) struct Asked {
 
 /// How many times a lent chunk that came too late is asked for again before it is READ all
 /// the same.
-pub(super) const MAX_ASKS_AGAIN: u8 = 3;
+const MAX_ASKS_AGAIN: u8 = 3;
 
 /// Whether a chunk staged for a `Stage` issued at `asked` may still be READ at `now`. A lent
 /// chunk that holds a slot of the region's CMB ring may have the slot taken back once the
@@ -328,21 +328,31 @@ async fn take_reply(
     reply: Result<StagedAt>,
 ) -> Result<Slot> {
     if let Ok(at) = &reply {
-        if asked.again < MAX_ASKS_AGAIN && !readable_in_time(at, asked.at, Instant::now()) {
-            tracing::info!(
-                slot = at.slot,
-                offset = asked.pos,
-                asked_ms = asked.at.elapsed().as_millis() as u64,
-                hold_ms = at.hold.map_or(0, |h| h.as_millis() as u64),
-                "a lent chunk's reply came too late to READ it within the server's ring hold \
-                 limit: given back unread, and asked for again"
-            );
-            conn.defer(&Msg::Unstage { slot: at.slot });
+        if give_back_late(conn, at, &asked) {
             return Ok(Slot::Again(buf, asked));
         }
     }
     let (p, at) = pull(rdma, conn, buf, reply).await?;
     Ok(Slot::Pull(p, at, asked.again))
+}
+
+/// Whether the chunk staged in `at` for `asked` came too late to READ in time
+/// ([`readable_in_time`]; at most [`MAX_ASKS_AGAIN`] times for one chunk): then its release
+/// is deferred (it goes with our next message), and the caller asks for it again.
+pub(super) fn give_back_late(conn: &mut Conn, at: &StagedAt, asked: &Asked) -> bool {
+    if asked.again >= MAX_ASKS_AGAIN || readable_in_time(at, asked.at, Instant::now()) {
+        return false;
+    }
+    tracing::info!(
+        slot = at.slot,
+        offset = asked.pos,
+        asked_ms = asked.at.elapsed().as_millis() as u64,
+        hold_ms = at.hold.map_or(0, |h| h.as_millis() as u64),
+        "a lent chunk's reply came too late to READ it within the server's ring hold limit: \
+         given back unread, and asked for again"
+    );
+    conn.defer(&Msg::Unstage { slot: at.slot });
+    true
 }
 
 /// Ask again for the chunks given back unread ([`Slot::Again`]), in window order, once no

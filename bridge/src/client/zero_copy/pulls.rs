@@ -3,15 +3,14 @@
 //! asked for again, and what is in flight settled after an error.
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use verbs::{Local, Pending, SendOp, SendWr};
 
 use super::{Batch, Flight, Held};
 use crate::client::wait::{done_or_bytes, end_oldest, read_op, Woke};
 use crate::client::window::{
-    ask, bounce_reply, readable_in_time, staged_reply, staged_reply_ready, taken_back, Asked,
-    StagedAt, MAX_ASKS_AGAIN,
+    ask, bounce_reply, give_back_late, staged_reply, staged_reply_ready, taken_back, Asked,
+    StagedAt,
 };
 use crate::client::Rdma;
 use crate::conn::Conn;
@@ -119,16 +118,7 @@ impl Batch<'_, '_> {
                         None => break,
                     }
                 };
-                if asked.again < MAX_ASKS_AGAIN && !readable_in_time(&at, asked.at, Instant::now())
-                {
-                    tracing::info!(
-                        slot = at.slot,
-                        offset = asked.pos,
-                        asked_ms = asked.at.elapsed().as_millis() as u64,
-                        "a lent chunk's reply came too late to READ it within the server's ring \
-                         hold limit: given back unread, and asked for again"
-                    );
-                    conn.defer(&Msg::Unstage { slot: at.slot });
+                if give_back_late(conn, &at, &asked) {
                     self.window[i] = Flight::Again { asked, at: dst };
                     continue;
                 }
