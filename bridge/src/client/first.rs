@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use verbs::RemoteSlice;
 
-use super::window::{piece, readable_in_time, staged, StagedAt};
+use super::window::{give_back_late, piece, staged, Asked, StagedAt};
 use super::{Client, OpenRegion};
 use crate::error::Result;
 use crate::protocol::{Msg, Span, StagedChunk};
@@ -153,31 +153,27 @@ impl Client {
     /// The staged first chunk, if it is `len` bytes at `pos` of `handle`'s region (where to
     /// READ it); any other goes back (its release rides on the next request), and so does a
     /// lent chunk held too long to be READ within the server's ring hold limit
-    /// ([`readable_in_time`]): the fetch asks for it again.
+    /// ([`give_back_late`]): the fetch asks for it again.
     fn take_first(&mut self, handle: u32, pos: u64, len: u64) -> First {
         let Some(f) = self.first.take() else {
             return First::Nothing;
         };
-        let mut late = false;
-        if f.handle == handle && f.chunk.offset == pos && f.chunk.len == len {
-            let at = readable(&f.chunk);
-            if readable_in_time(&at, f.asked, Instant::now()) {
-                return First::Read(at);
-            }
-            late = true;
-            tracing::info!(
-                slot = at.slot,
-                held_ms = f.asked.elapsed().as_millis() as u64,
-                hold_ms = f.chunk.hold_ms,
-                "the chunk lent with the open was held too long to READ within the server's \
-                 ring hold limit: given back unread, and asked for again"
-            );
+        if f.handle != handle || f.chunk.offset != pos || f.chunk.len != len {
+            self.conn.defer(&Msg::Unstage { slot: f.chunk.slot });
+            return First::Nothing;
         }
-        self.conn.defer(&Msg::Unstage { slot: f.chunk.slot });
-        if late {
+        let at = readable(&f.chunk);
+        let asked = Asked {
+            handle,
+            pos,
+            len,
+            at: f.asked,
+            again: 0,
+        };
+        if give_back_late(&mut self.conn, &at, &asked) {
             First::Late
         } else {
-            First::Nothing
+            First::Read(at)
         }
     }
 

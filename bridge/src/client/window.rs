@@ -336,6 +336,18 @@ async fn take_reply(
     Ok(Slot::Pull(p, at, asked.again))
 }
 
+/// Defer the `Stage` of a chunk given back unread ([`give_back_late`]): `a` asked once more,
+/// now.
+pub(super) fn reask(conn: &mut Conn, a: Asked) -> Asked {
+    ask(
+        conn,
+        Asked {
+            again: a.again + 1,
+            ..a
+        },
+    )
+}
+
 /// Whether the chunk staged in `at` for `asked` came too late to READ in time
 /// ([`readable_in_time`]; at most [`MAX_ASKS_AGAIN`] times for one chunk): then its release
 /// is deferred (it goes with our next message), and the caller asks for it again.
@@ -370,14 +382,7 @@ async fn ask_again(conn: &mut Conn, window: &mut VecDeque<Slot>) -> Result<()> {
         let Some(Slot::Again(buf, a)) = window.remove(i) else {
             continue;
         };
-        let a = ask(
-            conn,
-            Asked {
-                again: a.again + 1,
-                ..a
-            },
-        );
-        window.insert(i, Slot::Stage(buf, a));
+        window.insert(i, Slot::Stage(buf, reask(conn, a)));
         asked = true;
     }
     if asked {
@@ -386,40 +391,15 @@ async fn ask_again(conn: &mut Conn, window: &mut VecDeque<Slot>) -> Result<()> {
     Ok(())
 }
 
-/// Wait for the `Staged` replies of every chunk in `window` still asked for, in order, and
-/// turn each into its READ (or into a chunk to ask for again).
-async fn await_replies(
+/// Turn the requested staged fetches in `window` into READs in flight (or into chunks to ask
+/// for again), in order (replies come in request order: up to the first classic bounce
+/// request, whose reply is read when it is the oldest). With `wait` (the stall limit), every
+/// reply is waited for; without, only those that have arrived are taken.
+async fn take_replies(
     rdma: &mut Rdma,
     conn: &mut Conn,
     window: &mut VecDeque<Slot>,
-    stall: Duration,
-) -> Result<()> {
-    for i in 0..window.len() {
-        match &window[i] {
-            Slot::Stage(..) => {}
-            Slot::Bounce(..) => break,
-            _ => continue,
-        }
-        let Some(Slot::Stage(buf, asked)) = window.remove(i) else {
-            continue;
-        };
-        let reply = staged_reply(conn, stall, asked.len).await;
-        let s = take_reply(rdma, conn, buf, asked, reply).await?;
-        window.insert(i, s);
-    }
-    Ok(())
-}
-
-/// Turn the requested staged fetches whose `Staged` replies have arrived into READs in
-/// flight, in order (replies come in request order: up to the first classic bounce request,
-/// whose reply is read when it is the oldest), without waiting for any: the oldest piece
-/// lands meanwhile, and a chunk whose reply is late holds up no other. The READs of all
-/// staged chunks overlap. (Waiting here for every reply stalled the loop for the server's
-/// staging time per chunk: between the lab hosts a quarter-MiB chunk cost about 29 ms.)
-pub(super) async fn start_pulls(
-    rdma: &mut Rdma,
-    conn: &mut Conn,
-    window: &mut VecDeque<Slot>,
+    wait: Option<Duration>,
 ) -> Result<()> {
     for i in 0..window.len() {
         let n = match &window[i] {
@@ -427,8 +407,12 @@ pub(super) async fn start_pulls(
             Slot::Bounce(..) => break,
             Slot::Stage(_, a) => a.len,
         };
-        let Some(reply) = staged_reply_ready(conn, n).await.transpose() else {
-            break;
+        let reply = match wait {
+            Some(stall) => staged_reply(conn, stall, n).await,
+            None => match staged_reply_ready(conn, n).await.transpose() {
+                Some(reply) => reply,
+                None => break,
+            },
         };
         let Some(Slot::Stage(buf, asked)) = window.remove(i) else {
             continue;
@@ -436,6 +420,21 @@ pub(super) async fn start_pulls(
         let s = take_reply(rdma, conn, buf, asked, reply).await?;
         window.insert(i, s);
     }
+    Ok(())
+}
+
+/// Turn the requested staged fetches whose `Staged` replies have arrived into READs in
+/// flight, without waiting for any ([`take_replies`]): the oldest piece lands meanwhile, and a
+/// chunk whose reply is late holds up no other. The READs of all staged chunks overlap.
+/// (Waiting here for every reply stalled the loop for the server's staging time per chunk:
+/// between the lab hosts a quarter-MiB chunk cost about 29 ms.) Then the chunks given back
+/// unread are asked for again, once no reply is awaited ([`ask_again`]).
+pub(super) async fn start_pulls(
+    rdma: &mut Rdma,
+    conn: &mut Conn,
+    window: &mut VecDeque<Slot>,
+) -> Result<()> {
+    take_replies(rdma, conn, window, None).await?;
     ask_again(conn, window).await
 }
 
@@ -476,17 +475,11 @@ pub(super) async fn land(
             Slot::Again(buf, asked) => {
                 // the replies of the chunks asked for before it come first; then it is asked
                 // for again, ahead of any other given back
-                if let Err(e) = await_replies(rdma, conn, window, stall).await {
+                if let Err(e) = take_replies(rdma, conn, window, Some(stall)).await {
                     rdma.pools.give(buf);
                     return Err(e);
                 }
-                let asked = ask(
-                    conn,
-                    Asked {
-                        again: asked.again + 1,
-                        ..asked
-                    },
-                );
+                let asked = reask(conn, asked);
                 if let Err(e) = ask_again(conn, window).await {
                     rdma.pools.give(buf);
                     return Err(e);

@@ -49,7 +49,8 @@ impl Held {
     }
 
     /// Whether a slot held since `self.since` should go back at `now`: it is due, and
-    /// `wanted_since` says a connection wanted the ring since the slot was lent and lately. When not, the next look is [`LOOK_AGAIN`] later.
+    /// `wanted_since` says a connection wanted the ring since the slot was lent and lately.
+    /// When not, the next look is [`LOOK_AGAIN`] later.
     fn take_back(&mut self, now: Instant, wanted_since: impl Fn(Instant) -> bool) -> bool {
         if now < self.look_at {
             return false;

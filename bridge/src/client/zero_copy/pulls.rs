@@ -9,8 +9,7 @@ use verbs::{Local, Pending, SendOp, SendWr};
 use super::{Batch, Flight, Held};
 use crate::client::wait::{done_or_bytes, end_oldest, read_op, Woke};
 use crate::client::window::{
-    ask, bounce_reply, give_back_late, staged_reply, staged_reply_ready, taken_back, Asked,
-    StagedAt,
+    bounce_reply, give_back_late, reask, staged_reply, staged_reply_ready, taken_back, StagedAt,
 };
 use crate::client::Rdma;
 use crate::conn::Conn;
@@ -154,15 +153,11 @@ impl Batch<'_, '_> {
         }
         for f in self.window.iter_mut() {
             if let Flight::Again { asked, at } = *f {
-                let asked = ask(
-                    conn,
-                    Asked {
-                        again: asked.again + 1,
-                        ..asked
-                    },
-                );
                 self.reasked += 1;
-                *f = Flight::Stage { asked, at };
+                *f = Flight::Stage {
+                    asked: reask(conn, asked),
+                    at,
+                };
             }
         }
         conn.send_deferred().await
