@@ -333,3 +333,139 @@ async fn lab_nvme_puts_that_want_the_ring_take_back_slots_held_past_the_hold_lim
     c.bye().await.unwrap();
     s.stop().await;
 }
+
+/// The server's count of ring slots taken back from region `name`.
+fn taken_back_from(s: &Running, name: &str) -> u64 {
+    let metrics = s.handle.metrics().encode();
+    counter_sum(
+        &metrics,
+        "p2p_rdma_ring_slots_taken_back_total",
+        &format!("region=\"{name}\""),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_nvme_a_batch_over_two_rings_on_one_connection_loses_only_the_wanted_rings_slots() {
+    // regions d and e, each with its own 4 MiB ring in one CMB, on one connection: a batch of
+    // 3 MiB of d then 2 MiB of e whose progress callback blocks for 6 s once d's first chunk
+    // is in. Three idle clients hold three of d's slots and one holds a slot of e; another
+    // client fetches d all along, so d's ring is wanted and e's is not. Past the 3 s limit d's
+    // held slots go back (the batch's later chunks of d are lent from them), e's stays lent.
+    // The batch's chunks lent while it blocked (d's later ones, and e's first, whose reply
+    // comes after theirs) come too late to READ: it gives them back unread, asks for them
+    // again and gets every byte, and its connection goes on with both regions
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let cmb = controller_of("p2plab0");
+    let (dev, model) = ssd_with_image(16 << 20, 78);
+    let s = start(
+        &[
+            &format!("d=nvme:{dev}:0:8M:ro,via=cmb:{cmb}:4M"),
+            &format!("e=nvme:{dev}:8M:8M:ro,via=cmb:{cmb}:4M"),
+        ],
+        |c| c.ring_hold = HOLD,
+    )
+    .await;
+    let (d_model, e_model) = model.split_at(8 << 20);
+    let idle = holders(s.addr, 1..4).await;
+    let mut e_holder = ring_client(s.addr).await;
+    let e_held = e_holder.open_to_fetch("e", 3 << 20, 1 << 20).await.unwrap();
+    let mut slow = ring_client(s.addr).await;
+    let infos = slow.list().await.unwrap();
+    let lends = infos.iter().all(|i| ring_lends(&i.reason));
+    let d = slow.open("d", false).await.unwrap();
+    let e = slow.open("e", false).await.unwrap();
+    let buf = slow.buffer(5 << 20).await.unwrap();
+    // (the holders' slots are due by the time the batch starts: its chunks wait in line for
+    // them, and are lent while it blocks)
+    tokio::time::sleep(HOLD + Duration::from_secs(1)).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let other = {
+        let (stop, model, addr) = (Arc::clone(&stop), d_model.to_vec(), s.addr);
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let mut c = ring_client(addr).await;
+            let h = c.open("d", false).await.unwrap();
+            let mut n = 0;
+            while !stop.load(Ordering::SeqCst) {
+                fetch_matches(&mut c, &h, 4 << 20, 4 << 20, &model).await;
+                n += 1;
+            }
+            c.bye().await.unwrap();
+            n
+        })
+    };
+    let ranges = [
+        p2p_rdma::bridge::BatchRange {
+            region: &d,
+            offset: 0,
+            len: 3 << 20,
+            at: 0,
+        },
+        p2p_rdma::bridge::BatchRange {
+            region: &e,
+            offset: 0,
+            len: 2 << 20,
+            at: 3 << 20,
+        },
+    ];
+    let mut first = true;
+    let mut progress = |_| {
+        if std::mem::take(&mut first) {
+            std::thread::sleep(Duration::from_secs(6));
+        }
+    };
+    let started = std::time::Instant::now();
+    let landed = slow
+        .fetch_many_with_progress(&ranges, buf, &mut progress)
+        .await
+        .expect("a batch over two rings whose progress blocked past the hold limit");
+    let took = started.elapsed();
+    stop.store(true, Ordering::SeqCst);
+    let others = other.await.unwrap();
+    let (from_d, from_e) = (taken_back_from(&s, "d"), taken_back_from(&s, "e"));
+    eprintln!(
+        "batch of 5 MiB over d and e in {took:?} (6 s of it blocked): {} chunks asked for \
+         again, {} bytes zero-copy; {others} fetches of d by the other client; slots taken \
+         back: {from_d} of d, {from_e} of e",
+        landed.reasked_chunks, landed.zero_copy_bytes
+    );
+    assert!(landed.results.iter().all(Result::is_ok), "{landed:?}");
+    let bytes = landed.buffer.as_slice();
+    assert!(bytes[..3 << 20] == d_model[..3 << 20], "d's bytes differ");
+    assert!(bytes[3 << 20..] == e_model[..2 << 20], "e's bytes differ");
+    assert!(others > 0, "the other client fetched nothing");
+    // nobody but its holder wanted e's ring: its slot stays lent
+    assert_eq!(from_e, 0, "{}", s.handle.metrics().encode());
+    if lends {
+        assert!(
+            landed.reasked_chunks > 0,
+            "no chunk came late, so this run did not test asking again"
+        );
+        assert!(from_d >= 3, "{}", s.handle.metrics().encode());
+    } else {
+        assert_eq!(landed.reasked_chunks, 0, "nothing is lent here");
+        assert_eq!(from_d, 0);
+    }
+    // every holder gets its bytes (asked for again: held too long to READ in time, whether
+    // taken back or not)
+    let rep = fetch_matches(&mut e_holder, &e_held, 3 << 20, 1 << 20, e_model).await;
+    assert_eq!(rep.reasked_chunks, u64::from(lends), "{rep:?}");
+    e_holder.bye().await.unwrap();
+    for (mut ic, ih, i) in idle {
+        let rep = fetch_matches(&mut ic, &ih, i << 20, 1 << 20, d_model).await;
+        assert_eq!(rep.reasked_chunks, u64::from(lends), "{rep:?}");
+        ic.bye().await.unwrap();
+    }
+    assert_eq!(taken_back_from(&s, "e"), 0);
+    // and the batch's connection goes on with both regions, lent whole where the ring lends
+    for (h, m) in [(&e, e_model), (&d, d_model)] {
+        let rep = fetch_matches(&mut slow, h, 0, 4 << 20, m).await;
+        if lends {
+            assert_eq!(rep.zero_copy_bytes, 4 << 20, "{rep:?}");
+        }
+    }
+    slow.bye().await.unwrap();
+    s.stop().await;
+}
