@@ -149,6 +149,7 @@ async fn lab_one_registration_serves_every_client_through_its_own_window() {
         // client 1's own handle: the client refuses a handle not open on it before any READ)
         let forged = p2p_rdma::bridge::OpenRegion {
             handle: clients[1].1.handle,
+            connection: clients[1].1.connection,
             ..clients[0].1.clone()
         };
         let c1 = &mut clients[1].0;
@@ -173,7 +174,7 @@ async fn lab_one_registration_serves_every_client_through_its_own_window() {
         assert!(
             matches!(e, p2p_rdma::bridge::Error::QpDown { .. })
                 && text.contains("IBV_WC_REM_ACCESS_ERR")
-                && text.contains("Connect a new client"),
+                && text.contains("Client::reconnect"),
             "a transfer after the QP went down: {text}"
         );
         // a handle closed (or another client's) is refused by the client itself, and its QP
@@ -564,6 +565,7 @@ async fn lab_a_region_over_one_mrs_size_limit_goes_direct_as_several_mrs() {
         assert_eq!((mrs_of(GIB), mrs_of(HUGE - GIB)), (1, 1));
         let forged = p2p_rdma::bridge::OpenRegion {
             handle: r.handle,
+            connection: r.connection,
             ..w.clone()
         };
         let e = reader

@@ -119,8 +119,8 @@ pub enum Error {
     /// or stalled): every work request on it would only be flushed.
     #[error(
         "this client's QP {qpn} is in the error state since an earlier transfer failed \
-         ({cause}): RDMA on this connection is over. Connect a new client and open the regions \
-         again"
+         ({cause}): RDMA on this connection is over. Reconnect (Client::reconnect, which \
+         keeps the buffers registered) and open the regions again"
     )]
     QpDown {
         /// Local QP number.

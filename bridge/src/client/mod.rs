@@ -44,6 +44,10 @@ const KEEPALIVE: Duration = Duration::from_secs(30);
 pub struct OpenRegion {
     /// Handle for control requests.
     pub handle: u32,
+    /// The connection it was opened on ([`Client::connection`]): handles are numbered per
+    /// connection, so one from another client, or from before a [`Client::reconnect`], is
+    /// refused.
+    pub connection: u64,
     /// What the server says about it.
     pub info: RegionInfo,
     /// Where one-sided operations go (the direct extents; `len` is the bytes the rkey covers).
@@ -115,6 +119,8 @@ pub struct Client {
     server: String,
     max_outstanding: u32,
     rdma: Option<Rdma>,
+    /// This connection's number in the process ([`Client::connection`]).
+    connection: u64,
     /// The handles open on this connection: a transfer through any other (closed, or another
     /// client's) is refused here, before a READ through a dead window takes the QP down.
     open: std::collections::HashSet<u32>,
@@ -128,6 +134,8 @@ pub struct Client {
     qp_nic: Option<String>,
     /// A fetch's first chunk, staged by [`Client::open_to_fetch`] and not read yet.
     first: Option<first::FirstStaged>,
+    /// What an earlier connection registered, for the next QP ([`Client::reconnect`]).
+    kept: Option<rdma::Kept>,
 }
 
 impl std::fmt::Debug for Client {
@@ -205,12 +213,14 @@ impl Client {
                     server,
                     max_outstanding,
                     rdma: None,
+                    connection: rdma::next_connection(),
                     open: std::collections::HashSet::new(),
                     tcp: None,
                     device: None,
                     nics,
                     qp_nic: None,
                     first: None,
+                    kept: None,
                 })
             }
             other => Err(reply_err(&cfg.addr, other, "welcome")),
@@ -298,6 +308,7 @@ impl Client {
                 self.open.insert(handle);
                 Ok(OpenRegion {
                     handle,
+                    connection: self.connection,
                     info,
                     remote: RemoteSlice { addr, rkey, len },
                     segments,
@@ -317,6 +328,7 @@ impl Client {
 
     /// Release a region's handle (its rkey dies on the server).
     pub async fn close(&mut self, r: &OpenRegion) -> Result<()> {
+        self.check_open(r)?;
         self.release_first();
         match self
             .request(&Msg::Close { handle: r.handle }, "closed")
@@ -365,6 +377,7 @@ impl Client {
 
     /// The server's CRC-32C of a range.
     pub async fn checksum(&mut self, r: &OpenRegion, offset: u64, len: u64) -> Result<u32> {
+        self.check_open(r)?;
         let m = Msg::Checksum {
             handle: r.handle,
             offset,
@@ -379,6 +392,7 @@ impl Client {
     /// Ask the server to make `len` bytes at `offset` durable (a file region: `fdatasync`);
     /// a put is acknowledged when this returns.
     pub async fn flush(&mut self, r: &OpenRegion, offset: u64, len: u64) -> Result<()> {
+        self.check_open(r)?;
         let m = Msg::Flush {
             handle: r.handle,
             offset,
@@ -441,15 +455,26 @@ impl Client {
         Ok(())
     }
 
+    /// Whether `r` is open on this connection: a handle of another connection names another
+    /// region here, or none, and its keys work only on that connection's QP.
+    fn check_open(&self, r: &OpenRegion) -> Result<()> {
+        let why = if r.connection != self.connection {
+            "it was opened on another connection (another client's, or this client's before \
+             it reconnected)"
+        } else if !self.open.contains(&r.handle) {
+            "it was closed"
+        } else {
+            return Ok(());
+        };
+        Err(Error::Config(format!(
+            "region '{}' (handle {}) is not open on this client: {why}; open it again here",
+            r.info.name, r.handle
+        )))
+    }
+
     /// A transfer's range: through a handle open on this connection, inside its region.
     fn check_range(&self, r: &OpenRegion, offset: u64, len: u64) -> Result<()> {
-        if !self.open.contains(&r.handle) {
-            return Err(Error::Config(format!(
-                "region '{}' (handle {}) is not open on this client: it was closed, or opened \
-                 by another client (its keys work only on that client's QP); open it again here",
-                r.info.name, r.handle
-            )));
-        }
+        self.check_open(r)?;
         match offset.checked_add(len) {
             Some(end) if end <= r.info.size => Ok(()),
             _ => Err(Error::Server {

@@ -1,6 +1,9 @@
 //! The client's RDMA state: its QP (created on the first transfer, and connected to one of the
 //! server's), the staging buffers registered on it, and whether a failed transfer left the QP
-//! in the error state. A transfer takes it out of the client and puts it back.
+//! in the error state. A transfer takes it out of the client and puts it back. A reconnect
+//! keeps the protection domain and what is registered on it for the next QP.
+
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use verbs::{ProtectionDomain, QpOptions, QueuePair, RegisteredBuffer};
 
@@ -19,6 +22,20 @@ pub(super) struct Rdma {
     /// Why the QP is in the error state, once a transfer that failed left it there: later
     /// transfers are refused with it ([`Error::QpDown`]) instead of being flushed.
     pub(super) down: Option<String>,
+}
+
+/// What outlives a connection: the protection domain, and the staging buffers registered on
+/// it (the client's own buffers, [`Client::buffer`], hold the domain too).
+pub(super) struct Kept {
+    // drop order: staging buffers, then the PD
+    pools: Pools,
+    pd: ProtectionDomain,
+}
+
+/// A number for a new connection, unique in this process ([`Client::connection`]).
+pub(super) fn next_connection() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
 impl Rdma {
@@ -66,7 +83,21 @@ impl Client {
             None => {
                 let nic = self.nic_for(region).await?;
                 let (ctx, local_ip) = self.local_side(nic.as_deref())?;
-                let pd = ProtectionDomain::new(&ctx)?;
+                // after a reconnect, the QP goes on the domain of the last one: what was
+                // registered on it stays usable
+                let (pd, pools) = match self.kept.take() {
+                    Some(k) if k.pd.context().name() == ctx.name() => (k.pd, k.pools),
+                    Some(k) => {
+                        tracing::warn!(
+                            before = k.pd.context().name(),
+                            now = ctx.name(),
+                            "the new connection's QP is on another device than the last one's: \
+                             buffers registered before the reconnect cannot be used on it"
+                        );
+                        (ProtectionDomain::new(&ctx)?, Pools::default())
+                    }
+                    None => (ProtectionDomain::new(&ctx)?, Pools::default()),
+                };
                 let opts = |inline| {
                     self.cfg.qp_path.apply(
                         QpOptions {
@@ -108,7 +139,7 @@ impl Client {
                 };
                 qp.connect(&remote)?;
                 Rdma {
-                    pools: Pools::default(),
+                    pools,
                     qp,
                     inline,
                     down: None,
@@ -134,6 +165,49 @@ impl Client {
             return Err(e);
         }
         Ok(rdma)
+    }
+
+    /// Connect again to the same server with the same configuration: a new control connection,
+    /// and with the next transfer (or open) a new QP. Use it after [`Error::QpDown`], or when
+    /// the control connection broke (the server restarted, a link went down).
+    ///
+    /// What this client registered survives: the new QP is created on the same protection
+    /// domain (on the same device), so buffers from [`Client::buffer`] and the staging
+    /// buffers stay registered and usable, with no registration cost. The regions open on the
+    /// old connection went with it (the server revokes a connection's windows and releases its
+    /// lent chunks when it ends): handles from before are refused here, so open the regions
+    /// again. A transfer in flight on the old connection is not resumed: what did not complete
+    /// is moved again by the caller.
+    ///
+    /// On error the client is unchanged (its old connection, possibly dead, stays): call it
+    /// again later.
+    pub async fn reconnect(&mut self) -> Result<()> {
+        let mut fresh = Client::connect(self.cfg.clone()).await?;
+        fresh.kept = match self.rdma.take() {
+            Some(r) => Some(Kept {
+                pd: r.qp.pd().clone(),
+                pools: r.pools,
+            }),
+            None => self.kept.take(),
+        };
+        fresh.device = self.device.take();
+        let old = std::mem::replace(self, fresh);
+        tracing::info!(
+            server = self.server,
+            before = old.connection,
+            now = self.connection,
+            handles = old.open.len(),
+            "connected again; the regions open before are to be opened again"
+        );
+        // (its control connection closes as it drops: the server ends that session)
+        drop(old);
+        Ok(())
+    }
+
+    /// This connection's number, unique in the process: a new one after each
+    /// [`Client::reconnect`]. [`OpenRegion::connection`] says where a handle was opened.
+    pub fn connection(&self) -> u64 {
+        self.connection
     }
 
     pub(super) fn put_back(&mut self, rdma: Rdma) {

@@ -650,6 +650,7 @@ mod tests {
         const G: u64 = 1 << 30;
         let mut r = OpenRegion {
             handle: 1,
+            connection: 1,
             info: crate::server::testkit::info("big", G + G / 4, AccessMode::ReadWrite),
             remote: RemoteSlice {
                 addr: 1 << 40,

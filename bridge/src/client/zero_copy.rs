@@ -204,7 +204,8 @@ impl Client {
             self.put_back(rdma);
             return Err(Stranded {
                 error: Error::Config(
-                    "the buffer was registered by another client (use this client's buffer())"
+                    "the buffer was registered by another client, or by this one before a \
+                     reconnect that put its QP on another device (use this client's buffer())"
                         .into(),
                 ),
                 buffer: Some(buf),
