@@ -481,6 +481,15 @@ impl ServeProcess {
             .unwrap()
             .port();
         let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        ServeProcess::start_at(addr, region, token_file).await
+    }
+
+    /// [`ServeProcess::start`] on `addr`.
+    async fn start_at(
+        addr: std::net::SocketAddr,
+        region: &str,
+        token_file: &std::path::Path,
+    ) -> (ServeProcess, std::net::SocketAddr) {
         let child = ServeProcess(
             Command::new(env!("CARGO_BIN_EXE_p2p-rdma"))
                 .args(["serve", "--listen", &addr.to_string(), "--token-file"])
@@ -607,4 +616,76 @@ async fn lab_reliability_a_server_killed_mid_put_loses_no_acknowledged_byte() {
         ended.as_secs_f64(),
         idle_failed.as_secs_f64()
     ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_reliability_a_cli_fetch_with_retries_outlives_a_server_restart() {
+    // `p2p-rdma fetch --retries` of a file region whose server is killed mid-way and started
+    // again on the same address: the fetch connects again (the first try may find nobody
+    // listening yet, and waits longer), fetches from the start, and the file it wrote is the
+    // region's, verified
+    let dir = std::env::temp_dir().join(format!("p2p-retry-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let token_file = dir.join("token");
+    std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
+    let file = dir.join("region.bin");
+    let content = data(128 << 20, 43);
+    std::fs::write(&file, &content).unwrap();
+    let spec = format!("f=file:{}", file.display());
+    let (mut server, addr) = ServeProcess::start(&spec, &token_file).await;
+    let out = dir.join("out.bin");
+    let fetch = Command::new(env!("CARGO_BIN_EXE_p2p-rdma"))
+        .args([
+            "fetch",
+            &addr.to_string(),
+            "f",
+            "--verify",
+            "--retries",
+            "4",
+        ])
+        .args(["--retry-wait", "1", "--token-file"])
+        .arg(&token_file)
+        .arg("-o")
+        .arg(&out)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("p2p-rdma fetch");
+    let fetch = tokio::task::spawn_blocking(move || fetch.wait_with_output());
+    // cut it once 4 MiB are in the file
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while std::fs::metadata(&out).map_or(0, |m| m.len()) < 4 << 20 {
+        assert!(Instant::now() < deadline, "the fetch did not start");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    server.kill();
+    let cut_at = std::fs::metadata(&out).map_or(0, |m| m.len());
+    assert!(
+        cut_at < content.len() as u64,
+        "the fetch ended before the server was killed: this run tested nothing"
+    );
+    let (_again, _) = ServeProcess::start_at(addr, &spec, &token_file).await;
+    let done = tokio::time::timeout(Duration::from_secs(180), fetch)
+        .await
+        .expect("the fetch ends")
+        .unwrap()
+        .unwrap();
+    let err = String::from_utf8_lossy(&done.stderr);
+    eprintln!("the fetch said:\n{err}");
+    assert!(done.status.success(), "{:?}: {err}", done.status);
+    assert!(
+        err.contains("connecting again") && err.contains("retry 1 of 4"),
+        "{err}"
+    );
+    assert!(err.contains("verified"), "{err}");
+    let got = std::fs::read(&out).unwrap();
+    assert!(got == content, "the file fetched differs from the region");
+    let tries = err.matches("connecting again").count();
+    figure(format!(
+        "reliability: fetch --retries 4 of 128 MiB, its server killed at {:.1} MiB and started again: done after {tries} retr{}, verified",
+        cut_at as f64 / f64::from(1 << 20),
+        if tries == 1 { "y" } else { "ies" }
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -161,6 +161,41 @@ impl Error {
             _ => None,
         }
     }
+
+    /// Whether the same request may succeed on a new connection ([`crate::Client::reconnect`])
+    /// a little later: the server could not be reached, went away or is busy, the link or the
+    /// transport failed (a work request that stalled, was flushed, exhausted its retries or
+    /// was refused by the peer's NIC, whose keys a restarted server no longer knows), or the
+    /// QP went down. Not for what would fail again the same way: a refusal of the request
+    /// itself (unknown region, out of range, read-only, the token), a version mismatch, a
+    /// checksum mismatch, a local file's I/O error (out of space, say) or a bad configuration.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Error::Connect { .. }
+            | Error::Timeout { .. }
+            | Error::Closed { .. }
+            | Error::Stalled { .. }
+            | Error::LentTakenBack { .. }
+            | Error::QpDown { .. } => true,
+            Error::Server { code, .. } => matches!(code, ErrorCode::Busy | ErrorCode::ShuttingDown),
+            // the control connection broke (a local file's error is of another kind)
+            Error::Io { source, .. } => matches!(
+                source.kind(),
+                io::ErrorKind::ConnectionReset
+                    | io::ErrorKind::ConnectionAborted
+                    | io::ErrorKind::ConnectionRefused
+                    | io::ErrorKind::BrokenPipe
+                    | io::ErrorKind::NotConnected
+                    | io::ErrorKind::TimedOut
+                    | io::ErrorKind::UnexpectedEof
+            ),
+            // the peer's or the link's doing; a local protection or length error is ours
+            Error::Verbs(verbs::Error::WorkCompletion { status, .. }) => {
+                matches!(status.0, 5 | 7 | 9..=13 | 15 | 16)
+            }
+            _ => false,
+        }
+    }
 }
 
 /// Result alias.
@@ -184,6 +219,59 @@ mod tests {
             "{s}"
         );
         assert!(s.contains("QP 17") && s.contains("ACS/IOMMU"), "{s}");
+    }
+
+    #[test]
+    fn transient_errors_are_those_a_new_connection_may_get_past() {
+        let wc = |status| {
+            Error::Verbs(verbs::Error::WorkCompletion {
+                qpn: 1,
+                wr_id: 2,
+                opcode: "RDMA READ",
+                status: verbs::WcStatus(status),
+                vendor_err: 0,
+            })
+        };
+        let server = |code| Error::Server {
+            code,
+            message: String::new(),
+        };
+        let closed = Error::Closed {
+            peer: "a:1".into(),
+            during: String::new(),
+        };
+        let down = Error::QpDown {
+            qpn: 3,
+            cause: "x".into(),
+        };
+        for e in [
+            closed,
+            down,
+            wc(12),
+            wc(5),
+            wc(10),
+            server(ErrorCode::Busy),
+            server(ErrorCode::ShuttingDown),
+            Error::io("reading from a:1", io::ErrorKind::ConnectionReset.into()),
+        ] {
+            assert!(e.is_transient(), "{e}");
+        }
+        for e in [
+            wc(4),
+            wc(1),
+            server(ErrorCode::UnknownRegion),
+            server(ErrorCode::Unauthorized),
+            server(ErrorCode::OutOfRange),
+            Error::Mismatch {
+                what: "fetch".into(),
+                client: 1,
+                server: 2,
+            },
+            Error::Config("y".into()),
+            Error::io("writing the output", io::ErrorKind::StorageFull.into()),
+        ] {
+            assert!(!e.is_transient(), "{e}");
+        }
     }
 
     #[test]

@@ -6,7 +6,7 @@ use anyhow::Context as _;
 use super::exit::Usage;
 use super::parse_size_arg;
 use super::stripe::{self, Lanes};
-use super::transfer::{client_config, finish_transfer, ClientArgs, Progress};
+use super::transfer::{client_config, finish_transfer, ClientArgs, Progress, Retry};
 
 /// `fetch`: where from, which bytes, where to.
 #[derive(clap::Args, Debug)]
@@ -84,6 +84,14 @@ pub(crate) async fn fetch(a: FetchArgs) -> anyhow::Result<()> {
         )
         .into());
     }
+    if client.retries > 0 && output == "-" {
+        return Err(Usage(
+            "--retries writes the file again from its start: give -o FILE, not - (bytes \
+             written to a pipe cannot be taken back)"
+                .into(),
+        )
+        .into());
+    }
     let base = client_config(String::new(), &client)?;
     // the range named with the open (its first chunk is staged with it, on the bounce path);
     // with --qps, the first stripe starts with the same piece
@@ -121,14 +129,20 @@ pub(crate) async fn fetch(a: FetchArgs) -> anyhow::Result<()> {
             .await;
         return finish_transfer(c, &r, rep, bar, json).await;
     }
+    let mut retry = Retry::new(&client);
     loop {
         (c, r, rep) = into_file(
             c, r, &base, &region, offset, len, &output, verify, qps, &mut bar,
         )
         .await?;
+        let Err(e) = &rep else { break };
+        // --retries: the same node again, on a new connection, from the start
+        if let Some(again) = retry.again(&mut c, e, "fetch", &region, purpose).await {
+            r = again;
+            continue;
+        }
         // by name: a node that fails mid-way is left for the next replica, which writes the
         // file again from the start
-        let Err(e) = &rep else { break };
         if rest.is_empty() {
             break;
         }
@@ -206,20 +220,22 @@ pub(crate) async fn put(a: PutArgs) -> anyhow::Result<()> {
         json,
         client,
     } = a;
-    let (mut source, size): (Box<dyn std::io::Read + Send>, Option<u64>) = if input == "-" {
-        (Box::new(std::io::stdin()), None)
-    } else {
+    let source = || -> anyhow::Result<(Box<dyn std::io::Read + Send>, Option<u64>)> {
+        if input == "-" {
+            return Ok((Box::new(std::io::stdin()), None));
+        }
         let f = std::fs::File::open(&input)
             .with_context(|| format!("cannot open the input file {input}"))?;
         let n = f
             .metadata()
             .with_context(|| format!("cannot stat {input}"))?
             .len();
-        (
+        Ok((
             Box::new(std::io::BufReader::with_capacity(1 << 20, f)),
             Some(n),
-        )
+        ))
     };
+    let (mut from, size) = source()?;
     let limit = match (length, size) {
         (Some(l), Some(n)) if l > n => {
             return Err(Usage(format!(
@@ -237,35 +253,59 @@ pub(crate) async fn put(a: PutArgs) -> anyhow::Result<()> {
         )
         .into());
     }
+    if client.retries > 0 && input == "-" {
+        return Err(Usage(
+            "--retries reads the input again from its start: give -i FILE, not - (bytes read \
+             from a pipe cannot be read again)"
+                .into(),
+        )
+        .into());
+    }
     let base = client_config(String::new(), &client)?;
     let super::catalog::Target {
         client: mut c,
-        region: r,
+        region: mut r,
         ..
     } = super::catalog::open(&addr, &region, bridge::OpenFor::Write, &base, &client).await?;
     let mut bar = Progress::new(limit.unwrap_or(r.info.size.saturating_sub(offset)), json);
-    if let (true, Some(len)) = (client.qps > 1, limit) {
-        let mut lanes = Lanes::open((c, r), &base, &region, usize::from(client.qps), |_| {
-            bridge::OpenFor::Write
-        })
-        .await;
-        let rep = stripe::put(
-            &mut lanes,
-            offset,
-            len,
-            &input,
-            verify,
-            base.chunk as u64,
-            &mut bar,
-        )
-        .await?;
-        let (c, r) = lanes.close_rest().await;
+    let mut retry = Retry::new(&client);
+    loop {
+        let rep;
+        if let (true, Some(len)) = (client.qps > 1, limit) {
+            let mut lanes = Lanes::open((c, r), &base, &region, usize::from(client.qps), |_| {
+                bridge::OpenFor::Write
+            })
+            .await;
+            rep = stripe::put(
+                &mut lanes,
+                offset,
+                len,
+                &input,
+                verify,
+                base.chunk as u64,
+                &mut bar,
+            )
+            .await?;
+            (c, r) = lanes.close_rest().await;
+        } else {
+            rep = c
+                .put(&r, offset, from.as_mut(), limit, verify, &mut |d| {
+                    bar.update(d)
+                })
+                .await;
+        }
+        // --retries: the same bytes again from the start of the input, on a new connection
+        // (a put of the same bytes to the same place twice leaves them once)
+        if let Err(e) = &rep {
+            if let Some(again) = retry
+                .again(&mut c, e, "put", &region, bridge::OpenFor::Write)
+                .await
+            {
+                r = again;
+                (from, _) = source()?;
+                continue;
+            }
+        }
         return finish_transfer(c, &r, rep, bar, json).await;
     }
-    let rep = c
-        .put(&r, offset, source.as_mut(), limit, verify, &mut |d| {
-            bar.update(d)
-        })
-        .await;
-    finish_transfer(c, &r, rep, bar, json).await
 }

@@ -215,6 +215,19 @@ pub(crate) struct ClientArgs {
     /// Seconds to wait for the server at each step.
     #[arg(long, default_value_t = 30)]
     pub(crate) timeout: u64,
+    /// When the transfer fails in a way a new connection may get past (the server restarted,
+    /// went away or was busy; the link or the RDMA transport failed; the QP went down),
+    /// connect again and start the transfer over, up to N times, each said on stderr. A file
+    /// only (-o FILE, -i FILE): a pipe's bytes cannot be taken back. A refused request (an
+    /// unknown region, a range, the token) or a checksum mismatch is not retried, and a server
+    /// that cannot be reached at the start is an error at once (exit 5).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub(crate) retries: u32,
+    /// Seconds before the first retry; each later one waits twice as long as the one before,
+    /// at most 30 s.
+    #[arg(long, value_name = "SECS", default_value_t = 1.0,
+          value_parser = parse_retry_wait)]
+    pub(crate) retry_wait: f64,
     #[command(flatten)]
     pub(crate) path: super::PathArgs,
     /// How the bytes travel: auto (RDMA when this host has an RDMA device, else TCP over the
@@ -227,4 +240,77 @@ pub(crate) struct ClientArgs {
     pub(crate) node: Option<String>,
     #[command(flatten)]
     pub(crate) etcd: super::catalog::EtcdArgs,
+}
+
+fn parse_retry_wait(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if (0.0..=3600.0).contains(&v) => Ok(v),
+        _ => Err(format!("'{s}' is not a number of seconds from 0 to 3600")),
+    }
+}
+
+/// `--retries`: a failed transfer tried again on a new connection, after a wait that doubles.
+pub(crate) struct Retry {
+    left: u32,
+    wait: Duration,
+    done: u32,
+}
+
+impl Retry {
+    pub(crate) fn new(a: &ClientArgs) -> Retry {
+        Retry {
+            left: a.retries,
+            wait: Duration::from_secs_f64(a.retry_wait),
+            done: 0,
+        }
+    }
+
+    /// After `e` ended the transfer `what`: if it is worth another try and tries are left,
+    /// wait, connect `c` again and open `region` again for `purpose`. None: give up with `e`
+    /// (not transient, no try left, or the new connection's open was refused outright).
+    pub(crate) async fn again(
+        &mut self,
+        c: &mut bridge::Client,
+        e: &bridge::Error,
+        what: &str,
+        region: &str,
+        purpose: bridge::OpenFor,
+    ) -> Option<bridge::OpenRegion> {
+        let mut why = e.to_string();
+        if !e.is_transient() {
+            return None;
+        }
+        while self.left > 0 {
+            self.left -= 1;
+            self.done += 1;
+            eprintln!(
+                "p2p-rdma: the {what} failed ({why}); connecting again in {:.1} s to start it \
+                 over (retry {} of {})",
+                self.wait.as_secs_f64(),
+                self.done,
+                self.done + self.left
+            );
+            tokio::time::sleep(self.wait).await;
+            self.wait = (self.wait * 2).min(Duration::from_secs(30));
+            let opened = match c.reconnect().await {
+                Ok(()) => c.open_for(region, purpose).await,
+                Err(e) => Err(e),
+            };
+            match opened {
+                Ok(r) => return Some(r),
+                Err(e) if e.is_transient() => why = e.to_string(),
+                Err(e) => {
+                    eprintln!("p2p-rdma: connected again, but: {e}");
+                    return None;
+                }
+            }
+        }
+        if self.done > 0 {
+            eprintln!(
+                "p2p-rdma: no retry left after {}; the last failure: {why}",
+                self.done
+            );
+        }
+        None
+    }
 }
