@@ -618,74 +618,113 @@ async fn lab_reliability_a_server_killed_mid_put_loses_no_acknowledged_byte() {
     ));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "lab"]
-async fn lab_reliability_a_cli_fetch_with_retries_outlives_a_server_restart() {
-    // `p2p-rdma fetch --retries` of a file region whose server is killed mid-way and started
-    // again on the same address: the fetch connects again (the first try may find nobody
-    // listening yet, and waits longer), fetches from the start, and the file it wrote is the
-    // region's, verified
-    let dir = std::env::temp_dir().join(format!("p2p-retry-{}", std::process::id()));
+/// Whether `file` holds `want` at `at` (a put has reached it).
+fn holds(file: &std::path::Path, at: u64, want: &[u8]) -> bool {
+    use std::io::{Read as _, Seek as _};
+    let mut got = vec![0u8; want.len()];
+    std::fs::File::open(file)
+        .and_then(|mut f| {
+            f.seek(std::io::SeekFrom::Start(at))?;
+            f.read_exact(&mut got)
+        })
+        .is_ok()
+        && got == want
+}
+
+/// `p2p-rdma fetch` or `put --retries` of 128 MiB of a file region whose server is killed
+/// mid-way and started again on the same address: the transfer connects again (the first try
+/// may find nobody listening yet, and waits longer), starts over, and ends verified with every
+/// byte where it belongs.
+async fn a_cli_transfer_with_retries_outlives_a_server_restart(op: &str) {
+    let dir = std::env::temp_dir().join(format!("p2p-retry-{op}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let token_file = dir.join("token");
     std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
     let file = dir.join("region.bin");
     let content = data(128 << 20, 43);
-    std::fs::write(&file, &content).unwrap();
+    let fetching = op == "fetch";
+    std::fs::write(
+        &file,
+        if fetching {
+            content.clone()
+        } else {
+            vec![0; content.len()]
+        },
+    )
+    .unwrap();
     let spec = format!("f=file:{}", file.display());
     let (mut server, addr) = ServeProcess::start(&spec, &token_file).await;
-    let out = dir.join("out.bin");
-    let fetch = Command::new(env!("CARGO_BIN_EXE_p2p-rdma"))
-        .args([
-            "fetch",
-            &addr.to_string(),
-            "f",
-            "--verify",
-            "--retries",
-            "4",
-        ])
+    // the other end: the file written by the fetch, or read by the put
+    let local = dir.join("local.bin");
+    if !fetching {
+        std::fs::write(&local, &content).unwrap();
+    }
+    let child = Command::new(env!("CARGO_BIN_EXE_p2p-rdma"))
+        .args([op, &addr.to_string(), "f", "--verify", "--retries", "4"])
         .args(["--retry-wait", "1", "--token-file"])
         .arg(&token_file)
-        .arg("-o")
-        .arg(&out)
+        .arg(if fetching { "-o" } else { "-i" })
+        .arg(&local)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .spawn()
-        .expect("p2p-rdma fetch");
-    let fetch = tokio::task::spawn_blocking(move || fetch.wait_with_output());
-    // cut it once 4 MiB are in the file
+        .expect("p2p-rdma fetch or put");
+    let child = tokio::task::spawn_blocking(move || child.wait_with_output());
+    // cut it once 4 MiB have moved: in the fetched file, or the put's 4th MiB in the region
+    let moved = || {
+        if fetching {
+            std::fs::metadata(&local).map_or(0, |m| m.len()) >= 4 << 20
+        } else {
+            holds(&file, (4 << 20) - 4096, &content[(4 << 20) - 4096..4 << 20])
+        }
+    };
     let deadline = Instant::now() + Duration::from_secs(60);
-    while std::fs::metadata(&out).map_or(0, |m| m.len()) < 4 << 20 {
-        assert!(Instant::now() < deadline, "the fetch did not start");
+    while !moved() {
+        assert!(Instant::now() < deadline, "the {op} did not start");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     server.kill();
-    let cut_at = std::fs::metadata(&out).map_or(0, |m| m.len());
+    let whole = if fetching {
+        std::fs::metadata(&local).map_or(0, |m| m.len()) == content.len() as u64
+    } else {
+        holds(&file, (128 << 20) - 4096, &content[(128 << 20) - 4096..])
+    };
     assert!(
-        cut_at < content.len() as u64,
-        "the fetch ended before the server was killed: this run tested nothing"
+        !whole,
+        "the {op} ended before the server was killed: this run tested nothing"
     );
     let (_again, _) = ServeProcess::start_at(addr, &spec, &token_file).await;
-    let done = tokio::time::timeout(Duration::from_secs(180), fetch)
+    let done = tokio::time::timeout(Duration::from_secs(180), child)
         .await
-        .expect("the fetch ends")
+        .unwrap_or_else(|_| panic!("the {op} ends"))
         .unwrap()
         .unwrap();
     let err = String::from_utf8_lossy(&done.stderr);
-    eprintln!("the fetch said:\n{err}");
+    eprintln!("the {op} said:\n{err}");
     assert!(done.status.success(), "{:?}: {err}", done.status);
     assert!(
         err.contains("connecting again") && err.contains("retry 1 of 4"),
         "{err}"
     );
     assert!(err.contains("verified"), "{err}");
-    let got = std::fs::read(&out).unwrap();
-    assert!(got == content, "the file fetched differs from the region");
+    let got = std::fs::read(if fetching { &local } else { &file }).unwrap();
+    assert!(got == content, "the bytes {op} moved differ");
     let tries = err.matches("connecting again").count();
     figure(format!(
-        "reliability: fetch --retries 4 of 128 MiB, its server killed at {:.1} MiB and started again: done after {tries} retr{}, verified",
-        cut_at as f64 / f64::from(1 << 20),
+        "reliability: {op} --retries 4 of 128 MiB, its server killed mid-way and started again: done after {tries} retr{}, verified",
         if tries == 1 { "y" } else { "ies" }
     ));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_reliability_a_cli_fetch_with_retries_outlives_a_server_restart() {
+    a_cli_transfer_with_retries_outlives_a_server_restart("fetch").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_reliability_a_cli_put_with_retries_outlives_a_server_restart() {
+    a_cli_transfer_with_retries_outlives_a_server_restart("put").await;
 }
