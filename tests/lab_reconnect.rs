@@ -99,22 +99,29 @@ async fn lab_a_client_whose_qp_went_down_reconnects_and_keeps_its_registered_buf
     s.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "lab"]
-async fn lab_a_client_reconnects_to_its_server_restarted_on_the_same_address() {
+/// A client (over `Transport::Tcp` if `tcp`) whose server stops and starts again, empty, on
+/// the same address: its next call fails with a transient error, it reconnects, the old
+/// handle is refused, and it puts and fetches through the region opened again (over RDMA,
+/// from the buffer it registered before the restart).
+async fn reconnects_to_a_restarted_server(tcp: bool) {
     let s = start(&["m=host:4M"], |_| {}).await;
     let addr = s.addr;
-    let mut c = Client::connect(client_config(addr, 256 << 10, 4))
-        .await
-        .unwrap();
+    let mut cfg = client_config(addr, 256 << 10, 4);
+    if tcp {
+        cfg.transport = p2p_rdma::bridge::Transport::Tcp;
+    }
+    let mut c = Client::connect(cfg).await.unwrap();
     let m = c.open("m", true).await.unwrap();
-    let buf = c.buffer(1 << 20).await.unwrap();
+    let buf = if tcp {
+        None
+    } else {
+        Some(c.buffer(1 << 20).await.unwrap())
+    };
     let d = data(1 << 20, 32);
     c.put(&m, 0, &mut d.as_slice(), None, true, &mut |_| {})
         .await
         .unwrap();
     s.stop().await;
-    // the server comes back on the same address, empty: the client's old connection is dead
     let s = start(&["m=host:4M"], |cfg| cfg.listen = addr).await;
     let e = c
         .fetch(&m, 0, 4096, &mut Vec::new(), false, &mut |_| {})
@@ -124,52 +131,36 @@ async fn lab_a_client_reconnects_to_its_server_restarted_on_the_same_address() {
     c.reconnect().await.unwrap();
     refused_after_reconnect(&mut c, &m).await;
     let m = c.open("m", true).await.unwrap();
-    let mut buf = buf;
-    buf.as_mut_slice().copy_from_slice(&d);
-    let put = c.put_from(&m, 0, 1 << 20, buf, 0).await.unwrap();
-    assert_eq!(put.direct_bytes, 1 << 20, "{put:?}");
-    let got = c.fetch_bytes(&m, 0, 1 << 20).await.unwrap();
-    assert!(got[..] == d[..], "the bytes differ");
+    if let Some(mut buf) = buf {
+        buf.as_mut_slice().copy_from_slice(&d);
+        let put = c.put_from(&m, 0, 1 << 20, buf, 0).await.unwrap();
+        assert_eq!(put.direct_bytes, 1 << 20, "{put:?}");
+    } else {
+        let put = c
+            .put(&m, 0, &mut d.as_slice(), None, true, &mut |_| {})
+            .await
+            .unwrap();
+        assert_eq!(put.tcp_bytes, 1 << 20, "{put:?}");
+        assert_eq!(c.tcp_reason(), Some("the TCP transport was asked for"));
+    }
+    let mut got = Vec::new();
+    let rep = c
+        .fetch(&m, 0, 1 << 20, &mut got, true, &mut |_| {})
+        .await
+        .unwrap();
+    assert!(rep.verified && got == d, "{rep:?}");
     c.bye().await.unwrap();
     s.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "lab"]
+async fn lab_a_client_reconnects_to_its_server_restarted_on_the_same_address() {
+    reconnects_to_a_restarted_server(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
 async fn lab_a_tcp_client_reconnects_to_its_server_restarted_on_the_same_address() {
-    // the same over the TCP transport: no QP, the bytes on the control connection
-    let s = start(&["m=host:4M"], |_| {}).await;
-    let addr = s.addr;
-    let mut cfg = client_config(addr, 256 << 10, 4);
-    cfg.transport = p2p_rdma::bridge::Transport::Tcp;
-    let mut c = Client::connect(cfg).await.unwrap();
-    let m = c.open("m", true).await.unwrap();
-    let d = data(1 << 20, 33);
-    c.put(&m, 0, &mut d.as_slice(), None, true, &mut |_| {})
-        .await
-        .unwrap();
-    s.stop().await;
-    let s = start(&["m=host:4M"], |cfg| cfg.listen = addr).await;
-    let e = c
-        .fetch(&m, 0, 4096, &mut Vec::new(), false, &mut |_| {})
-        .await
-        .unwrap_err();
-    assert!(e.is_transient(), "a fetch on the dead connection: {e}");
-    c.reconnect().await.unwrap();
-    refused_after_reconnect(&mut c, &m).await;
-    let m = c.open("m", true).await.unwrap();
-    let put = c
-        .put(&m, 1 << 20, &mut d.as_slice(), None, true, &mut |_| {})
-        .await
-        .unwrap();
-    assert_eq!(put.tcp_bytes, 1 << 20, "{put:?}");
-    let mut got = Vec::new();
-    let rep = c
-        .fetch(&m, 1 << 20, 1 << 20, &mut got, true, &mut |_| {})
-        .await
-        .unwrap();
-    assert!(rep.verified && got == d, "{rep:?}");
-    assert_eq!(c.tcp_reason(), Some("the TCP transport was asked for"));
-    c.bye().await.unwrap();
-    s.stop().await;
+    reconnects_to_a_restarted_server(true).await;
 }

@@ -112,6 +112,28 @@ async fn lab_nvme_ring_slots_held_past_the_hold_limit_while_others_want_them_are
     s.stop().await;
 }
 
+/// Another client that, from 300 ms on, fetches the second half of region `d` (8 MiB, whose
+/// bytes are `model`) until `stop`, so that it wants the ring; its fetches, counted.
+fn wants_the_ring(
+    addr: std::net::SocketAddr,
+    model: Vec<u8>,
+    stop: &std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> tokio::task::JoinHandle<u64> {
+    let stop = std::sync::Arc::clone(stop);
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let mut c = ring_client(addr).await;
+        let h = c.open("d", false).await.unwrap();
+        let mut n = 0;
+        while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+            fetch_matches(&mut c, &h, 4 << 20, 4 << 20, &model).await;
+            n += 1;
+        }
+        c.bye().await.unwrap();
+        n
+    })
+}
+
 /// A sink whose first write blocks for a while (a pipe to a stalled reader, say).
 struct StallingSink {
     bytes: Vec<u8>,
@@ -164,21 +186,7 @@ async fn a_slow_reader_asks_again(how: Reader) {
     let h = slow.open_to_fetch("d", 0, 8 << 20).await.unwrap();
     // the other client starts once the slow reader is in line for the ring
     let stop = Arc::new(AtomicBool::new(false));
-    let other = {
-        let (stop, model, addr) = (Arc::clone(&stop), model.clone(), s.addr);
-        tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            let mut c = ring_client(addr).await;
-            let h = c.open("d", false).await.unwrap();
-            let mut n = 0;
-            while !stop.load(Ordering::SeqCst) {
-                fetch_matches(&mut c, &h, 4 << 20, 4 << 20, &model).await;
-                n += 1;
-            }
-            c.bye().await.unwrap();
-            n
-        })
-    };
+    let other = wants_the_ring(s.addr, model.clone(), &stop);
     let started = Instant::now();
     let stall = Duration::from_secs(6);
     let (bytes, reasked, zero_copy) = match how {
@@ -381,21 +389,7 @@ async fn lab_nvme_a_batch_over_two_rings_on_one_connection_loses_only_the_wanted
     // them, and are lent while it blocks)
     tokio::time::sleep(HOLD + Duration::from_secs(1)).await;
     let stop = Arc::new(AtomicBool::new(false));
-    let other = {
-        let (stop, model, addr) = (Arc::clone(&stop), d_model.to_vec(), s.addr);
-        tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            let mut c = ring_client(addr).await;
-            let h = c.open("d", false).await.unwrap();
-            let mut n = 0;
-            while !stop.load(Ordering::SeqCst) {
-                fetch_matches(&mut c, &h, 4 << 20, 4 << 20, &model).await;
-                n += 1;
-            }
-            c.bye().await.unwrap();
-            n
-        })
-    };
+    let other = wants_the_ring(s.addr, d_model.to_vec(), &stop);
     let ranges = [
         p2p_rdma::bridge::BatchRange {
             region: &d,
