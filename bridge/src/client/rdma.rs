@@ -82,6 +82,10 @@ impl Client {
             }
             None => {
                 let nic = self.nic_for(region).await?;
+                // after a reconnect: the device of the last QP, unless the route says another
+                if let (None, Some(k)) = (&self.device, &self.kept) {
+                    self.device = Some(k.pd.context().clone());
+                }
                 let (ctx, local_ip) = self.local_side(nic.as_deref())?;
                 // after a reconnect, the QP goes on the domain of the last one: what was
                 // registered on it stays usable
