@@ -631,18 +631,35 @@ fn holds(file: &std::path::Path, at: u64, want: &[u8]) -> bool {
         && got == want
 }
 
-/// `p2p-rdma fetch` or `put --retries` of 128 MiB of a file region whose server is killed
-/// mid-way and started again on the same address: the transfer connects again (the first try
-/// may find nobody listening yet, and waits longer), starts over, and ends verified with every
+/// What [`a_cli_transfer_with_retries_outlives_a_server_restart`] moves.
+#[derive(Clone, Copy, PartialEq)]
+enum Moved {
+    /// A fetch, which resumes after the bytes it wrote.
+    Fetch,
+    /// A fetch whose region's first MiB changes while the server is down: the part it kept
+    /// differs, and it fetches the whole range again.
+    FetchChanged,
+    /// A put, which starts over.
+    Put,
+}
+
+/// `p2p-rdma fetch` or `put --retries --verify` of 128 MiB of a file region whose server is
+/// killed mid-way and started again on the same address: the transfer connects again (the
+/// first try may find nobody listening yet, and waits longer) and ends verified with every
 /// byte where it belongs.
-async fn a_cli_transfer_with_retries_outlives_a_server_restart(op: &str) {
-    let dir = std::env::temp_dir().join(format!("p2p-retry-{op}-{}", std::process::id()));
+async fn a_cli_transfer_with_retries_outlives_a_server_restart(moved: Moved) {
+    let op = if moved == Moved::Put { "put" } else { "fetch" };
+    let dir = std::env::temp_dir().join(format!(
+        "p2p-retry-{op}-{}-{}",
+        moved == Moved::FetchChanged,
+        std::process::id()
+    ));
     std::fs::create_dir_all(&dir).unwrap();
     let token_file = dir.join("token");
     std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
     let file = dir.join("region.bin");
-    let content = data(128 << 20, 43);
-    let fetching = op == "fetch";
+    let mut content = data(128 << 20, 43);
+    let fetching = moved != Moved::Put;
     std::fs::write(
         &file,
         if fetching {
@@ -671,7 +688,7 @@ async fn a_cli_transfer_with_retries_outlives_a_server_restart(op: &str) {
         .expect("p2p-rdma fetch or put");
     let child = tokio::task::spawn_blocking(move || child.wait_with_output());
     // cut it once 4 MiB have moved: in the fetched file, or the put's 4th MiB in the region
-    let moved = || {
+    let progressed = || {
         if fetching {
             std::fs::metadata(&local).map_or(0, |m| m.len()) >= 4 << 20
         } else {
@@ -679,7 +696,7 @@ async fn a_cli_transfer_with_retries_outlives_a_server_restart(op: &str) {
         }
     };
     let deadline = Instant::now() + Duration::from_secs(60);
-    while !moved() {
+    while !progressed() {
         assert!(Instant::now() < deadline, "the {op} did not start");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
@@ -693,6 +710,16 @@ async fn a_cli_transfer_with_retries_outlives_a_server_restart(op: &str) {
         !whole,
         "the {op} ended before the server was killed: this run tested nothing"
     );
+    if moved == Moved::FetchChanged {
+        // another writer changed the region's first MiB while its server was down
+        content[..1 << 20].copy_from_slice(&data(1 << 20, 44));
+        use std::io::Write as _;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&file)
+            .and_then(|mut f| f.write_all(&content[..1 << 20]))
+            .unwrap();
+    }
     let (_again, _) = ServeProcess::start_at(addr, &spec, &token_file).await;
     let done = tokio::time::timeout(Duration::from_secs(180), child)
         .await
@@ -707,12 +734,25 @@ async fn a_cli_transfer_with_retries_outlives_a_server_restart(op: &str) {
         "{err}"
     );
     assert!(err.contains("verified"), "{err}");
+    let resumed = err.contains("p2p-rdma: resumed after the first");
+    let whole_again = err.contains("fetching the whole range again");
+    match moved {
+        Moved::Fetch => assert!(resumed && !whole_again, "{err}"),
+        Moved::FetchChanged => assert!(!resumed && whole_again, "{err}"),
+        Moved::Put => assert!(!resumed && !whole_again, "{err}"),
+    }
     let got = std::fs::read(if fetching { &local } else { &file }).unwrap();
     assert!(got == content, "the bytes {op} moved differ");
     let tries = err.matches("connecting again").count();
     figure(format!(
-        "reliability: {op} --retries 4 of 128 MiB, its server killed mid-way and started again: done after {tries} retr{}, verified",
-        if tries == 1 { "y" } else { "ies" }
+        "reliability: {op} --retries 4 of 128 MiB, its server killed mid-way and started again{}: done after {tries} retr{}, verified{}",
+        if moved == Moved::FetchChanged { ", the region's first MiB changed meanwhile" } else { "" },
+        if tries == 1 { "y" } else { "ies" },
+        match (resumed, whole_again) {
+            (true, _) => ", resumed",
+            (_, true) => ", the kept part differed: fetched whole again",
+            _ => ", started over",
+        }
     ));
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -720,11 +760,18 @@ async fn a_cli_transfer_with_retries_outlives_a_server_restart(op: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "lab"]
 async fn lab_reliability_a_cli_fetch_with_retries_outlives_a_server_restart() {
-    a_cli_transfer_with_retries_outlives_a_server_restart("fetch").await;
+    a_cli_transfer_with_retries_outlives_a_server_restart(Moved::Fetch).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_reliability_a_cli_fetch_with_retries_fetches_again_what_changed_while_its_server_was_down(
+) {
+    a_cli_transfer_with_retries_outlives_a_server_restart(Moved::FetchChanged).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "lab"]
 async fn lab_reliability_a_cli_put_with_retries_outlives_a_server_restart() {
-    a_cli_transfer_with_retries_outlives_a_server_restart("put").await;
+    a_cli_transfer_with_retries_outlives_a_server_restart(Moved::Put).await;
 }

@@ -130,17 +130,61 @@ pub(crate) async fn fetch(a: FetchArgs) -> anyhow::Result<()> {
         return finish_transfer(c, &r, rep, bar, json).await;
     }
     let mut retry = Retry::new(&client);
+    // bytes at the start of the file kept from the tries before, which the next one resumes
+    // after (--verify, one stream); None once a kept part was found to differ
+    let mut keep = Some(0u64).filter(|_| verify && qps == 1);
     loop {
+        let at = keep.unwrap_or(0);
+        let mut written = 0;
         (c, r, rep) = into_file(
-            c, r, &base, &region, offset, len, &output, verify, qps, &mut bar,
+            c,
+            r,
+            &base,
+            &region,
+            (offset, len),
+            (&output, at, &mut written),
+            verify,
+            qps,
+            &mut bar,
         )
         .await?;
+        if let (Ok(_), true) = (&rep, at > 0) {
+            // the kept part came from the server before it failed: it must still be its bytes
+            match kept_matches(&mut c, &r, offset, at, &output).await {
+                Ok(()) => {
+                    eprintln!(
+                        "p2p-rdma: resumed after the first {} of the range, fetched before the \
+                         failure and checked against the server's checksum",
+                        bridge::size::human(at)
+                    );
+                    break;
+                }
+                Err(e @ bridge::Error::Mismatch { .. }) => {
+                    eprintln!(
+                        "p2p-rdma: the part kept from before the failure differs from the \
+                         server's bytes now ({e}); fetching the whole range again"
+                    );
+                    keep = None;
+                    continue;
+                }
+                Err(e) => rep = Err(e),
+            }
+        }
         let Err(e) = &rep else { break };
-        // --retries: the same node again, on a new connection, from the start
-        if let Some(again) = retry.again(&mut c, e, "fetch", &region, purpose).await {
+        // --retries: the same node again, on a new connection; with --verify it resumes
+        // after what this try wrote, else it starts over
+        let next = keep.map(|_| at + written);
+        let from = next.unwrap_or(0);
+        let rest_of_it = bridge::OpenFor::Fetch {
+            offset: offset + from,
+            len: len - from,
+        };
+        if let Some(again) = retry.again(&mut c, e, "fetch", &region, rest_of_it).await {
             r = again;
+            keep = next;
             continue;
         }
+        keep = keep.map(|_| 0);
         // by name: a node that fails mid-way is left for the next replica, which writes the
         // file again from the start
         if rest.is_empty() {
@@ -158,16 +202,31 @@ pub(crate) async fn fetch(a: FetchArgs) -> anyhow::Result<()> {
     finish_transfer(c, &r, rep, bar, json).await
 }
 
-/// One attempt at fetching into the file `output` (created again), over `qps` connections.
+/// Whether the first `len` bytes of file `output` are the server's at `offset` of `r`.
+async fn kept_matches(
+    c: &mut bridge::Client,
+    r: &bridge::OpenRegion,
+    offset: u64,
+    len: u64,
+    output: &str,
+) -> bridge::Result<()> {
+    let f = std::fs::File::open(output)
+        .map_err(|e| bridge::Error::io(format!("reading back {output}"), e))?;
+    let mut f = std::io::BufReader::with_capacity(1 << 20, f);
+    c.compare(r, offset, len, &mut f).await
+}
+
+/// One attempt at fetching `len` bytes at `offset` into the file `output` over `qps`
+/// connections: the file created again, or (`at` > 0, one connection) its first `at` bytes
+/// kept and the rest fetched after them. `written`: the bytes this attempt wrote, in order.
 #[allow(clippy::too_many_arguments)]
 async fn into_file(
     mut c: bridge::Client,
     r: bridge::OpenRegion,
     base: &bridge::ClientConfig,
     region: &str,
-    offset: u64,
-    len: u64,
-    output: &str,
+    (offset, len): (u64, u64),
+    (output, at, written): (&str, u64, &mut u64),
     verify: bool,
     qps: usize,
     bar: &mut Progress,
@@ -201,10 +260,25 @@ async fn into_file(
         let (c, r) = lanes.close_rest().await;
         return Ok((c, r, rep));
     }
-    let mut f = std::fs::File::create(output)
-        .with_context(|| format!("cannot create the output file {output}"))?;
+    let mut f = if at > 0 {
+        use std::io::Seek as _;
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(output)
+            .with_context(|| format!("cannot open the output file {output} to resume"))?;
+        f.set_len(at)
+            .and_then(|()| f.seek(std::io::SeekFrom::Start(at)))
+            .with_context(|| format!("cannot resume {output} after byte {at}"))?;
+        f
+    } else {
+        std::fs::File::create(output)
+            .with_context(|| format!("cannot create the output file {output}"))?
+    };
     let rep = c
-        .fetch(&r, offset, len, &mut f, verify, &mut |d| bar.update(d))
+        .fetch(&r, offset + at, len - at, &mut f, verify, &mut |d| {
+            *written = d;
+            bar.update(at + d)
+        })
         .await;
     Ok((c, r, rep))
 }

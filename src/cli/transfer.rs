@@ -217,8 +217,11 @@ pub(crate) struct ClientArgs {
     pub(crate) timeout: u64,
     /// When the transfer fails in a way a new connection may get past (the server restarted,
     /// went away or was busy; the link or the RDMA transport failed; the QP went down),
-    /// connect again and start the transfer over, up to N times, each said on stderr. A file
-    /// only (-o FILE, -i FILE): a pipe's bytes cannot be taken back. A refused request (an
+    /// connect again and start the transfer over, up to N times, each said on stderr. A fetch
+    /// with --verify on one connection resumes after the bytes it wrote instead, and checks
+    /// them against the server's checksum at the end (fetching the whole range again if they
+    /// differ: the region changed meanwhile). A file only (-o FILE, -i FILE): a pipe's bytes
+    /// cannot be taken back. A refused request (an
     /// unknown region, a range, the token) or a checksum mismatch is not retried, and a server
     /// that cannot be reached at the start is an error at once (exit 5).
     #[arg(long, value_name = "N", default_value_t = 0)]
@@ -284,8 +287,8 @@ impl Retry {
             self.left -= 1;
             self.done += 1;
             eprintln!(
-                "p2p-rdma: the {what} failed ({why}); connecting again in {:.1} s to start it \
-                 over (retry {} of {})",
+                "p2p-rdma: the {what} failed ({why}); connecting again in {:.1} s (retry {} \
+                 of {})",
                 self.wait.as_secs_f64(),
                 self.done,
                 self.done + self.left

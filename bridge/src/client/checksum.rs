@@ -27,6 +27,34 @@ impl Checksum {
     }
 }
 
+impl super::Client {
+    /// Compare `len` bytes read from `local` with the server's bytes at `offset` of `r`, by
+    /// CRC-32C: `Error::Mismatch` when they differ (a copy made earlier, checked before it is
+    /// trusted; a fetch resumed after a failure checks the part it kept).
+    pub async fn compare(
+        &mut self,
+        r: &super::OpenRegion,
+        offset: u64,
+        len: u64,
+        local: &mut (dyn std::io::Read + Send),
+    ) -> crate::error::Result<()> {
+        self.check_range(r, offset, len)?;
+        let mut crc = Checksum::new(true);
+        let mut buf = vec![0u8; (1 << 20).min(len.max(1) as usize)];
+        let mut left = len;
+        while left > 0 {
+            let n = buf.len().min(usize::try_from(left).unwrap_or(usize::MAX));
+            local
+                .read_exact(&mut buf[..n])
+                .map_err(|e| crate::error::Error::io("reading the local copy to compare", e))?;
+            crc.add(&buf[..n]);
+            left -= n as u64;
+        }
+        self.verify(r, "local copy", offset, len, crc).await?;
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
