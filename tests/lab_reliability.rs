@@ -643,14 +643,15 @@ enum Moved {
     Put,
 }
 
-/// `p2p-rdma fetch` or `put --retries --verify` of 128 MiB of a file region whose server is
-/// killed mid-way and started again on the same address: the transfer connects again (the
-/// first try may find nobody listening yet, and waits longer) and ends verified with every
-/// byte where it belongs.
-async fn a_cli_transfer_with_retries_outlives_a_server_restart(moved: Moved) {
+/// `p2p-rdma fetch` or `put --retries --verify --qps QPS` of 128 MiB of a file region whose
+/// server is killed mid-way and started again on the same address: the transfer connects
+/// again (the first try may find nobody listening yet, and waits longer) and ends verified
+/// with every byte where it belongs. A fetch on one connection resumes; striped, it starts
+/// over.
+async fn a_cli_transfer_with_retries_outlives_a_server_restart(moved: Moved, qps: u16) {
     let op = if moved == Moved::Put { "put" } else { "fetch" };
     let dir = std::env::temp_dir().join(format!(
-        "p2p-retry-{op}-{}-{}",
+        "p2p-retry-{op}-{}-{qps}-{}",
         moved == Moved::FetchChanged,
         std::process::id()
     ));
@@ -678,7 +679,13 @@ async fn a_cli_transfer_with_retries_outlives_a_server_restart(moved: Moved) {
     }
     let child = Command::new(env!("CARGO_BIN_EXE_p2p-rdma"))
         .args([op, &addr.to_string(), "f", "--verify", "--retries", "4"])
-        .args(["--retry-wait", "1", "--token-file"])
+        .args([
+            "--retry-wait",
+            "1",
+            "--qps",
+            &qps.to_string(),
+            "--token-file",
+        ])
         .arg(&token_file)
         .arg(if fetching { "-o" } else { "-i" })
         .arg(&local)
@@ -687,25 +694,19 @@ async fn a_cli_transfer_with_retries_outlives_a_server_restart(moved: Moved) {
         .spawn()
         .expect("p2p-rdma fetch or put");
     let child = tokio::task::spawn_blocking(move || child.wait_with_output());
-    // cut it once 4 MiB have moved: in the fetched file, or the put's 4th MiB in the region
-    let progressed = || {
-        if fetching {
-            std::fs::metadata(&local).map_or(0, |m| m.len()) >= 4 << 20
-        } else {
-            holds(&file, (4 << 20) - 4096, &content[(4 << 20) - 4096..4 << 20])
-        }
-    };
+    // cut it once the 4th MiB of either half (a stripe, with --qps 2) is where it goes: in the
+    // fetched file (which a striped fetch sizes first), or in the region. The two stripes need
+    // not move at the same pace
+    let dest = if fetching { &local } else { &file };
+    let block = |end: usize| holds(dest, end as u64 - 4096, &content[end - 4096..end]);
+    let progressed = || block(4 << 20) || block(68 << 20);
     let deadline = Instant::now() + Duration::from_secs(60);
     while !progressed() {
         assert!(Instant::now() < deadline, "the {op} did not start");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     server.kill();
-    let whole = if fetching {
-        std::fs::metadata(&local).map_or(0, |m| m.len()) == content.len() as u64
-    } else {
-        holds(&file, (128 << 20) - 4096, &content[(128 << 20) - 4096..])
-    };
+    let whole = block(64 << 20) && block(128 << 20);
     assert!(
         !whole,
         "the {op} ended before the server was killed: this run tested nothing"
@@ -737,6 +738,7 @@ async fn a_cli_transfer_with_retries_outlives_a_server_restart(moved: Moved) {
     let resumed = err.contains("p2p-rdma: resumed after the first");
     let whole_again = err.contains("fetching the whole range again");
     match moved {
+        Moved::Fetch if qps > 1 => assert!(!resumed && !whole_again, "{err}"),
         Moved::Fetch => assert!(resumed && !whole_again, "{err}"),
         Moved::FetchChanged => assert!(!resumed && whole_again, "{err}"),
         Moved::Put => assert!(!resumed && !whole_again, "{err}"),
@@ -745,7 +747,7 @@ async fn a_cli_transfer_with_retries_outlives_a_server_restart(moved: Moved) {
     assert!(got == content, "the bytes {op} moved differ");
     let tries = err.matches("connecting again").count();
     figure(format!(
-        "reliability: {op} --retries 4 of 128 MiB, its server killed mid-way and started again{}: done after {tries} retr{}, verified{}",
+        "reliability: {op} --retries 4 --qps {qps} of 128 MiB, its server killed mid-way and started again{}: done after {tries} retr{}, verified{}",
         if moved == Moved::FetchChanged { ", the region's first MiB changed meanwhile" } else { "" },
         if tries == 1 { "y" } else { "ies" },
         match (resumed, whole_again) {
@@ -760,18 +762,30 @@ async fn a_cli_transfer_with_retries_outlives_a_server_restart(moved: Moved) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "lab"]
 async fn lab_reliability_a_cli_fetch_with_retries_outlives_a_server_restart() {
-    a_cli_transfer_with_retries_outlives_a_server_restart(Moved::Fetch).await;
+    a_cli_transfer_with_retries_outlives_a_server_restart(Moved::Fetch, 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_reliability_a_striped_cli_fetch_with_retries_outlives_a_server_restart() {
+    a_cli_transfer_with_retries_outlives_a_server_restart(Moved::Fetch, 2).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "lab"]
 async fn lab_reliability_a_cli_fetch_with_retries_fetches_again_what_changed_while_its_server_was_down(
 ) {
-    a_cli_transfer_with_retries_outlives_a_server_restart(Moved::FetchChanged).await;
+    a_cli_transfer_with_retries_outlives_a_server_restart(Moved::FetchChanged, 1).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "lab"]
 async fn lab_reliability_a_cli_put_with_retries_outlives_a_server_restart() {
-    a_cli_transfer_with_retries_outlives_a_server_restart(Moved::Put).await;
+    a_cli_transfer_with_retries_outlives_a_server_restart(Moved::Put, 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_reliability_a_striped_cli_put_with_retries_outlives_a_server_restart() {
+    a_cli_transfer_with_retries_outlives_a_server_restart(Moved::Put, 2).await;
 }
