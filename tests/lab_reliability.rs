@@ -789,3 +789,74 @@ async fn lab_reliability_a_cli_put_with_retries_outlives_a_server_restart() {
 async fn lab_reliability_a_striped_cli_put_with_retries_outlives_a_server_restart() {
     a_cli_transfer_with_retries_outlives_a_server_restart(Moved::Put, 2).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_reliability_a_cli_fetch_with_retries_waits_for_a_server_not_up_yet() {
+    // `fetch --retries` started before its server: the connection is refused, tried again
+    // after 1 s, 2 s, …, and the fetch goes through once the server is up. Without --retries
+    // the same start fails at once with exit 5 (unreachable)
+    let dir = std::env::temp_dir().join(format!("p2p-retry-start-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let token_file = dir.join("token");
+    std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
+    let file = dir.join("region.bin");
+    let content = data(4 << 20, 45);
+    std::fs::write(&file, &content).unwrap();
+    let spec = format!("f=file:{}", file.display());
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let out = dir.join("out.bin");
+    let fetch = |retries: &str| {
+        Command::new(env!("CARGO_BIN_EXE_p2p-rdma"))
+            .args([
+                "fetch",
+                &addr.to_string(),
+                "f",
+                "--verify",
+                "--retries",
+                retries,
+            ])
+            .arg("--token-file")
+            .arg(&token_file)
+            .arg("-o")
+            .arg(&out)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("p2p-rdma fetch")
+    };
+    let at_once = fetch("0").wait_with_output().unwrap();
+    assert_eq!(
+        at_once.status.code(),
+        Some(5),
+        "without retries: {}",
+        String::from_utf8_lossy(&at_once.stderr)
+    );
+    let waiting = fetch("5");
+    let waiting = tokio::task::spawn_blocking(move || waiting.wait_with_output());
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let (_server, _) = ServeProcess::start_at(addr, &spec, &token_file).await;
+    let done = tokio::time::timeout(Duration::from_secs(120), waiting)
+        .await
+        .expect("the fetch ends")
+        .unwrap()
+        .unwrap();
+    let err = String::from_utf8_lossy(&done.stderr);
+    eprintln!("the fetch said:\n{err}");
+    assert!(done.status.success(), "{:?}: {err}", done.status);
+    assert!(
+        err.contains("could not start the fetch") && err.contains("retry 1 of 5"),
+        "{err}"
+    );
+    assert!(std::fs::read(&out).unwrap() == content, "the bytes differ");
+    let tries = err.matches("could not start the fetch").count();
+    figure(format!(
+        "reliability: fetch --retries 5 started 1.5 s before its server: {tries} connection(s) refused, then fetched and verified; without --retries: exit 5 at once"
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+}

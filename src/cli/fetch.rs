@@ -99,11 +99,16 @@ pub(crate) async fn fetch(a: FetchArgs) -> anyhow::Result<()> {
         offset,
         len: length.unwrap_or(u64::MAX),
     };
+    let mut retry = Retry::new(&client);
     let super::catalog::Target {
         client: mut c,
         region: r,
         mut rest,
-    } = super::catalog::open(&addr, &region, purpose, &base, &client).await?;
+    } = retry
+        .start("fetch", || {
+            super::catalog::open(&addr, &region, purpose, &base, &client)
+        })
+        .await?;
     let len = match length {
         Some(l) => l,
         None => r
@@ -129,7 +134,6 @@ pub(crate) async fn fetch(a: FetchArgs) -> anyhow::Result<()> {
             .await;
         return finish_transfer(c, &r, rep, bar, json).await;
     }
-    let mut retry = Retry::new(&client);
     // bytes at the start of the file kept from the tries before, which the next one resumes
     // after (--verify, one stream); None once a kept part was found to differ
     let mut keep = Some(0u64).filter(|_| verify && qps == 1);
@@ -336,13 +340,17 @@ pub(crate) async fn put(a: PutArgs) -> anyhow::Result<()> {
         .into());
     }
     let base = client_config(String::new(), &client)?;
+    let mut retry = Retry::new(&client);
     let super::catalog::Target {
         client: mut c,
         region: mut r,
         ..
-    } = super::catalog::open(&addr, &region, bridge::OpenFor::Write, &base, &client).await?;
+    } = retry
+        .start("put", || {
+            super::catalog::open(&addr, &region, bridge::OpenFor::Write, &base, &client)
+        })
+        .await?;
     let mut bar = Progress::new(limit.unwrap_or(r.info.size.saturating_sub(offset)), json);
-    let mut retry = Retry::new(&client);
     loop {
         let rep;
         if let (true, Some(len)) = (client.qps > 1, limit) {

@@ -221,9 +221,9 @@ pub(crate) struct ClientArgs {
     /// with --verify on one connection resumes after the bytes it wrote instead, and checks
     /// them against the server's checksum at the end (fetching the whole range again if they
     /// differ: the region changed meanwhile). A file only (-o FILE, -i FILE): a pipe's bytes
-    /// cannot be taken back. A refused request (an
-    /// unknown region, a range, the token) or a checksum mismatch is not retried, and a server
-    /// that cannot be reached at the start is an error at once (exit 5).
+    /// cannot be taken back. A server not reached at the start (not up yet, busy) is tried
+    /// again the same way. A refused request (an unknown region, a range, the token) or a
+    /// checksum mismatch is not retried.
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub(crate) retries: u32,
     /// Seconds before the first retry; each later one waits twice as long as the one before,
@@ -265,6 +265,42 @@ impl Retry {
             left: a.retries,
             wait: Duration::from_secs_f64(a.retry_wait),
             done: 0,
+        }
+    }
+
+    /// The first connection and open of the transfer `what`: `open` again, after the same
+    /// waits, while it fails in a way a new connection may get past (the server not up yet)
+    /// and tries are left. The tries count against the same N as the later ones.
+    pub(crate) async fn start<T, F>(
+        &mut self,
+        what: &str,
+        mut open: impl FnMut() -> F,
+    ) -> anyhow::Result<T>
+    where
+        F: std::future::Future<Output = anyhow::Result<T>>,
+    {
+        loop {
+            let e = match open().await {
+                Ok(t) => return Ok(t),
+                Err(e) => e,
+            };
+            let transient = e
+                .downcast_ref::<bridge::Error>()
+                .is_some_and(bridge::Error::is_transient);
+            if !transient || self.left == 0 {
+                return Err(e);
+            }
+            self.left -= 1;
+            self.done += 1;
+            eprintln!(
+                "p2p-rdma: could not start the {what} ({e}); trying again in {:.1} s (retry {} \
+                 of {})",
+                self.wait.as_secs_f64(),
+                self.done,
+                self.done + self.left
+            );
+            tokio::time::sleep(self.wait).await;
+            self.wait = (self.wait * 2).min(Duration::from_secs(30));
         }
     }
 
