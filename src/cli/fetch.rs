@@ -188,15 +188,18 @@ pub(crate) async fn fetch(a: FetchArgs) -> anyhow::Result<()> {
             keep = next;
             continue;
         }
-        keep = keep.map(|_| 0);
-        // by name: a node that fails mid-way is left for the next replica, which writes the
-        // file again from the start
+        // by name: a node that fails mid-way is left for the next replica, which goes on as a
+        // retry does (after what was written, where the fetch is verified: the kept part is
+        // then checked against that replica's bytes)
         if rest.is_empty() {
             break;
         }
         eprintln!("p2p-rdma: catalog: node failed mid-way ({e}); trying the next replica");
-        match super::catalog::next(&region, std::mem::take(&mut rest), purpose, &base).await {
-            Ok(b) => (c, r, rest) = (b.client, b.region, b.rest),
+        match super::catalog::next(&region, std::mem::take(&mut rest), rest_of_it, &base).await {
+            Ok(b) => {
+                (c, r, rest) = (b.client, b.region, b.rest);
+                keep = next;
+            }
             Err(e2) => {
                 eprintln!("p2p-rdma: {e2:#}");
                 break;
