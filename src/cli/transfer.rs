@@ -290,18 +290,24 @@ impl Retry {
             if !transient || self.left == 0 {
                 return Err(e);
             }
-            self.left -= 1;
-            self.done += 1;
-            eprintln!(
-                "p2p-rdma: could not start the {what} ({e}); trying again in {:.1} s (retry {} \
-                 of {})",
-                self.wait.as_secs_f64(),
-                self.done,
-                self.done + self.left
-            );
-            tokio::time::sleep(self.wait).await;
-            self.wait = (self.wait * 2).min(Duration::from_secs(30));
+            self.take_turn(&format!("could not start the {what} ({e}); trying again"))
+                .await;
         }
+    }
+
+    /// Use one of the tries: say `why` with the wait and the count, and wait (each wait
+    /// twice the one before, at most 30 s).
+    async fn take_turn(&mut self, why: &str) {
+        self.left -= 1;
+        self.done += 1;
+        eprintln!(
+            "p2p-rdma: {why} in {:.1} s (retry {} of {})",
+            self.wait.as_secs_f64(),
+            self.done,
+            self.done + self.left
+        );
+        tokio::time::sleep(self.wait).await;
+        self.wait = (self.wait * 2).min(Duration::from_secs(30));
     }
 
     /// After `e` ended the transfer `what`: if it is worth another try and tries are left,
@@ -320,17 +326,8 @@ impl Retry {
             return None;
         }
         while self.left > 0 {
-            self.left -= 1;
-            self.done += 1;
-            eprintln!(
-                "p2p-rdma: the {what} failed ({why}); connecting again in {:.1} s (retry {} \
-                 of {})",
-                self.wait.as_secs_f64(),
-                self.done,
-                self.done + self.left
-            );
-            tokio::time::sleep(self.wait).await;
-            self.wait = (self.wait * 2).min(Duration::from_secs(30));
+            self.take_turn(&format!("the {what} failed ({why}); connecting again"))
+                .await;
             let opened = match c.reconnect().await {
                 Ok(()) => c.open_for(region, purpose).await,
                 Err(e) => Err(e),
