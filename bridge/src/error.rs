@@ -190,9 +190,18 @@ impl Error {
                     | io::ErrorKind::UnexpectedEof
             ),
             // the peer's or the link's doing; a local protection or length error is ours
-            Error::Verbs(verbs::Error::WorkCompletion { status, .. }) => {
-                matches!(status.0, 5 | 7 | 9..=13 | 15 | 16)
-            }
+            Error::Verbs(verbs::Error::WorkCompletion { status, .. }) => matches!(
+                status.name(),
+                "IBV_WC_WR_FLUSH_ERR"
+                    | "IBV_WC_BAD_RESP_ERR"
+                    | "IBV_WC_REM_INV_REQ_ERR"
+                    | "IBV_WC_REM_ACCESS_ERR"
+                    | "IBV_WC_REM_OP_ERR"
+                    | "IBV_WC_RETRY_EXC_ERR"
+                    | "IBV_WC_RNR_RETRY_EXC_ERR"
+                    | "IBV_WC_REM_INV_RD_REQ_ERR"
+                    | "IBV_WC_REM_ABORT_ERR"
+            ),
             _ => false,
         }
     }

@@ -86,8 +86,8 @@ pub(crate) async fn fetch(a: FetchArgs) -> anyhow::Result<()> {
     }
     if client.retries > 0 && output == "-" {
         return Err(Usage(
-            "--retries writes the file again from its start: give -o FILE, not - (bytes \
-             written to a pipe cannot be taken back)"
+            "--retries may write the file again (from its start, or after what a verified \
+             fetch kept): give -o FILE, not - (bytes written to a pipe cannot be taken back)"
                 .into(),
         )
         .into());
