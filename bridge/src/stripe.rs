@@ -56,13 +56,18 @@ pub fn merge(reports: &[TransferReport], seconds: f64) -> Option<TransferReport>
         reasked_chunks: 0,
         ..first.clone()
     };
+    let mut end = first.offset;
     for (i, r) in reports.iter().enumerate() {
-        // a range's CRC only when every stripe was summed
+        // a range's CRC only when every stripe was summed, and the stripes are one range (a
+        // resumed fetch's pieces may have gaps, fetched before)
         m.crc32c = match (i, m.crc32c, r.crc32c) {
             (0, _, c) => c,
-            (_, Some(a), Some(b)) => Some(crc32c::crc32c_combine(a, b, r.bytes as usize)),
+            (_, Some(a), Some(b)) if r.offset == end => {
+                Some(crc32c::crc32c_combine(a, b, r.bytes as usize))
+            }
             _ => None,
         };
+        end = r.offset + r.bytes;
         m.bytes += r.bytes;
         m.direct_bytes += r.direct_bytes;
         m.bounce_bytes += r.bounce_bytes;
@@ -143,6 +148,12 @@ mod tests {
         let u = merge(&one_unverified, 1.0).unwrap();
         assert!(!u.verified);
         assert_eq!(u.crc32c, None);
+        // pieces with a gap between them (a resumed fetch's) are not one range: no CRC
+        let mut gap = reps.clone();
+        gap[1].offset += 1;
+        let g = merge(&gap, 1.0).unwrap();
+        assert!(g.verified);
+        assert_eq!(g.crc32c, None);
         assert!(merge(&[], 1.0).is_none());
     }
 

@@ -3,8 +3,11 @@
 
 use anyhow::Context as _;
 
+use bridge::stripe::Stripe;
+
 use super::exit::Usage;
 use super::parse_size_arg;
+use super::resume::Left;
 use super::stripe::{self, Lanes};
 use super::transfer::{client_config, finish_transfer, ClientArgs, Progress, Retry};
 
@@ -134,41 +137,36 @@ pub(crate) async fn fetch(a: FetchArgs) -> anyhow::Result<()> {
             .await;
         return finish_transfer(c, &r, rep, bar, json).await;
     }
-    // bytes at the start of the file kept from the tries before, which the next one resumes
-    // after (--verify, one stream); None once a kept part was found to differ
-    let mut keep = Some(0u64).filter(|_| verify && qps == 1);
+    // the parts of the range the tries before wrote into the file, kept (with --verify) for
+    // the next try to fetch only the rest: one part at the start with one connection, one per
+    // stripe with --qps
+    let mut left = Left::new(offset, len);
     loop {
-        let at = keep.unwrap_or(0);
-        let mut written = 0;
+        let kept = left.kept();
         (c, r, rep) = into_file(
             c,
             r,
             &base,
             &region,
-            (offset, len),
-            (&output, at, &mut written),
+            (&output, &mut left),
             verify,
             qps,
             &mut bar,
         )
         .await?;
-        if let (Ok(_), true) = (&rep, at > 0) {
-            // the kept part came from the server before it failed: it must still be its bytes
-            match kept_matches(&mut c, &r, offset, at, &output).await {
+        if let (Ok(_), false) = (&rep, kept.is_empty()) {
+            // the kept parts came from the server before it failed: they must still be its bytes
+            match kept_matches(&mut c, &r, offset, &kept, &output).await {
                 Ok(()) => {
-                    eprintln!(
-                        "p2p-rdma: resumed after the first {} of the range, fetched before the \
-                         failure and checked against the server's checksum",
-                        bridge::size::human(at)
-                    );
+                    eprintln!("p2p-rdma: {}", resumed(offset, &kept));
                     break;
                 }
                 Err(e @ bridge::Error::Mismatch { .. }) => {
                     eprintln!(
-                        "p2p-rdma: the part kept from before the failure differs from the \
+                        "p2p-rdma: a part kept from before the failure differs from the \
                          server's bytes now ({e}); fetching the whole range again"
                     );
-                    keep = None;
+                    left = Left::new(offset, len);
                     continue;
                 }
                 Err(e) => rep = Err(e),
@@ -177,29 +175,27 @@ pub(crate) async fn fetch(a: FetchArgs) -> anyhow::Result<()> {
         let Err(e) = &rep else { break };
         // --retries: the same node again, on a new connection; with --verify it resumes
         // after what this try wrote, else it starts over
-        let next = keep.map(|_| at + written);
-        let from = next.unwrap_or(0);
+        if !verify {
+            left = Left::new(offset, len);
+        }
+        let first = left.first();
         let rest_of_it = bridge::OpenFor::Fetch {
-            offset: offset + from,
-            len: len - from,
+            offset: first.offset,
+            len: first.len,
         };
         if let Some(again) = retry.again(&mut c, e, "fetch", &region, rest_of_it).await {
             r = again;
-            keep = next;
             continue;
         }
         // by name: a node that fails mid-way is left for the next replica, which goes on as a
-        // retry does (after what was written, where the fetch is verified: the kept part is
+        // retry does (after what was written, where the fetch is verified: the kept parts are
         // then checked against that replica's bytes)
         if rest.is_empty() {
             break;
         }
         eprintln!("p2p-rdma: catalog: node failed mid-way ({e}); trying the next replica");
         match super::catalog::next(&region, std::mem::take(&mut rest), rest_of_it, &base).await {
-            Ok(b) => {
-                (c, r, rest) = (b.client, b.region, b.rest);
-                keep = next;
-            }
+            Ok(b) => (c, r, rest) = (b.client, b.region, b.rest),
             Err(e2) => {
                 eprintln!("p2p-rdma: {e2:#}");
                 break;
@@ -209,31 +205,63 @@ pub(crate) async fn fetch(a: FetchArgs) -> anyhow::Result<()> {
     finish_transfer(c, &r, rep, bar, json).await
 }
 
-/// Whether the first `len` bytes of file `output` are the server's at `offset` of `r`.
+/// What a resumed fetch says once the kept parts matched.
+fn resumed(offset: u64, kept: &[Stripe]) -> String {
+    let human = bridge::size::human;
+    match kept {
+        [k] if k.offset == offset => format!(
+            "resumed after the first {} of the range, fetched before the failure and checked \
+             against the server's checksum",
+            human(k.len)
+        ),
+        _ => format!(
+            "resumed, keeping {} fetched before the failure in {} parts ({}), checked against \
+             the server's checksum",
+            human(kept.iter().map(|k| k.len).sum()),
+            kept.len(),
+            kept.iter()
+                .map(|k| match k.offset - offset {
+                    0 => format!("the first {}", human(k.len)),
+                    at => format!("{} at {}", human(k.len), human(at)),
+                })
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    }
+}
+
+/// Whether the `kept` parts of file `output` (its byte 0 is the region's `offset`) are the
+/// server's bytes of `r`.
 async fn kept_matches(
     c: &mut bridge::Client,
     r: &bridge::OpenRegion,
     offset: u64,
-    len: u64,
+    kept: &[Stripe],
     output: &str,
 ) -> bridge::Result<()> {
-    let f = std::fs::File::open(output)
-        .map_err(|e| bridge::Error::io(format!("reading back {output}"), e))?;
-    let mut f = std::io::BufReader::with_capacity(1 << 20, f);
-    c.compare(r, offset, len, &mut f).await
+    use std::io::{Read as _, Seek as _};
+    for k in kept {
+        let mut f = std::fs::File::open(output)
+            .map_err(|e| bridge::Error::io(format!("reading back {output}"), e))?;
+        f.seek(std::io::SeekFrom::Start(k.offset - offset))
+            .map_err(|e| bridge::Error::io(format!("reading back {output}"), e))?;
+        let mut f = std::io::BufReader::with_capacity(1 << 20, f.take(k.len));
+        c.compare(r, k.offset, k.len, &mut f).await?;
+    }
+    Ok(())
 }
 
-/// One attempt at fetching `len` bytes at `offset` into the file `output` over `qps`
-/// connections: the file created again, or (`at` > 0, one connection) its first `at` bytes
-/// kept and the rest fetched after them. `written`: the bytes this attempt wrote, in order.
+/// One try at fetching into the file `output` what `left` says is left of the range, over
+/// `qps` connections (each piece of it where it goes in the file); `left` then says what is
+/// still left. With nothing kept the file is created again; with one connection the kept part
+/// is a start of the file, which is cut after it.
 #[allow(clippy::too_many_arguments)]
 async fn into_file(
     mut c: bridge::Client,
     r: bridge::OpenRegion,
     base: &bridge::ClientConfig,
     region: &str,
-    (offset, len): (u64, u64),
-    (output, at, written): (&str, u64, &mut u64),
+    (output, left): (&str, &mut Left),
     verify: bool,
     qps: usize,
     bar: &mut Progress,
@@ -242,51 +270,77 @@ async fn into_file(
     bridge::OpenRegion,
     bridge::Result<bridge::TransferReport>,
 )> {
-    if qps > 1 {
-        // each further lane opens naming its stripe (as planned for all `qps` of them)
-        let planned = stripe::cut(offset, len, qps, base.chunk as u64);
-        let mut lanes = Lanes::open((c, r), base, region, qps, |i| {
-            planned
-                .get(i)
-                .map_or(bridge::OpenFor::Read, |s| bridge::OpenFor::Fetch {
-                    offset: s.offset,
-                    len: s.len,
-                })
-        })
-        .await;
-        let rep = stripe::fetch(
-            &mut lanes,
-            offset,
-            len,
-            output,
-            verify,
-            base.chunk as u64,
-            bar,
-        )
-        .await?;
-        let (c, r) = lanes.close_rest().await;
+    let (offset, len) = left.range();
+    if qps <= 1 {
+        // one stream: what the tries before kept is the start of the file
+        let at = left.first().offset - offset;
+        let mut f = if at > 0 {
+            use std::io::Seek as _;
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .open(output)
+                .with_context(|| format!("cannot open the output file {output} to resume"))?;
+            f.set_len(at)
+                .and_then(|()| f.seek(std::io::SeekFrom::Start(at)))
+                .with_context(|| format!("cannot resume {output} after byte {at}"))?;
+            f
+        } else {
+            std::fs::File::create(output)
+                .with_context(|| format!("cannot create the output file {output}"))?
+        };
+        let mut written = 0;
+        let rep = c
+            .fetch(&r, offset + at, len - at, &mut f, verify, &mut |d| {
+                written = d;
+                bar.update(at + d)
+            })
+            .await;
+        let piece = Stripe {
+            offset: offset + at,
+            len: len - at,
+        };
+        left.wrote(&[piece], &[written]);
         return Ok((c, r, rep));
     }
-    let mut f = if at > 0 {
-        use std::io::Seek as _;
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .open(output)
-            .with_context(|| format!("cannot open the output file {output} to resume"))?;
-        f.set_len(at)
-            .and_then(|()| f.seek(std::io::SeekFrom::Start(at)))
-            .with_context(|| format!("cannot resume {output} after byte {at}"))?;
-        f
-    } else {
-        std::fs::File::create(output)
-            .with_context(|| format!("cannot create the output file {output}"))?
-    };
-    let rep = c
-        .fetch(&r, offset + at, len - at, &mut f, verify, &mut |d| {
-            *written = d;
-            bar.update(at + d)
+    let chunk = base.chunk as u64;
+    let again = |left: &mut Left, n: usize| {
+        left.spread(n, chunk).unwrap_or_else(|| {
+            eprintln!(
+                "p2p-rdma: {} parts of the range are left to fetch, over {n} connections: \
+                 fetching the whole range again",
+                left.parts()
+            );
+            *left = Left::new(offset, len);
+            stripe::cut(offset, len, n, chunk)
         })
-        .await;
+    };
+    let mut pieces = again(left, qps);
+    // each further lane opens naming its piece
+    let mut lanes = Lanes::open((c, r), base, region, pieces.len(), |i| {
+        bridge::OpenFor::Fetch {
+            offset: pieces[i].offset,
+            len: pieces[i].len,
+        }
+    })
+    .await;
+    if lanes.lanes.len() < pieces.len() {
+        // the server took fewer connections: the pieces are cut again for those it took (a
+        // first chunk staged for another cut goes back unread)
+        pieces = again(left, lanes.lanes.len());
+    }
+    let before = left.kept_bytes();
+    let (rep, moved) = stripe::fetch(
+        &mut lanes,
+        (offset, len),
+        &pieces,
+        (output, before == 0),
+        verify,
+        bar,
+        before,
+    )
+    .await?;
+    left.wrote(&pieces, &moved);
+    let (c, r) = lanes.close_rest().await;
     Ok((c, r, rep))
 }
 

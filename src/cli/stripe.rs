@@ -90,19 +90,30 @@ impl Lanes {
 type Lane = (Client, OpenRegion);
 type Done = (usize, Lane, bridge::Result<TransferReport>);
 
+/// The merged report of a striped transfer, and the bytes each stripe moved in order (what a
+/// failed one moved before it failed).
+type Striped = (bridge::Result<TransferReport>, Vec<u64>);
+
 /// Run one task per stripe, each with its own file (`files[i]` for `stripes[i]`), keep the
-/// progress line moving, and merge the reports. A failed stripe fails the transfer (its range
-/// is said on stderr; the error is the stripe's own).
+/// progress line moving (`before`: bytes moved by earlier tries), and merge the reports. A
+/// failed stripe fails the transfer (its range is said on stderr; the error is the stripe's
+/// own).
 async fn run<T, F>(
     lanes: &mut Lanes,
     stripes: Vec<Stripe>,
     files: Vec<T>,
-    bar: &mut Progress,
+    (bar, before): (&mut Progress, u64),
     start: impl Fn(usize, Lane, Stripe, T, Arc<AtomicU64>) -> F,
-) -> anyhow::Result<bridge::Result<TransferReport>>
+) -> anyhow::Result<Striped>
 where
     F: std::future::Future<Output = Done> + Send + 'static,
 {
+    anyhow::ensure!(
+        stripes.len() <= lanes.lanes.len(),
+        "{} stripes for {} connections",
+        stripes.len(),
+        lanes.lanes.len()
+    );
     let t0 = Instant::now();
     if stripes.len() > 1 {
         eprintln!(
@@ -134,7 +145,7 @@ where
                 Some(Err(e)) => anyhow::bail!("a stripe's task ended without a result: {e}"),
                 None => break,
             },
-            _ = tick.tick() => bar.update(counters.iter().map(|c| c.load(Ordering::Relaxed)).sum()),
+            _ = tick.tick() => bar.update(before + counters.iter().map(|c| c.load(Ordering::Relaxed)).sum::<u64>()),
         }
     }
     let mut reports = Vec::new();
@@ -160,32 +171,37 @@ where
         }
     }
     lanes.lanes.extend(idle);
+    let moved = counters.iter().map(|c| c.load(Ordering::Relaxed)).collect();
     if let Some(e) = failed {
-        return Ok(Err(e));
+        return Ok((Err(e), moved));
     }
     let m = merge(&reports, t0.elapsed().as_secs_f64())
         .ok_or_else(|| anyhow::anyhow!("a striped transfer without a stripe"))?;
-    Ok(Ok(m))
+    Ok((Ok(m), moved))
 }
 
-/// Fetch `len` bytes at `offset` into the file `output` (created, and sized first), one stripe
-/// per lane.
+/// Fetch the `pieces` of the range of `len` bytes at `offset` into the file `output`, one
+/// piece per lane, each where it goes in the file: the file created and sized first (`fresh`),
+/// else (a try after one that failed) written into as it is. `before`: bytes of the range
+/// already in the file, for the progress line.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn fetch(
     lanes: &mut Lanes,
-    offset: u64,
-    len: u64,
-    output: &str,
+    (offset, len): (u64, u64),
+    pieces: &[Stripe],
+    (output, fresh): (&str, bool),
     verify: bool,
-    chunk: u64,
     bar: &mut Progress,
-) -> anyhow::Result<bridge::Result<TransferReport>> {
-    let f = std::fs::File::create(output)
-        .with_context(|| format!("cannot create the output file {output}"))?;
-    f.set_len(len)
-        .with_context(|| format!("cannot size the output file {output} to {len} bytes"))?;
-    let stripes = cut(offset, len, lanes.lanes.len(), chunk);
+    before: u64,
+) -> anyhow::Result<Striped> {
+    if fresh {
+        let f = std::fs::File::create(output)
+            .with_context(|| format!("cannot create the output file {output}"))?;
+        f.set_len(len)
+            .with_context(|| format!("cannot size the output file {output} to {len} bytes"))?;
+    }
     let mut files = Vec::new();
-    for s in &stripes {
+    for s in pieces {
         let mut f = std::fs::OpenOptions::new()
             .write(true)
             .open(output)
@@ -196,9 +212,9 @@ pub(crate) async fn fetch(
     }
     run(
         lanes,
-        stripes,
+        pieces.to_vec(),
         files,
-        bar,
+        (bar, before),
         |i, (mut c, r), s, mut f, done| async move {
             let rep = c
                 .fetch(&r, s.offset, s.len, &mut f, verify, &mut |d| {
@@ -230,11 +246,11 @@ pub(crate) async fn put(
             .with_context(|| format!("cannot seek in {input}"))?;
         files.push(std::io::BufReader::with_capacity(1 << 20, f));
     }
-    run(
+    let (rep, _) = run(
         lanes,
         stripes,
         files,
-        bar,
+        (bar, 0),
         |i, (mut c, r), s, mut f, done| async move {
             let rep = c
                 .put(&r, s.offset, &mut f, Some(s.len), verify, &mut |d| {
@@ -244,7 +260,8 @@ pub(crate) async fn put(
             (i, (c, r), rep)
         },
     )
-    .await
+    .await?;
+    Ok(rep)
 }
 
 /// The stripes of the range; an empty range is one empty stripe (a transfer of no bytes still

@@ -104,6 +104,8 @@ pub(crate) fn print_report(r: &bridge::TransferReport, json: bool) -> anyhow::Re
         },
         match (r.verified, r.crc32c) {
             (true, Some(c)) => format!(", CRC-32C {c:#010x} verified"),
+            // pieces apart (a resumed striped fetch): each was verified on its own
+            (true, None) if r.bytes > 0 => ", verified".into(),
             _ => String::new(),
         }
     );
@@ -218,9 +220,9 @@ pub(crate) struct ClientArgs {
     /// When the transfer fails in a way a new connection may get past (the server restarted,
     /// went away or was busy; the link or the RDMA transport failed; the QP went down),
     /// connect again and start the transfer over, up to N times, each said on stderr. A fetch
-    /// with --verify on one connection resumes after the bytes it wrote instead, and checks
-    /// them against the server's checksum at the end (fetching the whole range again if they
-    /// differ: the region changed meanwhile). A file only (-o FILE, -i FILE): a pipe's bytes
+    /// with --verify resumes after the bytes each of its streams wrote instead (with --qps too),
+    /// and checks them against the server's checksum at the end (fetching the whole range
+    /// again if they differ: the region changed meanwhile). A file only (-o FILE, -i FILE): a pipe's bytes
     /// cannot be taken back. A server not reached at the start (not up yet, busy) is tried
     /// again the same way. A refused request (an unknown region, a range, the token) or a
     /// checksum mismatch is not retried.

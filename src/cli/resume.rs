@@ -1,0 +1,221 @@
+//! What a fetch into a file still has to fetch after tries that failed part way (`--retries`
+//! with `--verify`).
+//!
+//! Each stream of a try writes its piece of the range in order, so what it wrote before the
+//! failure is a prefix of that piece: the file keeps it, and the next try fetches the rest of
+//! each piece, spread again over the connections it has (a stripe that finished leaves its
+//! connection a share of another stripe's rest). Once the rest is in and verified, the kept
+//! parts are compared with the server's checksum of the same bytes. Sans-IO: `fetch` drives it.
+
+use bridge::stripe::{plan, Stripe, MAX_STRIPES};
+
+/// The range of a fetch into a file, and the parts of it not written yet.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Left {
+    offset: u64,
+    len: u64,
+    /// Parts still to fetch: in order, none empty, none touching the next (an empty list: every
+    /// byte was written).
+    todo: Vec<Stripe>,
+}
+
+impl Left {
+    /// Nothing written yet of `len` bytes at `offset`.
+    pub(crate) fn new(offset: u64, len: u64) -> Left {
+        let todo = if len > 0 {
+            vec![Stripe { offset, len }]
+        } else {
+            Vec::new()
+        };
+        Left { offset, len, todo }
+    }
+
+    /// The whole range: offset and length.
+    pub(crate) fn range(&self) -> (u64, u64) {
+        (self.offset, self.len)
+    }
+
+    /// How many apart parts are still to fetch.
+    pub(crate) fn parts(&self) -> usize {
+        self.todo.len()
+    }
+
+    /// Bytes written by the tries before, kept in the file.
+    pub(crate) fn kept_bytes(&self) -> u64 {
+        self.len - self.todo.iter().map(|s| s.len).sum::<u64>()
+    }
+
+    /// The kept parts (the range less the parts still to fetch), in order.
+    pub(crate) fn kept(&self) -> Vec<Stripe> {
+        let mut out = Vec::new();
+        let mut at = self.offset;
+        for s in self.todo.iter().chain(std::iter::once(&Stripe {
+            offset: self.offset + self.len,
+            len: 0,
+        })) {
+            if s.offset > at {
+                out.push(Stripe {
+                    offset: at,
+                    len: s.offset - at,
+                });
+            }
+            at = s.offset + s.len;
+        }
+        out
+    }
+
+    /// The first part still to fetch: what the next try's first connection opens for (the
+    /// empty range at the end when every byte is written).
+    pub(crate) fn first(&self) -> Stripe {
+        self.todo.first().copied().unwrap_or(Stripe {
+            offset: self.offset + self.len,
+            len: 0,
+        })
+    }
+
+    /// The pieces of the next try over at most `n` connections, one connection each: every
+    /// part left gets one connection, the others go one by one to the part with the most
+    /// chunks per connection, and each part is cut into its share by `plan`. None when more
+    /// parts are left than `n` (they could not all be fetched). One empty piece at the end of
+    /// the range when nothing is left (the try still opens, and its report verifies nothing).
+    pub(crate) fn spread(&self, n: usize, chunk: u64) -> Option<Vec<Stripe>> {
+        let n = n.clamp(1, MAX_STRIPES);
+        if self.todo.is_empty() {
+            return Some(vec![self.first()]);
+        }
+        if self.todo.len() > n {
+            return None;
+        }
+        let chunk = chunk.max(1);
+        let chunks: Vec<u64> = self.todo.iter().map(|s| s.len.div_ceil(chunk)).collect();
+        let mut share = vec![1u64; self.todo.len()];
+        for _ in self.todo.len()..n {
+            // the part whose connections each have the most chunks to fetch, if any has more
+            // chunks than connections
+            let most = (0..share.len())
+                .filter(|&i| chunks[i] > share[i])
+                .max_by(|&a, &b| (chunks[a] * share[b]).cmp(&(chunks[b] * share[a])));
+            let Some(i) = most else { break };
+            share[i] += 1;
+        }
+        Some(
+            self.todo
+                .iter()
+                .zip(share)
+                .flat_map(|(s, k)| plan(s.offset, s.len, k as usize, chunk))
+                .collect(),
+        )
+    }
+
+    /// A try over `pieces` (from `spread`) wrote the first `written[i]` bytes of piece `i`; a
+    /// piece without a count wrote nothing.
+    pub(crate) fn wrote(&mut self, pieces: &[Stripe], written: &[u64]) {
+        let mut todo: Vec<Stripe> = Vec::new();
+        for (i, p) in pieces.iter().enumerate() {
+            let w = written.get(i).copied().unwrap_or(0).min(p.len);
+            if w == p.len {
+                continue;
+            }
+            let rest = Stripe {
+                offset: p.offset + w,
+                len: p.len - w,
+            };
+            match todo.last_mut() {
+                Some(t) if t.offset + t.len == rest.offset => t.len += rest.len,
+                _ => todo.push(rest),
+            }
+        }
+        self.todo = todo;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s(offset: u64, len: u64) -> Stripe {
+        Stripe { offset, len }
+    }
+
+    #[test]
+    fn a_new_range_is_cut_as_a_striped_fetch_cuts_it() {
+        let l = Left::new(100, 10 << 20);
+        assert_eq!(l.kept_bytes(), 0);
+        assert!(l.kept().is_empty());
+        assert_eq!(l.first(), s(100, 10 << 20));
+        for n in 1..5 {
+            assert_eq!(
+                l.spread(n, 1 << 20),
+                Some(plan(100, 10 << 20, n, 1 << 20)),
+                "{n}"
+            );
+        }
+    }
+
+    #[test]
+    fn what_each_stripe_wrote_is_kept_and_the_rests_are_spread_again() {
+        let mut l = Left::new(0, 8 << 20);
+        let pieces = l.spread(2, 1 << 20).unwrap();
+        assert_eq!(pieces, vec![s(0, 4 << 20), s(4 << 20, 4 << 20)]);
+        // the first stripe wrote 3 MiB, the second all of its own
+        l.wrote(&pieces, &[3 << 20, 4 << 20]);
+        assert_eq!(l.kept_bytes(), 7 << 20);
+        assert_eq!(l.kept(), vec![s(0, 3 << 20), s(4 << 20, 4 << 20)]);
+        assert_eq!(l.first(), s(3 << 20, 1 << 20));
+        // the one part left has one chunk: one connection is enough
+        assert_eq!(l.spread(2, 1 << 20), Some(vec![s(3 << 20, 1 << 20)]));
+        // with more chunks left it gets both connections again
+        let mut l = Left::new(0, 8 << 20);
+        l.wrote(&pieces, &[0, 4 << 20]);
+        assert_eq!(l.kept(), vec![s(4 << 20, 4 << 20)]);
+        assert_eq!(
+            l.spread(2, 1 << 20),
+            Some(vec![s(0, 2 << 20), s(2 << 20, 2 << 20)])
+        );
+    }
+
+    #[test]
+    fn connections_go_to_the_parts_with_the_most_chunks_each() {
+        let mut l = Left::new(0, 16 << 20);
+        let pieces = l.spread(4, 1 << 20).unwrap();
+        // stripes of 4 MiB: the first wrote 1 MiB, the second 3, the third all, the fourth none
+        l.wrote(&pieces, &[1 << 20, 3 << 20, 4 << 20, 0]);
+        assert_eq!(
+            l.kept(),
+            vec![s(0, 1 << 20), s(4 << 20, 3 << 20), s(8 << 20, 4 << 20)]
+        );
+        // left: 3 MiB at 1 MiB, 1 MiB at 7 MiB, 4 MiB at 12 MiB; the fourth connection goes
+        // to the 4 MiB part (4 chunks on one connection, against 3)
+        let next = l.spread(4, 1 << 20).unwrap();
+        assert_eq!(
+            next,
+            vec![
+                s(1 << 20, 3 << 20),
+                s(7 << 20, 1 << 20),
+                s(12 << 20, 2 << 20),
+                s(14 << 20, 2 << 20)
+            ]
+        );
+        // pieces that touch become one part again
+        l.wrote(&next, &[0, 1 << 20, 0, 0]);
+        assert_eq!(l.first(), s(1 << 20, 3 << 20));
+        assert_eq!(l.kept_bytes(), 9 << 20);
+        assert_eq!(
+            l.spread(2, 1 << 20),
+            Some(vec![s(1 << 20, 3 << 20), s(12 << 20, 4 << 20)])
+        );
+        // more parts than connections: no try can fetch them all
+        assert_eq!(l.spread(1, 1 << 20), None);
+    }
+
+    #[test]
+    fn a_range_all_written_leaves_one_empty_piece_at_its_end() {
+        let mut l = Left::new(10, 100);
+        let pieces = l.spread(1, 64).unwrap();
+        l.wrote(&pieces, &[100]);
+        assert_eq!(l.kept(), vec![s(10, 100)]);
+        assert_eq!(l.spread(3, 64), Some(vec![s(110, 0)]));
+        assert_eq!(Left::new(7, 0).spread(2, 64), Some(vec![s(7, 0)]));
+        assert!(Left::new(7, 0).kept().is_empty());
+    }
+}

@@ -1,0 +1,259 @@
+//! `fetch` and `put --retries`: a server killed mid-transfer and started again, or not up yet
+//! when the client starts.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use crate::common::{data, TOKEN};
+use crate::{figure, ServeProcess};
+
+/// Whether `file` holds `want` at `at` (a put has reached it).
+fn holds(file: &std::path::Path, at: u64, want: &[u8]) -> bool {
+    use std::io::{Read as _, Seek as _};
+    let mut got = vec![0u8; want.len()];
+    std::fs::File::open(file)
+        .and_then(|mut f| {
+            f.seek(std::io::SeekFrom::Start(at))?;
+            f.read_exact(&mut got)
+        })
+        .is_ok()
+        && got == want
+}
+
+/// What [`a_cli_transfer_with_retries_outlives_a_server_restart`] moves.
+#[derive(Clone, Copy, PartialEq)]
+enum Moved {
+    /// A fetch, which resumes after the bytes it wrote.
+    Fetch,
+    /// A fetch whose region changes while the server is down (the first MiB of each half): a
+    /// part it kept differs, and it fetches the whole range again.
+    FetchChanged,
+    /// A put, which starts over.
+    Put,
+}
+
+/// `p2p-rdma fetch` or `put --retries --verify --qps QPS` of 128 MiB of a file region whose
+/// server is killed mid-way and started again on the same address: the transfer connects
+/// again (the first try may find nobody listening yet, and waits longer) and ends verified
+/// with every byte where it belongs. A fetch resumes after what each of its streams wrote; a
+/// put starts over.
+async fn a_cli_transfer_with_retries_outlives_a_server_restart(moved: Moved, qps: u16) {
+    let op = if moved == Moved::Put { "put" } else { "fetch" };
+    let dir = std::env::temp_dir().join(format!(
+        "p2p-retry-{op}-{}-{qps}-{}",
+        moved == Moved::FetchChanged,
+        std::process::id()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let token_file = dir.join("token");
+    std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
+    let file = dir.join("region.bin");
+    let mut content = data(128 << 20, 43);
+    let fetching = moved != Moved::Put;
+    std::fs::write(
+        &file,
+        if fetching {
+            content.clone()
+        } else {
+            vec![0; content.len()]
+        },
+    )
+    .unwrap();
+    let spec = format!("f=file:{}", file.display());
+    let (mut server, addr) = ServeProcess::start(&spec, &token_file).await;
+    // the other end: the file written by the fetch, or read by the put
+    let local = dir.join("local.bin");
+    if !fetching {
+        std::fs::write(&local, &content).unwrap();
+    }
+    let child = Command::new(env!("CARGO_BIN_EXE_p2p-rdma"))
+        .args([op, &addr.to_string(), "f", "--verify", "--retries", "4"])
+        .args([
+            "--retry-wait",
+            "1",
+            "--qps",
+            &qps.to_string(),
+            "--token-file",
+        ])
+        .arg(&token_file)
+        .arg(if fetching { "-o" } else { "-i" })
+        .arg(&local)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("p2p-rdma fetch or put");
+    let child = tokio::task::spawn_blocking(move || child.wait_with_output());
+    // cut it once the 4th MiB of either half (a stripe, with --qps 2) is where it goes: in the
+    // fetched file (which a striped fetch sizes first), or in the region. The two stripes need
+    // not move at the same pace
+    let dest = if fetching { &local } else { &file };
+    let block = |end: usize| holds(dest, end as u64 - 4096, &content[end - 4096..end]);
+    let progressed = || block(4 << 20) || block(68 << 20);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !progressed() {
+        assert!(Instant::now() < deadline, "the {op} did not start");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    server.kill();
+    let whole = block(64 << 20) && block(128 << 20);
+    assert!(
+        !whole,
+        "the {op} ended before the server was killed: this run tested nothing"
+    );
+    if moved == Moved::FetchChanged {
+        // another writer changed the first MiB of each half while the server was down: the
+        // half (the stripe) that had its 4th MiB kept the changed bytes
+        use std::io::{Seek as _, Write as _};
+        let mut f = std::fs::OpenOptions::new().write(true).open(&file).unwrap();
+        for at in [0usize, 64 << 20] {
+            content[at..at + (1 << 20)].copy_from_slice(&data(1 << 20, 44));
+            f.seek(std::io::SeekFrom::Start(at as u64))
+                .and_then(|_| f.write_all(&content[at..at + (1 << 20)]))
+                .unwrap();
+        }
+    }
+    let (_again, _) = ServeProcess::start_at(addr, &spec, &token_file).await;
+    let done = tokio::time::timeout(Duration::from_secs(180), child)
+        .await
+        .unwrap_or_else(|_| panic!("the {op} ends"))
+        .unwrap()
+        .unwrap();
+    let err = String::from_utf8_lossy(&done.stderr);
+    eprintln!("the {op} said:\n{err}");
+    assert!(done.status.success(), "{:?}: {err}", done.status);
+    assert!(
+        err.contains("connecting again") && err.contains("retry 1 of 4"),
+        "{err}"
+    );
+    assert!(err.contains("verified"), "{err}");
+    let resumed = err.contains("p2p-rdma: resumed");
+    let whole_again = err.contains("fetching the whole range again");
+    match moved {
+        Moved::Fetch => assert!(resumed && !whole_again, "{err}"),
+        Moved::FetchChanged => assert!(!resumed && whole_again, "{err}"),
+        Moved::Put => assert!(!resumed && !whole_again, "{err}"),
+    }
+    let got = std::fs::read(if fetching { &local } else { &file }).unwrap();
+    assert!(got == content, "the bytes {op} moved differ");
+    let tries = err.matches("connecting again").count();
+    figure(format!(
+        "reliability: {op} --retries 4 --qps {qps} of 128 MiB, its server killed mid-way and started again{}: done after {tries} retr{}, verified{}",
+        if moved == Moved::FetchChanged { ", the first MiB of each half changed meanwhile" } else { "" },
+        if tries == 1 { "y" } else { "ies" },
+        match (resumed, whole_again) {
+            (true, _) => format!(", {}", err.lines().find(|l| l.contains("p2p-rdma: resumed")).unwrap_or_default().trim_start_matches("p2p-rdma: ")),
+            (_, true) => ", a kept part differed: fetched whole again".into(),
+            _ => ", started over".into(),
+        }
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_reliability_a_cli_fetch_with_retries_outlives_a_server_restart() {
+    a_cli_transfer_with_retries_outlives_a_server_restart(Moved::Fetch, 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_reliability_a_striped_cli_fetch_with_retries_outlives_a_server_restart() {
+    a_cli_transfer_with_retries_outlives_a_server_restart(Moved::Fetch, 2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_reliability_a_cli_fetch_with_retries_fetches_again_what_changed_while_its_server_was_down(
+) {
+    a_cli_transfer_with_retries_outlives_a_server_restart(Moved::FetchChanged, 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_reliability_a_striped_cli_fetch_with_retries_fetches_again_what_changed_while_its_server_was_down(
+) {
+    a_cli_transfer_with_retries_outlives_a_server_restart(Moved::FetchChanged, 2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_reliability_a_cli_put_with_retries_outlives_a_server_restart() {
+    a_cli_transfer_with_retries_outlives_a_server_restart(Moved::Put, 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_reliability_a_striped_cli_put_with_retries_outlives_a_server_restart() {
+    a_cli_transfer_with_retries_outlives_a_server_restart(Moved::Put, 2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_reliability_a_cli_fetch_with_retries_waits_for_a_server_not_up_yet() {
+    // `fetch --retries` started before its server: the connection is refused, tried again
+    // after 1 s, 2 s, …, and the fetch goes through once the server is up. Without --retries
+    // the same start fails at once with exit 5 (unreachable)
+    let dir = std::env::temp_dir().join(format!("p2p-retry-start-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let token_file = dir.join("token");
+    std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
+    let file = dir.join("region.bin");
+    let content = data(4 << 20, 45);
+    std::fs::write(&file, &content).unwrap();
+    let spec = format!("f=file:{}", file.display());
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let out = dir.join("out.bin");
+    let fetch = |retries: &str| {
+        Command::new(env!("CARGO_BIN_EXE_p2p-rdma"))
+            .args([
+                "fetch",
+                &addr.to_string(),
+                "f",
+                "--verify",
+                "--retries",
+                retries,
+            ])
+            .arg("--token-file")
+            .arg(&token_file)
+            .arg("-o")
+            .arg(&out)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("p2p-rdma fetch")
+    };
+    let at_once = fetch("0").wait_with_output().unwrap();
+    assert_eq!(
+        at_once.status.code(),
+        Some(5),
+        "without retries: {}",
+        String::from_utf8_lossy(&at_once.stderr)
+    );
+    let waiting = fetch("5");
+    let waiting = tokio::task::spawn_blocking(move || waiting.wait_with_output());
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let (_server, _) = ServeProcess::start_at(addr, &spec, &token_file).await;
+    let done = tokio::time::timeout(Duration::from_secs(120), waiting)
+        .await
+        .expect("the fetch ends")
+        .unwrap()
+        .unwrap();
+    let err = String::from_utf8_lossy(&done.stderr);
+    eprintln!("the fetch said:\n{err}");
+    assert!(done.status.success(), "{:?}: {err}", done.status);
+    assert!(
+        err.contains("could not start the fetch") && err.contains("retry 1 of 5"),
+        "{err}"
+    );
+    assert!(std::fs::read(&out).unwrap() == content, "the bytes differ");
+    let tries = err.matches("could not start the fetch").count();
+    figure(format!(
+        "reliability: fetch --retries 5 started 1.5 s before its server: {tries} connection(s) refused, then fetched and verified; without --retries: exit 5 at once"
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+}
