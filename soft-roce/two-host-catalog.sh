@@ -15,8 +15,34 @@ CAT_TTL=5
 # the fetches right after a SIGKILL allow etcd 20 s per request (default 5 s): the guests are
 # TCG-emulated on a shared machine, and one stall of the etcd guest is not what they check
 
-# the replicated region's bytes, the same on both hosts (host a makes them the same way)
+# the replicated regions' bytes, the same on both hosts (host a makes them the same way)
 rep_bytes() { python3 -c 'import random,sys; sys.stdout.buffer.write(random.Random(7).randbytes(4 << 20))'; }
+big_bytes() { python3 -c 'import random,sys; sys.stdout.buffer.write(random.Random(9).randbytes(64 << 20))'; }
+
+# A verified fetch by name of `big` ($1: the client, $2: the catalog, $3: node b's serve) goes
+# to node b, which serves it directly (writable: a read-only file goes through bounce, as
+# node a serves it); b is killed (SIGKILL) once 8 MiB
+# are in the file, and the fetch goes on with node a after what it wrote. Prints the bytes in
+# the file at the kill and the fetch's exit status; its stderr in big.err. One python process
+# starts the fetch and watches the file (a process start costs about a second in this guest)
+kill_b_mid_fetch() {
+    python3 - "$@" <<'PY'
+import os, signal, subprocess, sys, time
+bin, cat, bpid = sys.argv[1], sys.argv[2], int(sys.argv[3])
+if os.path.exists("big.out"):
+    os.remove("big.out")
+with open("big.err", "w") as err:
+    p = subprocess.Popen([bin, "fetch", cat, "big", "--verify", "--catalog-timeout", "20",
+                          "-o", "big.out"], stderr=err)
+    deadline = time.time() + 120
+    size = 0
+    while p.poll() is None and size < 8 << 20 and time.time() < deadline:
+        time.sleep(0.005)
+        size = os.path.getsize("big.out") if os.path.exists("big.out") else 0
+    os.kill(bpid, signal.SIGKILL)
+    print(size, p.wait(timeout=300))
+PY
+}
 
 catalog_etcd_start() {
     rm -rf /tmp/etcd-data
@@ -53,12 +79,14 @@ cat_wait() {
 
 catalog_checks() {
     rep_bytes >rep.bin
+    big_bytes >big.bin
     check "catalog: host a's server published its regions (etcd started after it)" cat_wait ram a 60
     "$bin" serve --listen 0.0.0.0:7473 --token-file tok --region rep=file:/tmp/rep.bin:ro \
+        --region big=file:/tmp/big.bin \
         --region onlyb=host:1M --catalog "$CAT" --catalog-ttl $CAT_TTL --node b \
         >"$OUT/serve-b.log" 2>&1 &
     local bpid=$!
-    check "catalog: two replicas of rep (nodes a and b)" cat_wait rep a,b 60
+    check "catalog: two replicas of rep and of big (nodes a and b)" eval 'cat_wait rep a,b 60 && cat_wait big a,b 30'
     listing() {
         "$bin" ls "$CAT" >cl.txt && tee -a "$OUT/catalog-ls.txt" <cl.txt >&2 &&
             grep -Eq '^rep +a +' cl.txt && grep -Eq '^rep +b +' cl.txt && grep -Eq '^onlyb +b ' cl.txt
@@ -95,12 +123,20 @@ catalog_checks() {
     md=$(printf '%s\n' "${direct[@]}" | sort -g | awk '{v[NR]=$1} END {print (v[int((NR+1)/2)] + v[int(NR/2)+1]) / 2}')
     echo "two-host: catalog: resolve + open + 4 KiB fetch by name $mn s, by address $md s, ratio $(awk -v a="$mn" -v b="$md" 'BEGIN {printf "%.2f", a / b}') (median of 10, one process each, min by name $(printf '%s\n' "${named[@]}" | sort -g | head -1) s, by address $(printf '%s\n' "${direct[@]}" | sort -g | head -1) s)"
 
-    # node b dies without a word: fetches skip it at once, the catalog drops it within the TTL
+    # node b dies without a word, in the middle of a verified fetch by name: that fetch goes on
+    # with node a after what it wrote; later fetches skip b at once, the catalog drops it
+    # within the TTL
     killed_node() {
-        local t0 i gone="" watcher
-        kill -9 "$bpid"
+        local t0 i gone="" watcher at rc
+        read -r at rc < <(kill_b_mid_fetch "$bin" "$CAT" "$bpid")
         wait "$bpid" 2>/dev/null || true
         t0=$(date +%s.%N)
+        echo "two-host: catalog: node b killed $((at >> 20)) MiB into a verified 64 MiB fetch by name: exit $rc; $(grep -E 'trying the next replica|resumed' big.err | sed 's/^p2p-rdma: //' | paste -sd';')"
+        [[ $at -ge $((8 << 20)) && $at -lt $((64 << 20)) ]] ||
+            { echo "the fetch had $at bytes when b was killed: this run did not test a kill mid-fetch"; cat big.err; return 1; }
+        [[ $rc -eq 0 ]] && grep -q "from node b" big.err && grep -q "trying the next replica" big.err &&
+            grep -q "p2p-rdma: resumed after the first" big.err && cmp -s big.bin big.out ||
+            { echo "the fetch by name did not go on with node a after what it wrote:"; cat big.err; return 1; }
         # the catalog is watched from the kill on, while the fetches below run, once a second:
         # each `ls` costs about a second of this guest's one emulated CPU, and polling without
         # a pause starved etcd, whose lease expiry then came 39-54 s after the kill
@@ -146,7 +182,7 @@ catalog_checks() {
         [[ -n $gone ]] && [[ -z $(cat_nodes onlyb) ]] &&
             "$bin" fetch "$CAT" rep --verify -o k2.bin --catalog-timeout 20 2>k.err && grep -q "from node a" k.err && cmp -s rep.bin k2.bin
     }
-    check "catalog: node killed with SIGKILL: fetches go to the replica, its entries leave (time reported)" killed_node
+    check "catalog: node killed with SIGKILL: a fetch mid-way goes on with the replica after what it wrote, later fetches go to the replica, its entries leave (time reported)" killed_node
 
     # etcd dies: an open transfer and the known address keep working; a new resolve fails and
     # names the endpoint; etcd comes back empty (data lost) and the server publishes again
