@@ -12,13 +12,18 @@ use serde_json::Value;
 mod common;
 use common::{data, start, LAB, TOKEN};
 
-/// (nvme name, the RDMA device ranked first for it) for each NVMe with a CMB.
-fn cmbs_and_their_nics() -> Vec<(String, String)> {
+/// That this is the two-NIC guest.
+fn two_nics() {
     assert_eq!(
         std::env::var("P2P_LAB_NICS").as_deref(),
         Ok("2"),
         "needs the two-NIC guest (soft-roce/lab --topology switch --nics 2). {LAB}"
     );
+}
+
+/// (nvme name, the RDMA device ranked first for it) for each NVMe with a CMB.
+fn cmbs_and_their_nics() -> Vec<(String, String)> {
+    two_nics();
     let out = Command::new(env!("CARGO_BIN_EXE_p2p-rdma"))
         .args(["topo", "--json"])
         .output()
@@ -259,6 +264,56 @@ async fn lab_dualnic_serve_places_each_region_on_its_nic_and_clients_follow() {
             && cli_fetch.contains("direct 4.0 MiB, bounce 0 B"),
         "{cli_fetch}"
     );
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_dualnic_a_reconnect_whose_qp_goes_to_the_other_nic_refuses_the_buffers_of_before() {
+    // `Client::reconnect` keeps the protection domain, so that buffers registered before stay
+    // usable; a region served from the other NIC puts the new QP on another device, where
+    // they are not registered: a transfer into one is refused, and says why
+    two_nics();
+    let s = start(&["ram0=host:4M", "ram1=host:4M,nic=rxe1"], |c| {
+        c.device = Some("rxe0".into());
+        c.more_devices = vec!["rxe1".into()];
+    })
+    .await;
+    let mut c = Client::connect(ClientConfig::new(s.addr.to_string(), TOKEN))
+        .await
+        .unwrap();
+    let r0 = c.open("ram0", true).await.unwrap();
+    assert_eq!(c.server_nic(), Some("rxe0"));
+    let d = data(1 << 20, 51);
+    c.put(&r0, 0, &mut &d[..], None, true, &mut |_| {})
+        .await
+        .unwrap();
+    let buf = c.buffer(1 << 20).await.unwrap();
+    let landed = c.fetch_into(&r0, 0, 1 << 20, buf, 0).await.unwrap();
+    assert!(landed.buffer.as_slice() == &d[..], "ram0: the bytes differ");
+    c.reconnect().await.unwrap();
+    let r1 = c.open("ram1", true).await.unwrap();
+    assert_eq!(c.server_nic(), Some("rxe1"));
+    // staging buffers are registered again where the QP is: put and fetch work
+    c.put(&r1, 0, &mut &d[..], None, true, &mut |_| {})
+        .await
+        .unwrap();
+    let e = c
+        .fetch_into(&r1, 0, 1 << 20, landed.buffer, 0)
+        .await
+        .unwrap_err();
+    assert!(
+        e.error
+            .to_string()
+            .contains("before a reconnect that put its QP on another device"),
+        "{}",
+        e.error
+    );
+    assert!(e.buffer.is_some(), "the refused buffer comes back");
+    let fresh = c.buffer(1 << 20).await.unwrap();
+    let got = c.fetch_into(&r1, 0, 1 << 20, fresh, 0).await.unwrap();
+    assert!(got.buffer.as_slice() == &d[..], "ram1: the bytes differ");
+    c.bye().await.unwrap();
     s.stop().await;
 }
 

@@ -492,6 +492,12 @@ impl Client {
     /// server that does not stage, to RDMA-WRITE them into our buffers); several of
     /// either in flight. With `verify`, the server's checksum of the range is compared with
     /// the bytes received.
+    ///
+    /// `progress` is called with the bytes written to `sink` so far, after each write: the
+    /// sink gets the range in order, so after a failure it holds exactly the first bytes last
+    /// reported. A caller that goes on after a transient error ([`Error::is_transient`],
+    /// [`Client::reconnect`], the region opened again) fetches the rest from `offset` plus
+    /// that count.
     pub async fn fetch(
         &mut self,
         r: &OpenRegion,

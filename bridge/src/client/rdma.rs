@@ -181,7 +181,8 @@ impl Client {
     /// old connection went with it (the server revokes a connection's windows and releases its
     /// lent chunks when it ends): handles from before are refused here, so open the regions
     /// again. A transfer in flight on the old connection is not resumed: what did not complete
-    /// is moved again by the caller.
+    /// is moved again by the caller ([`Client::fetch`]'s progress count says where a fetch
+    /// into a sink stopped).
     ///
     /// On error the client is unchanged (its old connection, possibly dead, stays): call it
     /// again later.
