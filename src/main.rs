@@ -67,7 +67,7 @@ enum Cmd {
     #[command(
         after_help = "Examples:\n  p2p-rdma put 10.0.0.1:7471 ram -i data.bin --token-file token --verify\n  tar c dir | p2p-rdma put 10.0.0.1:7471 ram -i - --offset 1M --token-file token\n  p2p-rdma put etcd://10.0.0.9:2379/prod scratch -i data.bin --node storage-7 --token-file token\n\nBy name, a region that several nodes publish needs --node: a put changes one replica only."
     )]
-    Put(cli::fetch::PutArgs),
+    Put(cli::put::PutArgs),
     /// Try to register memory the way `serve` would, and prove each strategy with a canary.
     ///
     /// For each strategy (dma-buf, pinned, ODP) in order: register, then RDMA WRITE and READ
@@ -264,7 +264,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Cmd::Ls(a) => cli::ls::run(a).await,
         Cmd::Fetch(a) => cli::fetch::fetch(a).await,
-        Cmd::Put(a) => cli::fetch::put(a).await,
+        Cmd::Put(a) => cli::put::put(a).await,
         Cmd::Bench(a) => cli::bench::run(a).await,
         Cmd::Loopback {
             device,

@@ -1,5 +1,5 @@
-//! `fetch` and `put`: one transfer, by address or by catalog name (fetch goes on to the next
-//! replica when a node fails mid-way into a file).
+//! `fetch`: one transfer into a file or stdout, by address or by catalog name (it goes on
+//! with the next replica when a node fails mid-way into a file).
 
 use anyhow::Context as _;
 
@@ -7,7 +7,7 @@ use bridge::stripe::Stripe;
 
 use super::exit::Usage;
 use super::parse_size_arg;
-use super::resume::Left;
+use super::resume::{resumed, Left};
 use super::stripe::{self, Lanes};
 use super::transfer::{client_config, finish_transfer, ClientArgs, Progress, Retry};
 
@@ -36,33 +36,6 @@ pub(crate) struct FetchArgs {
     /// Print a JSON result record: bytes, seconds, MiB/s, the bytes of each path, and
     /// `first_bytes_ms`, the time to first byte (on the bounce path it holds the server's
     /// staging of the first chunk and a control round trip).
-    #[arg(long)]
-    pub(crate) json: bool,
-    #[command(flatten)]
-    pub(crate) client: ClientArgs,
-}
-
-/// `put`: which bytes, where to.
-#[derive(clap::Args, Debug)]
-pub(crate) struct PutArgs {
-    /// Server control address HOST:PORT, or a catalog etcd://HOST:PORT[,...]/PREFIX.
-    pub(crate) addr: String,
-    /// Region name.
-    pub(crate) region: String,
-    /// Start offset in the region (K/M/G suffixes).
-    #[arg(long, default_value = "0", value_parser = parse_size_arg)]
-    pub(crate) offset: u64,
-    /// Bytes to put (default: the whole input; it must fit in the region).
-    #[arg(long, value_parser = parse_size_arg)]
-    pub(crate) length: Option<u64>,
-    /// Input file, or - for stdin.
-    #[arg(short = 'i', long = "input", value_name = "FILE|-")]
-    pub(crate) input: String,
-    /// Compare a CRC-32C of the bytes sent with the server's checksum of the range (and report
-    /// it, `crc32c` in --json); a put without --verify does not compute it.
-    #[arg(long)]
-    pub(crate) verify: bool,
-    /// Print a JSON result record.
     #[arg(long)]
     pub(crate) json: bool,
     #[command(flatten)]
@@ -158,7 +131,7 @@ pub(crate) async fn fetch(a: FetchArgs) -> anyhow::Result<()> {
             // the kept parts came from the server before it failed: they must still be its bytes
             match kept_matches(&mut c, &r, offset, &kept, &output).await {
                 Ok(()) => {
-                    eprintln!("p2p-rdma: {}", resumed(offset, &kept));
+                    eprintln!("p2p-rdma: {}", resumed(offset, &kept, "fetched"));
                     break;
                 }
                 Err(e @ bridge::Error::Mismatch { .. }) => {
@@ -203,31 +176,6 @@ pub(crate) async fn fetch(a: FetchArgs) -> anyhow::Result<()> {
         }
     }
     finish_transfer(c, &r, rep, bar, json).await
-}
-
-/// What a resumed fetch says once the kept parts matched.
-fn resumed(offset: u64, kept: &[Stripe]) -> String {
-    let human = bridge::size::human;
-    match kept {
-        [k] if k.offset == offset => format!(
-            "resumed after the first {} of the range, fetched before the failure and checked \
-             against the server's checksum",
-            human(k.len)
-        ),
-        _ => format!(
-            "resumed, keeping {} fetched before the failure in {} parts ({}), checked against \
-             the server's checksum",
-            human(kept.iter().map(|k| k.len).sum()),
-            kept.len(),
-            kept.iter()
-                .map(|k| match k.offset - offset {
-                    0 => format!("the first {}", human(k.len)),
-                    at => format!("{} at {}", human(k.len), human(at)),
-                })
-                .collect::<Vec<_>>()
-                .join(", ")
-        ),
-    }
 }
 
 /// Whether the `kept` parts of file `output` (its byte 0 is the region's `offset`) are the
@@ -303,18 +251,7 @@ async fn into_file(
         return Ok((c, r, rep));
     }
     let chunk = base.chunk as u64;
-    let again = |left: &mut Left, n: usize| {
-        left.spread(n, chunk).unwrap_or_else(|| {
-            eprintln!(
-                "p2p-rdma: {} parts of the range are left to fetch, over {n} connections: \
-                 fetching the whole range again",
-                left.parts()
-            );
-            *left = Left::new(offset, len);
-            stripe::cut(offset, len, n, chunk)
-        })
-    };
-    let mut pieces = again(left, qps);
+    let mut pieces = stripe::pieces(left, qps, chunk);
     // each further lane opens naming its piece
     let mut lanes = Lanes::open((c, r), base, region, pieces.len(), |i| {
         bridge::OpenFor::Fetch {
@@ -326,7 +263,7 @@ async fn into_file(
     if lanes.lanes.len() < pieces.len() {
         // the server took fewer connections: the pieces are cut again for those it took (a
         // first chunk staged for another cut goes back unread)
-        pieces = again(left, lanes.lanes.len());
+        pieces = stripe::pieces(left, lanes.lanes.len(), chunk);
     }
     let before = left.kept_bytes();
     let (rep, moved) = stripe::fetch(
@@ -342,109 +279,4 @@ async fn into_file(
     left.wrote(&pieces, &moved);
     let (c, r) = lanes.close_rest().await;
     Ok((c, r, rep))
-}
-
-pub(crate) async fn put(a: PutArgs) -> anyhow::Result<()> {
-    let PutArgs {
-        addr,
-        region,
-        offset,
-        length,
-        input,
-        verify,
-        json,
-        client,
-    } = a;
-    let source = || -> anyhow::Result<(Box<dyn std::io::Read + Send>, Option<u64>)> {
-        if input == "-" {
-            return Ok((Box::new(std::io::stdin()), None));
-        }
-        let f = std::fs::File::open(&input)
-            .with_context(|| format!("cannot open the input file {input}"))?;
-        let n = f
-            .metadata()
-            .with_context(|| format!("cannot stat {input}"))?
-            .len();
-        Ok((
-            Box::new(std::io::BufReader::with_capacity(1 << 20, f)),
-            Some(n),
-        ))
-    };
-    let (mut from, size) = source()?;
-    let limit = match (length, size) {
-        (Some(l), Some(n)) if l > n => {
-            return Err(Usage(format!(
-                "--length {l} is more than the {n} bytes of {input}"
-            ))
-            .into())
-        }
-        (Some(l), _) => Some(l),
-        (None, n) => n,
-    };
-    if client.qps > 1 && input == "-" {
-        return Err(Usage(
-            "--qps reads the stripes from their own offsets of a file at once: give -i FILE, not -"
-                .into(),
-        )
-        .into());
-    }
-    if client.retries > 0 && input == "-" {
-        return Err(Usage(
-            "--retries reads the input again from its start: give -i FILE, not - (bytes read \
-             from a pipe cannot be read again)"
-                .into(),
-        )
-        .into());
-    }
-    let base = client_config(String::new(), &client)?;
-    let mut retry = Retry::new(&client);
-    let super::catalog::Target {
-        client: mut c,
-        region: mut r,
-        ..
-    } = retry
-        .start("put", || {
-            super::catalog::open(&addr, &region, bridge::OpenFor::Write, &base, &client)
-        })
-        .await?;
-    let mut bar = Progress::new(limit.unwrap_or(r.info.size.saturating_sub(offset)), json);
-    loop {
-        let rep;
-        if let (true, Some(len)) = (client.qps > 1, limit) {
-            let mut lanes = Lanes::open((c, r), &base, &region, usize::from(client.qps), |_| {
-                bridge::OpenFor::Write
-            })
-            .await;
-            rep = stripe::put(
-                &mut lanes,
-                offset,
-                len,
-                &input,
-                verify,
-                base.chunk as u64,
-                &mut bar,
-            )
-            .await?;
-            (c, r) = lanes.close_rest().await;
-        } else {
-            rep = c
-                .put(&r, offset, from.as_mut(), limit, verify, &mut |d| {
-                    bar.update(d)
-                })
-                .await;
-        }
-        // --retries: the same bytes again from the start of the input, on a new connection
-        // (a put of the same bytes to the same place twice leaves them once)
-        if let Err(e) = &rep {
-            if let Some(again) = retry
-                .again(&mut c, e, "put", &region, bridge::OpenFor::Write)
-                .await
-            {
-                r = again;
-                (from, _) = source()?;
-                continue;
-            }
-        }
-        return finish_transfer(c, &r, rep, bar, json).await;
-    }
 }

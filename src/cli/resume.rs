@@ -1,11 +1,12 @@
-//! What a fetch into a file still has to fetch after tries that failed part way (`--retries`
-//! with `--verify`).
+//! What a transfer between a file and a region still has to move after tries that failed part
+//! way (`fetch` and `put --retries` with `--verify`).
 //!
-//! Each stream of a try writes its piece of the range in order, so what it wrote before the
-//! failure is a prefix of that piece: the file keeps it, and the next try fetches the rest of
-//! each piece, spread again over the connections it has (a stripe that finished leaves its
-//! connection a share of another stripe's rest). Once the rest is in and verified, the kept
-//! parts are compared with the server's checksum of the same bytes. Sans-IO: `fetch` drives it.
+//! Each stream of a try moves its piece of the range in order (a fetch writes the file in
+//! order; a put's WRITEs complete in order), so what it moved before the failure is a prefix
+//! of that piece: it is kept, and the next try moves the rest of each piece, spread again over
+//! the connections it has (a stripe that finished leaves its connection a share of another
+//! stripe's rest). Once the rest is moved and verified, the kept parts are compared with the
+//! server's checksum of the same bytes. Sans-IO: `fetch` and `put` drive it.
 
 use bridge::stripe::{plan, Stripe, MAX_STRIPES};
 
@@ -107,6 +108,16 @@ impl Left {
         )
     }
 
+    /// [`Left::spread`], or when more parts are left than `n`, the whole range left again and
+    /// spread (the transfer starts over).
+    pub(crate) fn spread_or_anew(&mut self, n: usize, chunk: u64) -> Vec<Stripe> {
+        if let Some(p) = self.spread(n, chunk) {
+            return p;
+        }
+        *self = Left::new(self.offset, self.len);
+        self.spread(n, chunk).unwrap_or_default()
+    }
+
     /// A try over `pieces` (from `spread`) wrote the first `written[i]` bytes of piece `i`; a
     /// piece without a count wrote nothing.
     pub(crate) fn wrote(&mut self, pieces: &[Stripe], written: &[u64]) {
@@ -126,6 +137,32 @@ impl Left {
             }
         }
         self.todo = todo;
+    }
+}
+
+/// What a resumed transfer says once its `kept` parts matched the server's bytes (`moved`:
+/// "fetched" or "put"); `offset`: the range's.
+pub(crate) fn resumed(offset: u64, kept: &[Stripe], moved: &str) -> String {
+    let human = bridge::size::human;
+    match kept {
+        [k] if k.offset == offset => format!(
+            "resumed after the first {} of the range, {moved} before the failure and checked \
+             against the server's checksum",
+            human(k.len)
+        ),
+        _ => format!(
+            "resumed, keeping {} {moved} before the failure in {} parts ({}), checked against \
+             the server's checksum",
+            human(kept.iter().map(|k| k.len).sum()),
+            kept.len(),
+            kept.iter()
+                .map(|k| match k.offset - offset {
+                    0 => format!("the first {}", human(k.len)),
+                    at => format!("{} at {}", human(k.len), human(at)),
+                })
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
     }
 }
 
@@ -204,8 +241,28 @@ mod tests {
             l.spread(2, 1 << 20),
             Some(vec![s(1 << 20, 3 << 20), s(12 << 20, 4 << 20)])
         );
-        // more parts than connections: no try can fetch them all
+        // more parts than connections: no try can fetch them all; it starts over
         assert_eq!(l.spread(1, 1 << 20), None);
+        assert_eq!(l.spread_or_anew(1, 1 << 20), vec![s(0, 16 << 20)]);
+        assert_eq!(l.kept_bytes(), 0);
+    }
+
+    #[test]
+    fn a_resume_says_what_it_kept() {
+        assert_eq!(
+            resumed(0, &[s(0, 3 << 20)], "put"),
+            "resumed after the first 3.0 MiB of the range, put before the failure and checked \
+             against the server's checksum"
+        );
+        assert_eq!(
+            resumed(
+                100,
+                &[s(100, 1 << 20), s(100 + (8 << 20), 2 << 20)],
+                "fetched"
+            ),
+            "resumed, keeping 3.0 MiB fetched before the failure in 2 parts (the first 1.0 MiB, \
+             2.0 MiB at 8.0 MiB), checked against the server's checksum"
+        );
     }
 
     #[test]

@@ -8,9 +8,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use bridge::stripe::{merge, plan, Stripe};
+use bridge::stripe::{merge, Stripe};
 use bridge::{Client, ClientConfig, OpenFor, OpenRegion, TransferReport};
 
+use super::resume::Left;
 use super::transfer::Progress;
 
 /// The connections of a striped transfer, the first one being the one already open.
@@ -227,30 +228,31 @@ pub(crate) async fn fetch(
     .await
 }
 
-/// Put the `len` bytes of the file `input` (from its start) at `offset`, one stripe per lane.
+/// Put the `pieces` of the range at `offset` from the file `input` (whose byte 0 goes to
+/// `offset`), one piece per lane. `before`: bytes of the range put by earlier tries, for the
+/// progress line.
 pub(crate) async fn put(
     lanes: &mut Lanes,
     offset: u64,
-    len: u64,
+    pieces: &[Stripe],
     input: &str,
     verify: bool,
-    chunk: u64,
     bar: &mut Progress,
-) -> anyhow::Result<bridge::Result<TransferReport>> {
-    let stripes = cut(offset, len, lanes.lanes.len(), chunk);
+    before: u64,
+) -> anyhow::Result<Striped> {
     let mut files = Vec::new();
-    for s in &stripes {
+    for s in pieces {
         let mut f = std::fs::File::open(input)
             .with_context(|| format!("cannot open the input file {input}"))?;
         f.seek(SeekFrom::Start(s.offset - offset))
             .with_context(|| format!("cannot seek in {input}"))?;
         files.push(std::io::BufReader::with_capacity(1 << 20, f));
     }
-    let (rep, _) = run(
+    run(
         lanes,
-        stripes,
+        pieces.to_vec(),
         files,
-        (bar, 0),
+        (bar, before),
         |i, (mut c, r), s, mut f, done| async move {
             let rep = c
                 .put(&r, s.offset, &mut f, Some(s.len), verify, &mut |d| {
@@ -260,15 +262,19 @@ pub(crate) async fn put(
             (i, (c, r), rep)
         },
     )
-    .await?;
-    Ok(rep)
+    .await
 }
 
-/// The stripes of the range; an empty range is one empty stripe (a transfer of no bytes still
-/// opens, checks and reports like any other).
-pub(crate) fn cut(offset: u64, len: u64, n: usize, chunk: u64) -> Vec<Stripe> {
-    match plan(offset, len, n, chunk) {
-        s if s.is_empty() => vec![Stripe { offset, len: 0 }],
-        s => s,
+/// The pieces of the next try over `n` connections of what `left` says is left
+/// ([`Left::spread_or_anew`]), said on stderr when the transfer has to start over.
+pub(crate) fn pieces(left: &mut Left, n: usize, chunk: u64) -> Vec<Stripe> {
+    let (parts, kept) = (left.parts(), left.kept_bytes());
+    let p = left.spread_or_anew(n, chunk);
+    if kept > 0 && left.kept_bytes() == 0 {
+        eprintln!(
+            "p2p-rdma: {parts} parts of the range are left, over {n} connections: moving the \
+             whole range again"
+        );
     }
+    p
 }

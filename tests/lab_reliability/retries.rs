@@ -28,20 +28,34 @@ enum Moved {
     /// A fetch whose region changes while the server is down (the first MiB of each half): a
     /// part it kept differs, and it fetches the whole range again.
     FetchChanged,
-    /// A put, which starts over.
+    /// A put, which resumes after the bytes it put.
     Put,
+    /// A put whose region changes while the server is down (the first MiB of each half): a
+    /// part it kept is not there any more, and it puts the whole range again.
+    PutChanged,
+}
+
+impl Moved {
+    fn fetching(self) -> bool {
+        matches!(self, Moved::Fetch | Moved::FetchChanged)
+    }
+
+    fn changed(self) -> bool {
+        matches!(self, Moved::FetchChanged | Moved::PutChanged)
+    }
 }
 
 /// `p2p-rdma fetch` or `put --retries --verify --qps QPS` of 128 MiB of a file region whose
 /// server is killed mid-way and started again on the same address: the transfer connects
 /// again (the first try may find nobody listening yet, and waits longer) and ends verified
-/// with every byte where it belongs. A fetch resumes after what each of its streams wrote; a
-/// put starts over.
+/// with every byte where it belongs, resumed after what each of its streams moved (unless the
+/// region changed meanwhile).
 async fn a_cli_transfer_with_retries_outlives_a_server_restart(moved: Moved, qps: u16) {
-    let op = if moved == Moved::Put { "put" } else { "fetch" };
+    let fetching = moved.fetching();
+    let op = if fetching { "fetch" } else { "put" };
     let dir = std::env::temp_dir().join(format!(
         "p2p-retry-{op}-{}-{qps}-{}",
-        moved == Moved::FetchChanged,
+        moved.changed(),
         std::process::id()
     ));
     std::fs::create_dir_all(&dir).unwrap();
@@ -49,7 +63,6 @@ async fn a_cli_transfer_with_retries_outlives_a_server_restart(moved: Moved, qps
     std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
     let file = dir.join("region.bin");
     let mut content = data(128 << 20, 43);
-    let fetching = moved != Moved::Put;
     std::fs::write(
         &file,
         if fetching {
@@ -85,10 +98,13 @@ async fn a_cli_transfer_with_retries_outlives_a_server_restart(moved: Moved, qps
     let child = tokio::task::spawn_blocking(move || child.wait_with_output());
     // cut it once the 4th MiB of either half (a stripe, with --qps 2) is where it goes: in the
     // fetched file (which a striped fetch sizes first), or in the region. The two stripes need
-    // not move at the same pace
+    // not move at the same pace. A put's bytes reach the region before the client counts them
+    // put (up to its depth of 16 chunks of 1 MiB in flight): its cut waits for the 24th MiB,
+    // so that it has put some
     let dest = if fetching { &local } else { &file };
     let block = |end: usize| holds(dest, end as u64 - 4096, &content[end - 4096..end]);
-    let progressed = || block(4 << 20) || block(68 << 20);
+    let mib = if fetching { 4 } else { 24 };
+    let progressed = || block(mib << 20) || block((64 + mib) << 20);
     let deadline = Instant::now() + Duration::from_secs(60);
     while !progressed() {
         assert!(Instant::now() < deadline, "the {op} did not start");
@@ -100,15 +116,20 @@ async fn a_cli_transfer_with_retries_outlives_a_server_restart(moved: Moved, qps
         !whole,
         "the {op} ended before the server was killed: this run tested nothing"
     );
-    if moved == Moved::FetchChanged {
-        // another writer changed the first MiB of each half while the server was down: the
-        // half (the stripe) that had its 4th MiB kept the changed bytes
+    if moved.changed() {
+        // another writer changed the first MiB of each half of the region while the server
+        // was down: the half (the stripe) that had its 4th MiB moved kept bytes that differ
+        // from the region's now. A fetch must end with the region's new bytes, a put with its
+        // input's
         use std::io::{Seek as _, Write as _};
         let mut f = std::fs::OpenOptions::new().write(true).open(&file).unwrap();
+        let other = data(1 << 20, 44);
         for at in [0usize, 64 << 20] {
-            content[at..at + (1 << 20)].copy_from_slice(&data(1 << 20, 44));
+            if fetching {
+                content[at..at + (1 << 20)].copy_from_slice(&other);
+            }
             f.seek(std::io::SeekFrom::Start(at as u64))
-                .and_then(|_| f.write_all(&content[at..at + (1 << 20)]))
+                .and_then(|_| f.write_all(&other))
                 .unwrap();
         }
     }
@@ -127,22 +148,22 @@ async fn a_cli_transfer_with_retries_outlives_a_server_restart(moved: Moved, qps
     );
     assert!(err.contains("verified"), "{err}");
     let resumed = err.contains("p2p-rdma: resumed");
-    let whole_again = err.contains("fetching the whole range again");
-    match moved {
-        Moved::Fetch => assert!(resumed && !whole_again, "{err}"),
-        Moved::FetchChanged => assert!(!resumed && whole_again, "{err}"),
-        Moved::Put => assert!(!resumed && !whole_again, "{err}"),
+    let whole_again = err.contains("the whole range again");
+    if moved.changed() {
+        assert!(!resumed && whole_again, "{err}");
+    } else {
+        assert!(resumed && !whole_again, "{err}");
     }
     let got = std::fs::read(if fetching { &local } else { &file }).unwrap();
     assert!(got == content, "the bytes {op} moved differ");
     let tries = err.matches("connecting again").count();
     figure(format!(
         "reliability: {op} --retries 4 --qps {qps} of 128 MiB, its server killed mid-way and started again{}: done after {tries} retr{}, verified{}",
-        if moved == Moved::FetchChanged { ", the first MiB of each half changed meanwhile" } else { "" },
+        if moved.changed() { ", the first MiB of each half of the region changed meanwhile" } else { "" },
         if tries == 1 { "y" } else { "ies" },
         match (resumed, whole_again) {
             (true, _) => format!(", {}", err.lines().find(|l| l.contains("p2p-rdma: resumed")).unwrap_or_default().trim_start_matches("p2p-rdma: ")),
-            (_, true) => ", a kept part differed: fetched whole again".into(),
+            (_, true) => format!(", a kept part differed: {op} of the whole range again"),
             _ => ", started over".into(),
         }
     ));
@@ -185,6 +206,13 @@ async fn lab_reliability_a_cli_put_with_retries_outlives_a_server_restart() {
 #[ignore = "lab"]
 async fn lab_reliability_a_striped_cli_put_with_retries_outlives_a_server_restart() {
     a_cli_transfer_with_retries_outlives_a_server_restart(Moved::Put, 2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_reliability_a_cli_put_with_retries_puts_again_what_changed_while_its_server_was_down()
+{
+    a_cli_transfer_with_retries_outlives_a_server_restart(Moved::PutChanged, 1).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,0 +1,250 @@
+//! `put`: a file (or stdin) into a region, by address or by catalog name (`--node`). With
+//! `--retries` and `--verify` a put that failed part way goes on after what its streams put
+//! (`super::resume`).
+
+use anyhow::Context as _;
+use bridge::stripe::Stripe;
+
+use super::exit::Usage;
+use super::parse_size_arg;
+use super::resume::{resumed, Left};
+use super::stripe::{self, Lanes};
+use super::transfer::{client_config, finish_transfer, ClientArgs, Progress, Retry};
+
+/// `put`: which bytes, where to.
+#[derive(clap::Args, Debug)]
+pub(crate) struct PutArgs {
+    /// Server control address HOST:PORT, or a catalog etcd://HOST:PORT[,...]/PREFIX.
+    pub(crate) addr: String,
+    /// Region name.
+    pub(crate) region: String,
+    /// Start offset in the region (K/M/G suffixes).
+    #[arg(long, default_value = "0", value_parser = parse_size_arg)]
+    pub(crate) offset: u64,
+    /// Bytes to put (default: the whole input; it must fit in the region).
+    #[arg(long, value_parser = parse_size_arg)]
+    pub(crate) length: Option<u64>,
+    /// Input file, or - for stdin.
+    #[arg(short = 'i', long = "input", value_name = "FILE|-")]
+    pub(crate) input: String,
+    /// Compare a CRC-32C of the bytes sent with the server's checksum of the range (and report
+    /// it, `crc32c` in --json); a put without --verify does not compute it.
+    #[arg(long)]
+    pub(crate) verify: bool,
+    /// Print a JSON result record.
+    #[arg(long)]
+    pub(crate) json: bool,
+    #[command(flatten)]
+    pub(crate) client: ClientArgs,
+}
+
+pub(crate) async fn put(a: PutArgs) -> anyhow::Result<()> {
+    let PutArgs {
+        addr,
+        region,
+        offset,
+        length,
+        input,
+        verify,
+        json,
+        client,
+    } = a;
+    let size = if input == "-" {
+        None
+    } else {
+        let f = std::fs::File::open(&input)
+            .with_context(|| format!("cannot open the input file {input}"))?;
+        let n = f
+            .metadata()
+            .with_context(|| format!("cannot stat {input}"))?
+            .len();
+        Some(n)
+    };
+    let limit = match (length, size) {
+        (Some(l), Some(n)) if l > n => {
+            return Err(Usage(format!(
+                "--length {l} is more than the {n} bytes of {input}"
+            ))
+            .into())
+        }
+        (Some(l), _) => Some(l),
+        (None, n) => n,
+    };
+    if client.qps > 1 && input == "-" {
+        return Err(Usage(
+            "--qps reads the stripes from their own offsets of a file at once: give -i FILE, not -"
+                .into(),
+        )
+        .into());
+    }
+    if client.retries > 0 && input == "-" {
+        return Err(Usage(
+            "--retries reads the input again (from its start, or after what a verified put \
+             kept): give -i FILE, not - (bytes read from a pipe cannot be read again)"
+                .into(),
+        )
+        .into());
+    }
+    let base = client_config(String::new(), &client)?;
+    let mut retry = Retry::new(&client);
+    let super::catalog::Target {
+        client: mut c,
+        region: mut r,
+        ..
+    } = retry
+        .start("put", || {
+            super::catalog::open(&addr, &region, bridge::OpenFor::Write, &base, &client)
+        })
+        .await?;
+    let mut bar = Progress::new(limit.unwrap_or(r.info.size.saturating_sub(offset)), json);
+    let Some(len) = limit.filter(|_| input != "-") else {
+        // stdin: one stream, one try (--qps and --retries were refused above)
+        let mut from = std::io::stdin();
+        let rep = c
+            .put(&r, offset, &mut from, limit, verify, &mut |d| bar.update(d))
+            .await;
+        return finish_transfer(c, &r, rep, bar, json).await;
+    };
+    let qps = usize::from(client.qps);
+    // the parts of the range the tries before put, kept (with --verify) for the next try to
+    // put only the rest
+    let mut left = Left::new(offset, len);
+    let mut rep;
+    loop {
+        let kept = left.kept();
+        (c, r, rep) = from_file(
+            c,
+            r,
+            &base,
+            &region,
+            (&input, &mut left),
+            verify,
+            qps,
+            &mut bar,
+        )
+        .await?;
+        if let (Ok(_), false) = (&rep, kept.is_empty()) {
+            // the kept parts reached the server before it failed: they must still be there
+            match kept_landed(&mut c, &r, offset, &kept, &input).await {
+                Ok(()) => {
+                    eprintln!("p2p-rdma: {}", resumed(offset, &kept, "put"));
+                    break;
+                }
+                Err(e @ bridge::Error::Mismatch { .. }) => {
+                    eprintln!(
+                        "p2p-rdma: a part put before the failure is not in the region now \
+                         ({e}); putting the whole range again"
+                    );
+                    left = Left::new(offset, len);
+                    continue;
+                }
+                Err(e) => rep = Err(e),
+            }
+        }
+        let Err(e) = &rep else { break };
+        // --retries: on a new connection, after what this try put where it is verified, else
+        // the same bytes again from the start (a put of the same bytes to the same place twice
+        // leaves them once)
+        if !verify {
+            left = Left::new(offset, len);
+        }
+        match retry
+            .again(&mut c, e, "put", &region, bridge::OpenFor::Write)
+            .await
+        {
+            Some(again) => r = again,
+            None => break,
+        }
+    }
+    finish_transfer(c, &r, rep, bar, json).await
+}
+
+/// Whether the region `r` holds the `kept` parts of file `input` (whose byte 0 went to the
+/// region's `offset`), and then, for memory the server makes durable, those parts made so (a
+/// try's flush covers only what that try put).
+async fn kept_landed(
+    c: &mut bridge::Client,
+    r: &bridge::OpenRegion,
+    offset: u64,
+    kept: &[Stripe],
+    input: &str,
+) -> bridge::Result<()> {
+    use std::io::{Read as _, Seek as _};
+    for k in kept {
+        let mut f = std::fs::File::open(input)
+            .map_err(|e| bridge::Error::io(format!("reading {input} again"), e))?;
+        f.seek(std::io::SeekFrom::Start(k.offset - offset))
+            .map_err(|e| bridge::Error::io(format!("reading {input} again"), e))?;
+        let mut f = std::io::BufReader::with_capacity(1 << 20, f.take(k.len));
+        c.compare(r, k.offset, k.len, &mut f).await?;
+        if r.info.server_puts {
+            c.flush(r, k.offset, k.len).await?;
+        }
+    }
+    Ok(())
+}
+
+/// One try at putting from the file `input` what `left` says is left of the range, over `qps`
+/// connections (each piece read from where it is in the file); `left` then says what is still
+/// left.
+#[allow(clippy::too_many_arguments)]
+async fn from_file(
+    mut c: bridge::Client,
+    r: bridge::OpenRegion,
+    base: &bridge::ClientConfig,
+    region: &str,
+    (input, left): (&str, &mut Left),
+    verify: bool,
+    qps: usize,
+    bar: &mut Progress,
+) -> anyhow::Result<(
+    bridge::Client,
+    bridge::OpenRegion,
+    bridge::Result<bridge::TransferReport>,
+)> {
+    let offset = left.range().0;
+    let before = left.kept_bytes();
+    let chunk = base.chunk as u64;
+    if qps <= 1 {
+        // one stream: what is left is one part, at the end of the range
+        let piece = stripe::pieces(left, 1, chunk)
+            .first()
+            .copied()
+            .unwrap_or_else(|| left.first());
+        let mut f = std::fs::File::open(input)
+            .with_context(|| format!("cannot open the input file {input}"))?;
+        std::io::Seek::seek(&mut f, std::io::SeekFrom::Start(piece.offset - offset))
+            .with_context(|| format!("cannot seek in {input}"))?;
+        let mut f = std::io::BufReader::with_capacity(1 << 20, f);
+        let mut put = 0;
+        let rep = c
+            .put(
+                &r,
+                piece.offset,
+                &mut f,
+                Some(piece.len),
+                verify,
+                &mut |d| {
+                    put = d;
+                    bar.update(before + d)
+                },
+            )
+            .await;
+        left.wrote(&[piece], &[put]);
+        return Ok((c, r, rep));
+    }
+    let mut pieces = stripe::pieces(left, qps, chunk);
+    let mut lanes = Lanes::open((c, r), base, region, pieces.len(), |_| {
+        bridge::OpenFor::Write
+    })
+    .await;
+    if lanes.lanes.len() < pieces.len() {
+        // the server took fewer connections: the pieces are cut again for those it took
+        pieces = stripe::pieces(left, lanes.lanes.len(), chunk);
+    }
+    let before = left.kept_bytes();
+    let (rep, moved) = stripe::put(&mut lanes, offset, &pieces, input, verify, bar, before).await?;
+    left.wrote(&pieces, &moved);
+    let (c, r) = lanes.close_rest().await;
+    Ok((c, r, rep))
+}
