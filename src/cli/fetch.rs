@@ -9,7 +9,7 @@ use super::exit::Usage;
 use super::parse_size_arg;
 use super::resume::{resumed, Left};
 use super::stripe::{self, Lanes};
-use super::transfer::{client_config, finish_transfer, ClientArgs, Progress, Retry};
+use super::transfer::{client_config, finish_transfer, kept_holds, ClientArgs, Progress, Retry};
 
 /// `fetch`: where from, which bytes, where to.
 #[derive(clap::Args, Debug)]
@@ -129,7 +129,7 @@ pub(crate) async fn fetch(a: FetchArgs) -> anyhow::Result<()> {
         .await?;
         if let (Ok(_), false) = (&rep, kept.is_empty()) {
             // the kept parts came from the server before it failed: they must still be its bytes
-            match kept_matches(&mut c, &r, offset, &kept, &output).await {
+            match kept_holds(&mut c, &r, (offset, &kept), &output, false).await {
                 Ok(()) => {
                     eprintln!("p2p-rdma: {}", resumed(offset, &kept, "fetched"));
                     break;
@@ -176,27 +176,6 @@ pub(crate) async fn fetch(a: FetchArgs) -> anyhow::Result<()> {
         }
     }
     finish_transfer(c, &r, rep, bar, json).await
-}
-
-/// Whether the `kept` parts of file `output` (its byte 0 is the region's `offset`) are the
-/// server's bytes of `r`.
-async fn kept_matches(
-    c: &mut bridge::Client,
-    r: &bridge::OpenRegion,
-    offset: u64,
-    kept: &[Stripe],
-    output: &str,
-) -> bridge::Result<()> {
-    use std::io::{Read as _, Seek as _};
-    for k in kept {
-        let mut f = std::fs::File::open(output)
-            .map_err(|e| bridge::Error::io(format!("reading back {output}"), e))?;
-        f.seek(std::io::SeekFrom::Start(k.offset - offset))
-            .map_err(|e| bridge::Error::io(format!("reading back {output}"), e))?;
-        let mut f = std::io::BufReader::with_capacity(1 << 20, f.take(k.len));
-        c.compare(r, k.offset, k.len, &mut f).await?;
-    }
-    Ok(())
 }
 
 /// One try at fetching into the file `output` what `left` says is left of the range, over

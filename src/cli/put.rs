@@ -3,13 +3,14 @@
 //! (`super::resume`).
 
 use anyhow::Context as _;
-use bridge::stripe::Stripe;
 
 use super::exit::Usage;
 use super::parse_size_arg;
 use super::resume::{resumed, Left};
 use super::stripe::{self, Lanes};
-use super::transfer::{client_config, finish_transfer, ClientArgs, Progress, Retry};
+use super::transfer::{
+    client_config, file_part, finish_transfer, kept_holds, ClientArgs, Progress, Retry,
+};
 
 /// `put`: which bytes, where to.
 #[derive(clap::Args, Debug)]
@@ -125,7 +126,9 @@ pub(crate) async fn put(a: PutArgs) -> anyhow::Result<()> {
         .await?;
         if let (Ok(_), false) = (&rep, kept.is_empty()) {
             // the kept parts reached the server before it failed: they must still be there
-            match kept_landed(&mut c, &r, offset, &kept, &input).await {
+            // (and then, where the server makes puts durable, those parts made so: the last
+            // try's flush covered only what it put)
+            match kept_holds(&mut c, &r, (offset, &kept), &input, true).await {
                 Ok(()) => {
                     eprintln!("p2p-rdma: {}", resumed(offset, &kept, "put"));
                     break;
@@ -159,31 +162,6 @@ pub(crate) async fn put(a: PutArgs) -> anyhow::Result<()> {
     finish_transfer(c, &r, rep, bar, json).await
 }
 
-/// Whether the region `r` holds the `kept` parts of file `input` (whose byte 0 went to the
-/// region's `offset`), and then, for memory the server makes durable, those parts made so (a
-/// try's flush covers only what that try put).
-async fn kept_landed(
-    c: &mut bridge::Client,
-    r: &bridge::OpenRegion,
-    offset: u64,
-    kept: &[Stripe],
-    input: &str,
-) -> bridge::Result<()> {
-    use std::io::{Read as _, Seek as _};
-    for k in kept {
-        let mut f = std::fs::File::open(input)
-            .map_err(|e| bridge::Error::io(format!("reading {input} again"), e))?;
-        f.seek(std::io::SeekFrom::Start(k.offset - offset))
-            .map_err(|e| bridge::Error::io(format!("reading {input} again"), e))?;
-        let mut f = std::io::BufReader::with_capacity(1 << 20, f.take(k.len));
-        c.compare(r, k.offset, k.len, &mut f).await?;
-        if r.info.server_puts {
-            c.flush(r, k.offset, k.len).await?;
-        }
-    }
-    Ok(())
-}
-
 /// One try at putting from the file `input` what `left` says is left of the range, over `qps`
 /// connections (each piece read from where it is in the file); `left` then says what is still
 /// left.
@@ -211,11 +189,8 @@ async fn from_file(
             .first()
             .copied()
             .unwrap_or_else(|| left.first());
-        let mut f = std::fs::File::open(input)
-            .with_context(|| format!("cannot open the input file {input}"))?;
-        std::io::Seek::seek(&mut f, std::io::SeekFrom::Start(piece.offset - offset))
-            .with_context(|| format!("cannot seek in {input}"))?;
-        let mut f = std::io::BufReader::with_capacity(1 << 20, f);
+        let mut f = file_part(input, piece.offset - offset, piece.len)
+            .with_context(|| format!("cannot read the input file {input}"))?;
         let mut put = 0;
         let rep = c
             .put(

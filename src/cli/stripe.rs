@@ -12,7 +12,7 @@ use bridge::stripe::{merge, Stripe};
 use bridge::{Client, ClientConfig, OpenFor, OpenRegion, TransferReport};
 
 use super::resume::Left;
-use super::transfer::Progress;
+use super::transfer::{file_part, Progress};
 
 /// The connections of a striped transfer, the first one being the one already open.
 pub(crate) struct Lanes {
@@ -242,11 +242,10 @@ pub(crate) async fn put(
 ) -> anyhow::Result<Striped> {
     let mut files = Vec::new();
     for s in pieces {
-        let mut f = std::fs::File::open(input)
-            .with_context(|| format!("cannot open the input file {input}"))?;
-        f.seek(SeekFrom::Start(s.offset - offset))
-            .with_context(|| format!("cannot seek in {input}"))?;
-        files.push(std::io::BufReader::with_capacity(1 << 20, f));
+        files.push(
+            file_part(input, s.offset - offset, s.len)
+                .with_context(|| format!("cannot read the input file {input}"))?,
+        );
     }
     run(
         lanes,

@@ -119,6 +119,41 @@ pub(crate) fn print_report(r: &bridge::TransferReport, json: bool) -> anyhow::Re
     Ok(())
 }
 
+/// `len` bytes of the file at `path` from byte `at`, buffered.
+pub(crate) fn file_part(
+    path: &str,
+    at: u64,
+    len: u64,
+) -> std::io::Result<std::io::Take<std::io::BufReader<std::fs::File>>> {
+    use std::io::{Read as _, Seek as _};
+    let mut f = std::fs::File::open(path)?;
+    f.seek(std::io::SeekFrom::Start(at))?;
+    Ok(std::io::BufReader::with_capacity(1 << 20, f).take(len))
+}
+
+/// Whether region `r` holds the `kept` parts of the range at `offset` (a resumed transfer's,
+/// `super::resume`) as the file at `path` has them (its byte 0 is the range's first): the
+/// server's checksum of each part against the file's bytes. With `put`, a region the server
+/// makes puts durable in then has each part flushed (a resumed put's last try flushed only its
+/// own).
+pub(crate) async fn kept_holds(
+    c: &mut bridge::Client,
+    r: &bridge::OpenRegion,
+    (offset, kept): (u64, &[bridge::stripe::Stripe]),
+    path: &str,
+    put: bool,
+) -> bridge::Result<()> {
+    for k in kept {
+        let mut f = file_part(path, k.offset - offset, k.len)
+            .map_err(|e| bridge::Error::io(format!("reading {path} again"), e))?;
+        c.compare(r, k.offset, k.len, &mut f).await?;
+        if put && r.info.server_puts {
+            c.flush(r, k.offset, k.len).await?;
+        }
+    }
+    Ok(())
+}
+
 /// A progress line on stderr when it is a terminal (and no JSON was asked for).
 pub(crate) struct Progress {
     total: u64,
