@@ -291,7 +291,7 @@ fn exit_2_for_bad_input_names_what_is_wrong() {
                 "127.0.0.1:9".into(),
                 "r".into(),
                 "-i".into(),
-                input.into(),
+                input.clone().into(),
                 "--length".into(),
                 "11".into(),
             ],
@@ -302,6 +302,18 @@ fn exit_2_for_bad_input_names_what_is_wrong() {
         (fetch_with("--mtu", "1500"), "an Ethernet MTU such as 1500"),
         (fetch_with("--retries", "2"), "give -o FILE, not -"),
         (fetch_with("--retry-wait", "4000"), "from 0 to 3600"),
+        (fetch_with("--continue", "--verify"), "give -o FILE, not -"),
+        (
+            vec![
+                "fetch".into(),
+                "127.0.0.1:9".into(),
+                "r".into(),
+                "-o".into(),
+                input.into(),
+                "--continue".into(),
+            ],
+            "add --verify",
+        ),
         (
             ["put", "127.0.0.1:9", "r", "-i", "-", "--retries", "1"]
                 .map(Into::into)

@@ -33,6 +33,13 @@ pub(crate) struct FetchArgs {
     /// does not compute it.
     #[arg(long)]
     pub(crate) verify: bool,
+    /// Keep the bytes already in the output file (an earlier fetch of the same range into it
+    /// that was interrupted: killed, or failed) and fetch only the rest. Once the rest is in,
+    /// the kept bytes are compared with the server's checksum of them, and the whole range is
+    /// fetched again if they differ (the region changed, or the file held other bytes). Needs
+    /// -o FILE and --verify.
+    #[arg(long = "continue", short = 'c')]
+    pub(crate) keep: bool,
     /// Print a JSON result record: bytes, seconds, MiB/s, the bytes of each path, and
     /// `first_bytes_ms`, the time to first byte (on the bounce path it holds the server's
     /// staging of the first chunk and a control round trip).
@@ -50,9 +57,34 @@ pub(crate) async fn fetch(a: FetchArgs) -> anyhow::Result<()> {
         length,
         output,
         verify,
+        keep,
         json,
         client,
     } = a;
+    if keep && output == "-" {
+        return Err(Usage(
+            "--continue keeps what an earlier fetch wrote into the output file: give -o FILE, \
+             not -"
+                .into(),
+        )
+        .into());
+    }
+    if keep && !verify {
+        return Err(Usage(
+            "--continue keeps bytes fetched before, which only --verify checks against the \
+             server's (the region may have changed since): add --verify"
+                .into(),
+        )
+        .into());
+    }
+    // what the output file holds already, kept with --continue (read before connecting: a
+    // file that cannot be read is a local error, said at once)
+    let had = match std::fs::metadata(&output) {
+        _ if !keep => 0,
+        Ok(m) => m.len(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
+        Err(e) => return Err(e).with_context(|| format!("cannot read {output} to continue it")),
+    };
     if client.qps > 1 && output == "-" {
         return Err(Usage(
             "--qps writes the stripes at their own offsets of a file at once: give -o FILE, not -"
@@ -114,6 +146,22 @@ pub(crate) async fn fetch(a: FetchArgs) -> anyhow::Result<()> {
     // the next try to fetch only the rest: one part at the start with one connection, one per
     // stripe with --qps
     let mut left = Left::new(offset, len);
+    if had > 0 {
+        // --continue: the file's first bytes are kept, as if a try had written them
+        left.wrote(&[Stripe { offset, len }], &[had.min(len)]);
+        if had > len {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(&output)
+                .and_then(|f| f.set_len(len))
+                .with_context(|| format!("cannot cut {output} to the {len} bytes fetched"))?;
+        }
+        eprintln!(
+            "p2p-rdma: --continue: keeping the first {} of {output}, fetching the other {}",
+            bridge::size::human(had.min(len)),
+            bridge::size::human(len - had.min(len))
+        );
+    }
     loop {
         let kept = left.kept();
         (c, r, rep) = into_file(

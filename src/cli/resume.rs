@@ -146,13 +146,13 @@ pub(crate) fn resumed(offset: u64, kept: &[Stripe], moved: &str) -> String {
     let human = bridge::size::human;
     match kept {
         [k] if k.offset == offset => format!(
-            "resumed after the first {} of the range, {moved} before the failure and checked \
-             against the server's checksum",
+            "resumed after the first {} of the range, {moved} before and checked against the \
+             server's checksum",
             human(k.len)
         ),
         _ => format!(
-            "resumed, keeping {} {moved} before the failure in {} parts ({}), checked against \
-             the server's checksum",
+            "resumed, keeping {} {moved} before in {} parts ({}), checked against the server's \
+             checksum",
             human(kept.iter().map(|k| k.len).sum()),
             kept.len(),
             kept.iter()
@@ -251,8 +251,8 @@ mod tests {
     fn a_resume_says_what_it_kept() {
         assert_eq!(
             resumed(0, &[s(0, 3 << 20)], "put"),
-            "resumed after the first 3.0 MiB of the range, put before the failure and checked \
-             against the server's checksum"
+            "resumed after the first 3.0 MiB of the range, put before and checked against the \
+             server's checksum"
         );
         assert_eq!(
             resumed(
@@ -260,8 +260,8 @@ mod tests {
                 &[s(100, 1 << 20), s(100 + (8 << 20), 2 << 20)],
                 "fetched"
             ),
-            "resumed, keeping 3.0 MiB fetched before the failure in 2 parts (the first 1.0 MiB, \
-             2.0 MiB at 8.0 MiB), checked against the server's checksum"
+            "resumed, keeping 3.0 MiB fetched before in 2 parts (the first 1.0 MiB, 2.0 MiB at \
+             8.0 MiB), checked against the server's checksum"
         );
     }
 

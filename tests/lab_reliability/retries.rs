@@ -285,3 +285,72 @@ async fn lab_reliability_a_cli_fetch_with_retries_waits_for_a_server_not_up_yet(
     ));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_reliability_a_cli_fetch_killed_mid_way_goes_on_with_continue() {
+    // a fetch killed (SIGKILL) mid-way, run again with --continue --verify: it keeps the bytes
+    // in the file and fetches the rest. Then a file of other bytes, continued: the kept part
+    // differs, and the whole range is fetched again
+    let dir = std::env::temp_dir().join(format!("p2p-continue-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let token_file = dir.join("token");
+    std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
+    let file = dir.join("region.bin");
+    let content = data(128 << 20, 46);
+    std::fs::write(&file, &content).unwrap();
+    let (_server, addr) =
+        ServeProcess::start(&format!("f=file:{}", file.display()), &token_file).await;
+    let out = dir.join("out.bin");
+    let fetch = |more: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_p2p-rdma"))
+            .args(["fetch", &addr.to_string(), "f", "--verify", "--token-file"])
+            .arg(&token_file)
+            .arg("-o")
+            .arg(&out)
+            .args(more)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("p2p-rdma fetch")
+    };
+    let mut first = fetch(&[]);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !holds(&out, (4 << 20) - 4096, &content[(4 << 20) - 4096..4 << 20]) {
+        assert!(Instant::now() < deadline, "the fetch did not start");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    first.kill().unwrap();
+    first.wait().unwrap();
+    let had = std::fs::metadata(&out).unwrap().len();
+    assert!(
+        had < 128 << 20,
+        "the fetch ended before it was killed: this run tested nothing"
+    );
+    let done = fetch(&["--continue"]).wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&done.stderr);
+    eprintln!("the fetch with --continue said:\n{err}");
+    assert!(done.status.success(), "{:?}: {err}", done.status);
+    assert!(
+        err.contains("--continue: keeping the first") && err.contains("p2p-rdma: resumed after"),
+        "{err}"
+    );
+    assert!(std::fs::read(&out).unwrap() == content, "the bytes differ");
+    // a file of other bytes (the pattern of seed 48: seeds 46 and 47 make the same bytes),
+    // longer than the region: cut, found different, fetched again
+    std::fs::write(&out, data(130 << 20, 48)).unwrap();
+    let again = fetch(&["--continue"]).wait_with_output().unwrap();
+    let err2 = String::from_utf8_lossy(&again.stderr);
+    assert!(again.status.success(), "{:?}: {err2}", again.status);
+    assert!(
+        err2.contains("fetching the whole range again") && !err2.contains("p2p-rdma: resumed"),
+        "{err2}"
+    );
+    assert!(std::fs::read(&out).unwrap() == content, "the bytes differ");
+    figure(format!(
+        "reliability: fetch of 128 MiB killed (SIGKILL) with {} in its file, run again with --continue --verify: {}; a file of other bytes continued: fetched whole again",
+        p2p_rdma::bridge::size::human(had),
+        err.lines().find(|l| l.contains("p2p-rdma: resumed")).unwrap_or_default().trim_start_matches("p2p-rdma: ")
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+}
