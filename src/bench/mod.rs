@@ -297,15 +297,17 @@ pub fn pattern(len: usize) -> Vec<u8> {
     pattern_from(len, 0x9e37_79b9)
 }
 
-/// `len` pseudo-random bytes (xorshift), reproducible from `seed`.
+/// `len` pseudo-random bytes (xorshift), reproducible from `seed`; each seed its own bytes.
 pub fn pattern_from(len: usize, seed: u32) -> Vec<u8> {
-    let mut x = seed | 1;
+    // a state that is never zero and differs for every seed (with `seed | 1`, seeds 2k and
+    // 2k + 1 made the same bytes, and tests that wrote one over the other saw no change)
+    let mut x = (u64::from(seed) << 1) | 1;
     (0..len)
         .map(|_| {
             x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            x as u8
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 32) as u8
         })
         .collect()
 }
@@ -346,6 +348,17 @@ fn qp_options(side: &Side, p: &BenchParams, recv: u32) -> QpOptions {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_seed_makes_its_own_pattern() {
+        let firsts: std::collections::HashSet<Vec<u8>> =
+            (0..256).map(|seed| pattern_from(64, seed)).collect();
+        assert_eq!(firsts.len(), 256);
+        assert_eq!(pattern_from(1000, 7), pattern_from(1000, 7));
+        // not one byte value over and over
+        let p = pattern(4096);
+        assert!(p.iter().collect::<std::collections::HashSet<_>>().len() > 200);
+    }
 
     fn params() -> BenchParams {
         BenchParams {
