@@ -7,9 +7,11 @@ use bridge::stripe::Stripe;
 
 use super::exit::Usage;
 use super::parse_size_arg;
-use super::resume::{resumed, Left};
-use super::stripe::{self, Lanes};
-use super::transfer::{client_config, finish_transfer, kept_holds, ClientArgs, Progress, Retry};
+use super::resume::Left;
+use super::stripe;
+use super::transfer::{
+    client_config, finish_transfer, kept_still_hold, ClientArgs, Progress, Retry,
+};
 
 /// `fetch`: where from, which bytes, where to.
 #[derive(clap::Args, Debug)]
@@ -176,17 +178,10 @@ pub(crate) async fn fetch(a: FetchArgs) -> anyhow::Result<()> {
         )
         .await?;
         if let (Ok(_), false) = (&rep, kept.is_empty()) {
-            // the kept parts came from the server before it failed: they must still be its bytes
-            match kept_holds(&mut c, &r, (offset, &kept), &output, false).await {
-                Ok(()) => {
-                    eprintln!("p2p-rdma: {}", resumed(offset, &kept, "fetched"));
-                    break;
-                }
-                Err(e @ bridge::Error::Mismatch { .. }) => {
-                    eprintln!(
-                        "p2p-rdma: a part kept from before the failure differs from the \
-                         server's bytes now ({e}); fetching the whole range again"
-                    );
+            // the kept parts moved before the failure: they must still be the region's bytes
+            match kept_still_hold(&mut c, &r, (offset, &kept), &output, false).await {
+                Ok(true) => break,
+                Ok(false) => {
                     left = Left::new(offset, len);
                     continue;
                 }
@@ -277,21 +272,14 @@ async fn into_file(
         left.wrote(&[piece], &[written]);
         return Ok((c, r, rep));
     }
-    let chunk = base.chunk as u64;
-    let mut pieces = stripe::pieces(left, qps, chunk);
     // each further lane opens naming its piece
-    let mut lanes = Lanes::open((c, r), base, region, pieces.len(), |i| {
+    let (mut lanes, pieces) = stripe::lanes_for((c, r), (base, region), left, qps, |p| {
         bridge::OpenFor::Fetch {
-            offset: pieces[i].offset,
-            len: pieces[i].len,
+            offset: p.offset,
+            len: p.len,
         }
     })
     .await;
-    if lanes.lanes.len() < pieces.len() {
-        // the server took fewer connections: the pieces are cut again for those it took (a
-        // first chunk staged for another cut goes back unread)
-        pieces = stripe::pieces(left, lanes.lanes.len(), chunk);
-    }
     let before = left.kept_bytes();
     let (rep, moved) = stripe::fetch(
         &mut lanes,

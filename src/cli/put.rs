@@ -6,10 +6,10 @@ use anyhow::Context as _;
 
 use super::exit::Usage;
 use super::parse_size_arg;
-use super::resume::{resumed, Left};
-use super::stripe::{self, Lanes};
+use super::resume::Left;
+use super::stripe;
 use super::transfer::{
-    client_config, file_part, finish_transfer, kept_holds, ClientArgs, Progress, Retry,
+    client_config, file_part, finish_transfer, kept_still_hold, ClientArgs, Progress, Retry,
 };
 
 /// `put`: which bytes, where to.
@@ -125,19 +125,10 @@ pub(crate) async fn put(a: PutArgs) -> anyhow::Result<()> {
         )
         .await?;
         if let (Ok(_), false) = (&rep, kept.is_empty()) {
-            // the kept parts reached the server before it failed: they must still be there
-            // (and then, where the server makes puts durable, those parts made so: the last
-            // try's flush covered only what it put)
-            match kept_holds(&mut c, &r, (offset, &kept), &input, true).await {
-                Ok(()) => {
-                    eprintln!("p2p-rdma: {}", resumed(offset, &kept, "put"));
-                    break;
-                }
-                Err(e @ bridge::Error::Mismatch { .. }) => {
-                    eprintln!(
-                        "p2p-rdma: a part put before the failure is not in the region now \
-                         ({e}); putting the whole range again"
-                    );
+            // the kept parts moved before the failure: they must still be the region's bytes
+            match kept_still_hold(&mut c, &r, (offset, &kept), &input, true).await {
+                Ok(true) => break,
+                Ok(false) => {
                     left = Left::new(offset, len);
                     continue;
                 }
@@ -208,15 +199,10 @@ async fn from_file(
         left.wrote(&[piece], &[put]);
         return Ok((c, r, rep));
     }
-    let mut pieces = stripe::pieces(left, qps, chunk);
-    let mut lanes = Lanes::open((c, r), base, region, pieces.len(), |_| {
+    let (mut lanes, pieces) = stripe::lanes_for((c, r), (base, region), left, qps, |_| {
         bridge::OpenFor::Write
     })
     .await;
-    if lanes.lanes.len() < pieces.len() {
-        // the server took fewer connections: the pieces are cut again for those it took
-        pieces = stripe::pieces(left, lanes.lanes.len(), chunk);
-    }
     let before = left.kept_bytes();
     let (rep, moved) = stripe::put(&mut lanes, offset, &pieces, input, verify, bar, before).await?;
     left.wrote(&pieces, &moved);

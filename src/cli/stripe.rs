@@ -88,6 +88,29 @@ impl Lanes {
     }
 }
 
+/// The connections and pieces of a striped try over what `left` says is left: a connection per
+/// piece, up to `n` (`first` and the others, each opened for `purpose` of its piece); when the
+/// server took fewer, the pieces are cut again for those it took (a first chunk staged for
+/// another cut goes back unread).
+pub(crate) async fn lanes_for(
+    first: (Client, OpenRegion),
+    (base, region): (&ClientConfig, &str),
+    left: &mut Left,
+    n: usize,
+    purpose: impl Fn(Stripe) -> OpenFor,
+) -> (Lanes, Vec<Stripe>) {
+    let chunk = base.chunk as u64;
+    let mut pieces = self::pieces(left, n, chunk);
+    let lanes = Lanes::open(first, base, region, pieces.len(), |i| {
+        pieces.get(i).copied().map_or(OpenFor::Read, &purpose)
+    })
+    .await;
+    if lanes.lanes.len() < pieces.len() {
+        pieces = self::pieces(left, lanes.lanes.len(), chunk);
+    }
+    (lanes, pieces)
+}
+
 type Lane = (Client, OpenRegion);
 type Done = (usize, Lane, bridge::Result<TransferReport>);
 

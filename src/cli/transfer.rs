@@ -136,7 +136,7 @@ pub(crate) fn file_part(
 /// server's checksum of each part against the file's bytes. With `put`, a region the server
 /// makes puts durable in then has each part flushed (a resumed put's last try flushed only its
 /// own).
-pub(crate) async fn kept_holds(
+async fn kept_holds(
     c: &mut bridge::Client,
     r: &bridge::OpenRegion,
     (offset, kept): (u64, &[bridge::stripe::Stripe]),
@@ -152,6 +152,34 @@ pub(crate) async fn kept_holds(
         }
     }
     Ok(())
+}
+
+/// After a try that moved the rest of a resumed transfer: whether its `kept` parts hold
+/// ([`kept_holds`]; `put`: the transfer is a put), said on stderr. `Ok(false)`: a part
+/// differs, and the caller moves the whole range again (also said).
+pub(crate) async fn kept_still_hold(
+    c: &mut bridge::Client,
+    r: &bridge::OpenRegion,
+    (offset, kept): (u64, &[bridge::stripe::Stripe]),
+    path: &str,
+    put: bool,
+) -> bridge::Result<bool> {
+    match kept_holds(c, r, (offset, kept), path, put).await {
+        Ok(()) => {
+            let moved = if put { "put" } else { "fetched" };
+            eprintln!("p2p-rdma: {}", super::resume::resumed(offset, kept, moved));
+            Ok(true)
+        }
+        Err(e @ bridge::Error::Mismatch { .. }) => {
+            eprintln!(
+                "p2p-rdma: a part kept from before differs from the region's bytes now ({e}); {} \
+                 the whole range again",
+                if put { "putting" } else { "fetching" }
+            );
+            Ok(false)
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// A progress line on stderr when it is a terminal (and no JSON was asked for).
