@@ -7,6 +7,7 @@ use bridge::stripe::Stripe;
 
 use super::exit::Usage;
 use super::parse_size_arg;
+use super::partial;
 use super::resume::Left;
 use super::stripe;
 use super::transfer::{
@@ -36,10 +37,12 @@ pub(crate) struct FetchArgs {
     #[arg(long)]
     pub(crate) verify: bool,
     /// Keep the bytes already in the output file (an earlier fetch of the same range into it
-    /// that was interrupted: killed, or failed) and fetch only the rest. Once the rest is in,
-    /// the kept bytes are compared with the server's checksum of them, and the whole range is
-    /// fetched again if they differ (the region changed, or the file held other bytes). Needs
-    /// -o FILE and --verify.
+    /// that was interrupted: killed, or failed) and fetch only the rest: as many as the file
+    /// holds, or after a striped fetch (--qps), the parts that FILE.p2p-rdma-partial beside it
+    /// names (a striped fetch keeps that record while it runs). Once the rest is in, the kept
+    /// bytes are compared with the server's checksum of them, and the whole range is fetched
+    /// again if they differ (the region changed, or the file held other bytes). Needs -o FILE
+    /// and --verify.
     #[arg(long = "continue", short = 'c')]
     pub(crate) keep: bool,
     /// Print a JSON result record: bytes, seconds, MiB/s, the bytes of each path, and
@@ -148,7 +151,21 @@ pub(crate) async fn fetch(a: FetchArgs) -> anyhow::Result<()> {
     // the next try to fetch only the rest: one part at the start with one connection, one per
     // stripe with --qps
     let mut left = Left::new(offset, len);
-    if had > 0 {
+    if !keep {
+        // a record of an earlier striped fetch into this file no longer says what it holds
+        partial::remove(&output)?;
+    } else if let Some(l) = partial::load(&output, &region, (offset, len), had) {
+        // --continue after a striped fetch: the parts its record says were fetched are kept
+        left = l;
+        eprintln!(
+            "p2p-rdma: --continue: keeping {} of {output} in {} part(s), as {} says, fetching \
+             the other {}",
+            bridge::size::human(left.kept_bytes()),
+            left.kept().len(),
+            partial::path(&output),
+            bridge::size::human(len - left.kept_bytes())
+        );
+    } else if had > 0 {
         // --continue: the file's first bytes are kept, as if a try had written them
         left.wrote(&[Stripe { offset, len }], &[had.min(len)]);
         if had > len {
@@ -218,6 +235,9 @@ pub(crate) async fn fetch(a: FetchArgs) -> anyhow::Result<()> {
             }
         }
     }
+    if rep.is_ok() {
+        partial::remove(&output)?;
+    }
     finish_transfer(c, &r, rep, bar, json).await
 }
 
@@ -241,7 +261,7 @@ async fn into_file(
     bridge::Result<bridge::TransferReport>,
 )> {
     let (offset, len) = left.range();
-    if qps <= 1 {
+    if qps <= 1 && left.one_stream() {
         // one stream: what the tries before kept is the start of the file
         let at = left.first().offset - offset;
         let mut f = if at > 0 {
@@ -272,8 +292,10 @@ async fn into_file(
         left.wrote(&[piece], &[written]);
         return Ok((c, r, rep));
     }
-    // each further lane opens naming its piece
-    let (mut lanes, pieces) = stripe::lanes_for((c, r), (base, region), left, qps, |p| {
+    // each further lane opens naming its piece; a connection for each part left at least
+    // (--continue after a striped fetch, with fewer --qps)
+    let n = qps.max(left.parts());
+    let (mut lanes, pieces) = stripe::lanes_for((c, r), (base, region), left, n, |p| {
         bridge::OpenFor::Fetch {
             offset: p.offset,
             len: p.len,
@@ -281,17 +303,25 @@ async fn into_file(
     })
     .await;
     let before = left.kept_bytes();
+    // the record of what is left, once a second and after the try, for a --continue later
+    let start = left.clone();
+    let mut warned = false;
+    let mut note = |moved: &[u64]| {
+        let mut now = start.clone();
+        now.wrote(&pieces, moved);
+        partial::save(output, region, &now, &mut warned);
+    };
     let (rep, moved) = stripe::fetch(
         &mut lanes,
         (offset, len),
         &pieces,
         (output, before == 0),
         verify,
-        bar,
-        before,
+        (bar, before, &mut note),
     )
     .await?;
     left.wrote(&pieces, &moved);
+    partial::save(output, region, left, &mut warned);
     let (c, r) = lanes.close_rest().await;
     Ok((c, r, rep))
 }

@@ -8,6 +8,7 @@ pub(crate) mod fetch;
 pub(crate) mod inspect;
 pub(crate) mod ls;
 pub(crate) mod man;
+pub(crate) mod partial;
 pub(crate) mod put;
 pub(crate) mod resume;
 pub(crate) mod serve;

@@ -36,6 +36,16 @@ impl Left {
         (self.offset, self.len)
     }
 
+    /// Whether one stream can move what is left: at most one part, at the end of the range (what
+    /// was kept is a start of it).
+    pub(crate) fn one_stream(&self) -> bool {
+        match self.todo.as_slice() {
+            [] => true,
+            [t] => t.offset + t.len == self.offset + self.len,
+            _ => false,
+        }
+    }
+
     /// How many apart parts are still to fetch.
     pub(crate) fn parts(&self) -> usize {
         self.todo.len()
@@ -137,6 +147,71 @@ impl Left {
             }
         }
         self.todo = todo;
+    }
+}
+
+/// The first line of a record of what a fetch left (`Left::record`).
+const RECORD_HEADER: &str = "p2p-rdma partial fetch 1";
+
+impl Left {
+    /// A record of what is left of a fetch of `region` into a file: kept beside the file while
+    /// a striped fetch runs, so that `fetch --continue` knows which parts of the file hold
+    /// fetched bytes (a striped fetch's file is sized first and written in several places).
+    pub(crate) fn record(&self, region: &str) -> String {
+        let mut out = format!(
+            "{RECORD_HEADER}\nregion {region}\nrange {} {}\n",
+            self.offset, self.len
+        );
+        for t in &self.todo {
+            out.push_str(&format!("left {} {}\n", t.offset, t.len));
+        }
+        out
+    }
+
+    /// What a record says is left of a fetch of `region`, `len` bytes at `offset`; an error
+    /// saying why when it is not a record of that fetch (another region or range, damaged).
+    pub(crate) fn from_record(
+        text: &str,
+        region: &str,
+        (offset, len): (u64, u64),
+    ) -> Result<Left, String> {
+        let mut lines = text.lines();
+        if lines.next() != Some(RECORD_HEADER) {
+            return Err("not a record of a partial fetch".into());
+        }
+        if lines.next() != Some(&format!("region {region}")) {
+            return Err(format!("not a fetch of region '{region}'"));
+        }
+        if lines.next() != Some(&format!("range {offset} {len}")) {
+            return Err(format!("not a fetch of {len} bytes at offset {offset}"));
+        }
+        let mut todo: Vec<Stripe> = Vec::new();
+        let mut at = offset;
+        for l in lines {
+            let part = l
+                .strip_prefix("left ")
+                .and_then(|r| r.split_once(' '))
+                .and_then(|(o, n)| Some((o.parse::<u64>().ok()?, n.parse::<u64>().ok()?)));
+            let Some((o, n)) = part else {
+                return Err(format!("a line that is not a part left: '{l}'"));
+            };
+            // in order, apart, inside the range, none empty
+            if n == 0 || o < at || o.checked_add(n).is_none_or(|e| e > offset + len) {
+                return Err(format!(
+                    "a part left out of order or out of the range: '{l}'"
+                ));
+            }
+            at = o + n;
+            todo.push(Stripe { offset: o, len: n });
+        }
+        let mut l = Left {
+            offset,
+            len,
+            todo: Vec::new(),
+        };
+        // parts that touch become one
+        l.wrote(&todo, &[]);
+        Ok(l)
     }
 }
 
@@ -245,6 +320,49 @@ mod tests {
         assert_eq!(l.spread(1, 1 << 20), None);
         assert_eq!(l.spread_or_anew(1, 1 << 20), vec![s(0, 16 << 20)]);
         assert_eq!(l.kept_bytes(), 0);
+    }
+
+    #[test]
+    fn a_record_gives_back_what_was_left_and_refuses_what_is_not_it() {
+        let mut l = Left::new(100, 8 << 20);
+        let pieces = l.spread(2, 1 << 20).unwrap();
+        l.wrote(&pieces, &[1 << 20, 3 << 20]);
+        let text = l.record("big");
+        assert_eq!(
+            Left::from_record(&text, "big", (100, 8 << 20)).as_ref(),
+            Ok(&l)
+        );
+        // every byte fetched: no part left
+        let mut all = Left::new(0, 10);
+        all.wrote(&[s(0, 10)], &[10]);
+        assert_eq!(
+            Left::from_record(&all.record("r"), "r", (0, 10)).map(|l| l.kept_bytes()),
+            Ok(10)
+        );
+        for (text, why) in [
+            ("", "not a record"),
+            ("p2p-rdma partial fetch 1\nregion other\nrange 100 8388608\n", "region 'big'"),
+            ("p2p-rdma partial fetch 1\nregion big\nrange 0 8388608\n", "at offset 100"),
+            (
+                "p2p-rdma partial fetch 1\nregion big\nrange 100 8388608\nleft 5 x\n",
+                "not a part left",
+            ),
+            (
+                "p2p-rdma partial fetch 1\nregion big\nrange 100 8388608\nleft 50 10\n",
+                "out of the range",
+            ),
+            (
+                "p2p-rdma partial fetch 1\nregion big\nrange 100 8388608\nleft 200 10\nleft 150 10\n",
+                "out of order",
+            ),
+            (
+                "p2p-rdma partial fetch 1\nregion big\nrange 100 8388608\nleft 8388700 100\n",
+                "out of the range",
+            ),
+        ] {
+            let e = Left::from_record(text, "big", (100, 8 << 20)).unwrap_err();
+            assert!(e.contains(why), "{text:?}: {e}");
+        }
     }
 
     #[test]

@@ -114,19 +114,24 @@ pub(crate) async fn lanes_for(
 type Lane = (Client, OpenRegion);
 type Done = (usize, Lane, bridge::Result<TransferReport>);
 
+/// How a striped transfer is watched: the progress line, the bytes moved by earlier tries (for
+/// it), and what is handed the bytes each stripe moved so far, once a second.
+pub(crate) type Watch<'a> = (&'a mut Progress, u64, &'a mut dyn FnMut(&[u64]));
+
 /// The merged report of a striped transfer, and the bytes each stripe moved in order (what a
 /// failed one moved before it failed).
 type Striped = (bridge::Result<TransferReport>, Vec<u64>);
 
 /// Run one task per stripe, each with its own file (`files[i]` for `stripes[i]`), keep the
-/// progress line moving (`before`: bytes moved by earlier tries), and merge the reports. A
+/// progress line moving (`before`: bytes moved by earlier tries), hand `note` the bytes each
+/// stripe moved so far once a second, and merge the reports. A
 /// failed stripe fails the transfer (its range is said on stderr; the error is the stripe's
 /// own).
 async fn run<T, F>(
     lanes: &mut Lanes,
     stripes: Vec<Stripe>,
     files: Vec<T>,
-    (bar, before): (&mut Progress, u64),
+    (bar, before, note): Watch<'_>,
     start: impl Fn(usize, Lane, Stripe, T, Arc<AtomicU64>) -> F,
 ) -> anyhow::Result<Striped>
 where
@@ -160,6 +165,10 @@ where
         tasks.spawn(start(i, lane, s, f, Arc::clone(&counters[i])));
     }
     let mut tick = tokio::time::interval(Duration::from_millis(100));
+    let mut ticks = 0u32;
+    let moved = |c: &[Arc<AtomicU64>]| -> Vec<u64> {
+        c.iter().map(|c| c.load(Ordering::Relaxed)).collect()
+    };
     let mut results: Vec<Option<(Lane, bridge::Result<TransferReport>)>> =
         (0..stripes.len()).map(|_| None).collect();
     loop {
@@ -169,7 +178,14 @@ where
                 Some(Err(e)) => anyhow::bail!("a stripe's task ended without a result: {e}"),
                 None => break,
             },
-            _ = tick.tick() => bar.update(before + counters.iter().map(|c| c.load(Ordering::Relaxed)).sum::<u64>()),
+            _ = tick.tick() => {
+                let now = moved(&counters);
+                bar.update(before + now.iter().sum::<u64>());
+                ticks += 1;
+                if ticks % 10 == 0 {
+                    note(&now);
+                }
+            }
         }
     }
     let mut reports = Vec::new();
@@ -195,7 +211,7 @@ where
         }
     }
     lanes.lanes.extend(idle);
-    let moved = counters.iter().map(|c| c.load(Ordering::Relaxed)).collect();
+    let moved = moved(&counters);
     if let Some(e) = failed {
         return Ok((Err(e), moved));
     }
@@ -207,7 +223,7 @@ where
 /// Fetch the `pieces` of the range of `len` bytes at `offset` into the file `output`, one
 /// piece per lane, each where it goes in the file: the file created and sized first (`fresh`),
 /// else (a try after one that failed) written into as it is. `before`: bytes of the range
-/// already in the file, for the progress line.
+/// already in the file, for the progress line; `note`: as [`run`]'s.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn fetch(
     lanes: &mut Lanes,
@@ -215,8 +231,7 @@ pub(crate) async fn fetch(
     pieces: &[Stripe],
     (output, fresh): (&str, bool),
     verify: bool,
-    bar: &mut Progress,
-    before: u64,
+    (bar, before, note): Watch<'_>,
 ) -> anyhow::Result<Striped> {
     if fresh {
         let f = std::fs::File::create(output)
@@ -238,7 +253,7 @@ pub(crate) async fn fetch(
         lanes,
         pieces.to_vec(),
         files,
-        (bar, before),
+        (bar, before, note),
         |i, (mut c, r), s, mut f, done| async move {
             let rep = c
                 .fetch(&r, s.offset, s.len, &mut f, verify, &mut |d| {
@@ -274,7 +289,7 @@ pub(crate) async fn put(
         lanes,
         pieces.to_vec(),
         files,
-        (bar, before),
+        (bar, before, &mut |_| {}),
         |i, (mut c, r), s, mut f, done| async move {
             let rep = c
                 .put(&r, s.offset, &mut f, Some(s.len), verify, &mut |d| {

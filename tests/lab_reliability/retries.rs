@@ -286,13 +286,12 @@ async fn lab_reliability_a_cli_fetch_with_retries_waits_for_a_server_not_up_yet(
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "lab"]
-async fn lab_reliability_a_cli_fetch_killed_mid_way_goes_on_with_continue() {
-    // a fetch killed (SIGKILL) mid-way, run again with --continue --verify: it keeps the bytes
-    // in the file and fetches the rest. Then a file of other bytes, continued: the kept part
-    // differs, and the whole range is fetched again
-    let dir = std::env::temp_dir().join(format!("p2p-continue-{}", std::process::id()));
+/// A fetch over `qps` connections killed (SIGKILL) mid-way, run again with --continue
+/// --verify: it keeps the bytes in the file (one connection: as many as the file holds;
+/// striped: the parts the record beside the file names) and fetches the rest. Then a file of
+/// other bytes, continued: the kept part differs, and the whole range is fetched again.
+async fn a_cli_fetch_killed_mid_way_goes_on_with_continue(qps: u16) {
+    let dir = std::env::temp_dir().join(format!("p2p-continue-{qps}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let token_file = dir.join("token");
     std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
@@ -302,21 +301,27 @@ async fn lab_reliability_a_cli_fetch_killed_mid_way_goes_on_with_continue() {
     let (_server, addr) =
         ServeProcess::start(&format!("f=file:{}", file.display()), &token_file).await;
     let out = dir.join("out.bin");
+    let record = dir.join("out.bin.p2p-rdma-partial");
     let fetch = |more: &[&str]| {
         Command::new(env!("CARGO_BIN_EXE_p2p-rdma"))
             .args(["fetch", &addr.to_string(), "f", "--verify", "--token-file"])
             .arg(&token_file)
             .arg("-o")
             .arg(&out)
+            .args(["--qps", &qps.to_string()])
             .args(more)
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::piped())
             .spawn()
             .expect("p2p-rdma fetch")
     };
-    let mut first = fetch(&[]);
+    // slowed (one 64 KiB chunk in flight per connection), so that the record saved after a
+    // second names parts of both stripes
+    let mut first = fetch(&["--chunk", "64K", "--depth", "1"]);
     let deadline = Instant::now() + Duration::from_secs(60);
-    while !holds(&out, (4 << 20) - 4096, &content[(4 << 20) - 4096..4 << 20]) {
+    let block = |end: usize| holds(&out, end as u64 - 4096, &content[end - 4096..end]);
+    // striped: also until the record is there (saved once a second)
+    while !((block(4 << 20) || block(68 << 20)) && (qps == 1 || record.exists())) {
         assert!(Instant::now() < deadline, "the fetch did not start");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
@@ -324,18 +329,32 @@ async fn lab_reliability_a_cli_fetch_killed_mid_way_goes_on_with_continue() {
     first.wait().unwrap();
     let had = std::fs::metadata(&out).unwrap().len();
     assert!(
-        had < 128 << 20,
+        !(block(64 << 20) && block(128 << 20)),
         "the fetch ended before it was killed: this run tested nothing"
+    );
+    assert_eq!(
+        qps > 1,
+        record.exists(),
+        "a record beside the file only when striped"
     );
     let done = fetch(&["--continue"]).wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&done.stderr);
     eprintln!("the fetch with --continue said:\n{err}");
     assert!(done.status.success(), "{:?}: {err}", done.status);
+    let keeping = if qps == 1 {
+        "--continue: keeping the first"
+    } else {
+        "p2p-rdma-partial says"
+    };
     assert!(
-        err.contains("--continue: keeping the first") && err.contains("p2p-rdma: resumed after"),
+        err.contains(keeping) && err.contains("p2p-rdma: resumed"),
         "{err}"
     );
     assert!(std::fs::read(&out).unwrap() == content, "the bytes differ");
+    assert!(
+        !record.exists(),
+        "the record is removed once the fetch is done"
+    );
     // a file of other bytes (the pattern of seed 48: seeds 46 and 47 make the same bytes),
     // longer than the region: cut, found different, fetched again
     std::fs::write(&out, data(130 << 20, 48)).unwrap();
@@ -348,9 +367,21 @@ async fn lab_reliability_a_cli_fetch_killed_mid_way_goes_on_with_continue() {
     );
     assert!(std::fs::read(&out).unwrap() == content, "the bytes differ");
     figure(format!(
-        "reliability: fetch of 128 MiB killed (SIGKILL) with {} in its file, run again with --continue --verify: {}; a file of other bytes continued: fetched whole again",
+        "reliability: fetch --qps {qps} of 128 MiB killed (SIGKILL) with a file of {}, run again with --continue --verify: {}; a file of other bytes continued: fetched whole again",
         p2p_rdma::bridge::size::human(had),
         err.lines().find(|l| l.contains("p2p-rdma: resumed")).unwrap_or_default().trim_start_matches("p2p-rdma: ")
     ));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_reliability_a_cli_fetch_killed_mid_way_goes_on_with_continue() {
+    a_cli_fetch_killed_mid_way_goes_on_with_continue(1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_reliability_a_striped_cli_fetch_killed_mid_way_goes_on_with_continue() {
+    a_cli_fetch_killed_mid_way_goes_on_with_continue(2).await;
 }
