@@ -76,3 +76,49 @@ pub(crate) fn load(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_saved_record_is_loaded_back_only_for_its_fetch_and_a_file_that_holds_it() {
+        let dir = std::env::temp_dir().join(format!("p2p-partial-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let out = dir.join("out.bin").display().to_string();
+        let range = (4096, 8 << 20);
+        assert_eq!(load(&out, "r", range, 8 << 20), None, "no record");
+        let mut l = Left::new(range.0, range.1);
+        let pieces = l.spread(2, 1 << 20).unwrap();
+        l.wrote(&pieces, &[1 << 20, 2 << 20]);
+        let mut warned = false;
+        save(&out, "r", &l, &mut warned);
+        assert!(!warned);
+        assert!(!std::path::Path::new(&format!("{}.new", path(&out))).exists());
+        // the kept parts end 6 MiB into the range: a file of that many bytes holds them
+        assert_eq!(
+            l.kept().last().map(|k| k.offset + k.len - range.0),
+            Some(6 << 20)
+        );
+        assert_eq!(load(&out, "r", range, 6 << 20), Some(l.clone()));
+        assert_eq!(
+            load(&out, "r", range, (6 << 20) - 1),
+            None,
+            "a file too short"
+        );
+        assert_eq!(load(&out, "other", range, 8 << 20), None, "another region");
+        assert_eq!(
+            load(&out, "r", (0, 8 << 20), 8 << 20),
+            None,
+            "another range"
+        );
+        remove(&out).unwrap();
+        remove(&out).unwrap();
+        assert_eq!(load(&out, "r", range, 8 << 20), None, "removed");
+        // a record that cannot be saved is said once
+        let nowhere = dir.join("no/such/dir/out.bin").display().to_string();
+        save(&nowhere, "r", &l, &mut warned);
+        assert!(warned);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
