@@ -262,8 +262,10 @@ async fn into_file(
 )> {
     let (offset, len) = left.range();
     if qps <= 1 && left.one_stream() {
-        // one stream: what the tries before kept is the start of the file
-        let at = left.first().offset - offset;
+        // one stream: what the tries before kept is the start of the file, and what is left
+        // its one part at the end
+        let piece = left.first();
+        let at = piece.offset - offset;
         let mut f = if at > 0 {
             use std::io::Seek as _;
             let mut f = std::fs::OpenOptions::new()
@@ -280,15 +282,11 @@ async fn into_file(
         };
         let mut written = 0;
         let rep = c
-            .fetch(&r, offset + at, len - at, &mut f, verify, &mut |d| {
+            .fetch(&r, piece.offset, piece.len, &mut f, verify, &mut |d| {
                 written = d;
                 bar.update(at + d)
             })
             .await;
-        let piece = Stripe {
-            offset: offset + at,
-            len: len - at,
-        };
         left.wrote(&[piece], &[written]);
         return Ok((c, r, rep));
     }
@@ -321,7 +319,10 @@ async fn into_file(
     )
     .await?;
     left.wrote(&pieces, &moved);
-    partial::save(output, region, left, &mut warned);
+    if rep.is_err() {
+        // (a try that went through leaves nothing to record: the fetch removes the record)
+        partial::save(output, region, left, &mut warned);
+    }
     let (c, r) = lanes.close_rest().await;
     Ok((c, r, rep))
 }

@@ -172,14 +172,10 @@ async fn from_file(
     bridge::Result<bridge::TransferReport>,
 )> {
     let offset = left.range().0;
-    let before = left.kept_bytes();
-    let chunk = base.chunk as u64;
-    if qps <= 1 {
+    if qps <= 1 && left.one_stream() {
         // one stream: what is left is one part, at the end of the range
-        let piece = stripe::pieces(left, 1, chunk)
-            .first()
-            .copied()
-            .unwrap_or_else(|| left.first());
+        let piece = left.first();
+        let before = left.kept_bytes();
         let mut f = file_part(input, piece.offset - offset, piece.len)
             .with_context(|| format!("cannot read the input file {input}"))?;
         let mut put = 0;
@@ -199,10 +195,9 @@ async fn from_file(
         left.wrote(&[piece], &[put]);
         return Ok((c, r, rep));
     }
-    let (mut lanes, pieces) = stripe::lanes_for((c, r), (base, region), left, qps, |_| {
-        bridge::OpenFor::Write
-    })
-    .await;
+    let n = qps.max(left.parts());
+    let (mut lanes, pieces) =
+        stripe::lanes_for((c, r), (base, region), left, n, |_| bridge::OpenFor::Write).await;
     let before = left.kept_bytes();
     let (rep, moved) = stripe::put(&mut lanes, offset, &pieces, input, verify, bar, before).await?;
     left.wrote(&pieces, &moved);

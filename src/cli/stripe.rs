@@ -224,7 +224,6 @@ where
 /// piece per lane, each where it goes in the file: the file created and sized first (`fresh`),
 /// else (a try after one that failed) written into as it is. `before`: bytes of the range
 /// already in the file, for the progress line; `note`: as [`run`]'s.
-#[allow(clippy::too_many_arguments)]
 pub(crate) async fn fetch(
     lanes: &mut Lanes,
     (offset, len): (u64, u64),
