@@ -309,7 +309,7 @@ fn exit_2_for_bad_input_names_what_is_wrong() {
                 "127.0.0.1:9".into(),
                 "r".into(),
                 "-o".into(),
-                input.into(),
+                input.clone().into(),
                 "--continue".into(),
             ],
             "add --verify",
@@ -319,6 +319,31 @@ fn exit_2_for_bad_input_names_what_is_wrong() {
                 .map(Into::into)
                 .to_vec(),
             "give -i FILE, not -",
+        ),
+        (
+            [
+                "put",
+                "127.0.0.1:9",
+                "r",
+                "-i",
+                "-",
+                "--continue",
+                "--verify",
+            ]
+            .map(Into::into)
+            .to_vec(),
+            "give -i FILE, not -",
+        ),
+        (
+            vec![
+                "put".into(),
+                "127.0.0.1:9".into(),
+                "r".into(),
+                "-i".into(),
+                input.into(),
+                "-c".into(),
+            ],
+            "add --verify",
         ),
     ];
     for (args, want) in cases {

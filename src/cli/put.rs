@@ -1,6 +1,6 @@
 //! `put`: a file (or stdin) into a region, by address or by catalog name (`--node`). With
 //! `--retries` and `--verify` a put that failed part way goes on after what its streams put
-//! (`super::resume`).
+//! (`super::resume`); with `--continue`, after what the region holds of the file already.
 
 use anyhow::Context as _;
 
@@ -32,6 +32,15 @@ pub(crate) struct PutArgs {
     /// it, `crc32c` in --json); a put without --verify does not compute it.
     #[arg(long)]
     pub(crate) verify: bool,
+    /// Put only what the region does not hold of the input yet: an earlier put of the same
+    /// bytes to the same range that was interrupted (killed, or failed) put a start of each of
+    /// its streams' pieces. Each piece's --chunk's are compared with the server's checksum in
+    /// order from its start, the ones that match are kept and the rest is put; once it is
+    /// in, the kept bytes are compared again (and flushed, where the server makes puts
+    /// durable), and the whole range is put again if they changed meanwhile. Give the same
+    /// --chunk and --qps as the earlier put to keep all it put. Needs -i FILE and --verify.
+    #[arg(long = "continue", short = 'c')]
+    pub(crate) keep: bool,
     /// Print a JSON result record.
     #[arg(long)]
     pub(crate) json: bool,
@@ -47,9 +56,26 @@ pub(crate) async fn put(a: PutArgs) -> anyhow::Result<()> {
         length,
         input,
         verify,
+        keep,
         json,
         client,
     } = a;
+    if keep && input == "-" {
+        return Err(Usage(
+            "--continue compares the input with what the region holds, and puts the rest from \
+             where it is in the input: give -i FILE, not -"
+                .into(),
+        )
+        .into());
+    }
+    if keep && !verify {
+        return Err(Usage(
+            "--continue keeps bytes put before, which only --verify checks against the \
+             server's once the rest is in (the region may change meanwhile): add --verify"
+                .into(),
+        )
+        .into());
+    }
     let size = if input == "-" {
         None
     } else {
@@ -110,6 +136,9 @@ pub(crate) async fn put(a: PutArgs) -> anyhow::Result<()> {
     // the parts of the range the tries before put, kept (with --verify) for the next try to
     // put only the rest
     let mut left = Left::new(offset, len);
+    if keep {
+        left = held(&mut c, &r, &input, &left, (qps, base.chunk as u64)).await?;
+    }
     let mut rep;
     loop {
         let kept = left.kept();
@@ -203,4 +232,62 @@ async fn from_file(
     left.wrote(&pieces, &moved);
     let (c, r) = lanes.close_rest().await;
     Ok((c, r, rep))
+}
+
+/// `put --continue`: what is left of the range `all` after the start of each of its pieces
+/// (cut as a put over `qps` connections cuts them, in `chunk`'s) that the region holds as
+/// `input` has it, found chunk by chunk against the server's checksum up to the first that
+/// differs (a put interrupted part way put a start of each of its streams' pieces), and said.
+async fn held(
+    c: &mut bridge::Client,
+    r: &bridge::OpenRegion,
+    input: &str,
+    all: &Left,
+    (qps, chunk): (usize, u64),
+) -> anyhow::Result<Left> {
+    let (offset, len) = all.range();
+    let pieces = all.spread(qps, chunk).unwrap_or_default();
+    let mut have = Vec::with_capacity(pieces.len());
+    for p in &pieces {
+        let mut f = file_part(input, p.offset - offset, p.len)
+            .with_context(|| format!("cannot read the input file {input}"))?;
+        let mut n = 0;
+        while n < p.len {
+            let step = chunk.max(1).min(p.len - n);
+            match c.compare(r, p.offset + n, step, &mut f).await {
+                Ok(()) => n += step,
+                Err(bridge::Error::Mismatch { .. }) => break,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        have.push(n);
+    }
+    let mut left = all.clone();
+    left.wrote(&pieces, &have);
+    let human = bridge::size::human;
+    let kept = left.kept();
+    let (k, rest) = (left.kept_bytes(), len - left.kept_bytes());
+    let what = match kept.as_slice() {
+        [] => format!(
+            "none of the range as {input} has it, putting all {}",
+            human(len)
+        ),
+        _ if rest == 0 => format!(
+            "all {} of the range as {input} has it, putting nothing",
+            human(len)
+        ),
+        [one] if one.offset == offset => format!(
+            "the first {} of the range as {input} has it, putting the other {}",
+            human(k),
+            human(rest)
+        ),
+        _ => format!(
+            "{} of the range as {input} has it, in {} parts, putting the other {}",
+            human(k),
+            kept.len(),
+            human(rest)
+        ),
+    };
+    eprintln!("p2p-rdma: --continue: the region holds {what}");
+    Ok(left)
 }

@@ -385,3 +385,103 @@ async fn lab_reliability_a_cli_fetch_killed_mid_way_goes_on_with_continue() {
 async fn lab_reliability_a_striped_cli_fetch_killed_mid_way_goes_on_with_continue() {
     a_cli_fetch_killed_mid_way_goes_on_with_continue(2).await;
 }
+
+/// A put over `qps` connections killed (SIGKILL) mid-way, run again with --continue --verify:
+/// it finds what the region holds of each stripe's piece (chunk by chunk against the server's
+/// checksum), puts the rest, and checks the kept bytes again. Run once more, it finds the whole
+/// range held and puts nothing; into a region of other bytes, it finds nothing held and puts
+/// it whole.
+async fn a_cli_put_killed_mid_way_goes_on_with_continue(qps: u16) {
+    let dir = std::env::temp_dir().join(format!("p2p-put-continue-{qps}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let token_file = dir.join("token");
+    std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
+    let file = dir.join("region.bin");
+    std::fs::write(&file, vec![0u8; 128 << 20]).unwrap();
+    let content = data(128 << 20, 50);
+    let input = dir.join("in.bin");
+    std::fs::write(&input, &content).unwrap();
+    let (_server, addr) =
+        ServeProcess::start(&format!("f=file:{}", file.display()), &token_file).await;
+    let put = |more: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_p2p-rdma"))
+            .args(["put", &addr.to_string(), "f", "--verify", "--token-file"])
+            .arg(&token_file)
+            .arg("-i")
+            .arg(&input)
+            .args(["--qps", &qps.to_string()])
+            .args(more)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("p2p-rdma put")
+    };
+    let mut first = put(&[]);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let block = |end: usize| holds(&file, end as u64 - 4096, &content[end - 4096..end]);
+    while !(block(24 << 20) || block(88 << 20)) {
+        assert!(Instant::now() < deadline, "the put did not start");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    first.kill().unwrap();
+    first.wait().unwrap();
+    assert!(
+        !(block(64 << 20) && block(128 << 20)),
+        "the put ended before it was killed: this run tested nothing"
+    );
+    let run = |more: &[&str]| {
+        let out = put(more).wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        eprintln!("the put {more:?} said:\n{err}");
+        assert!(out.status.success(), "{:?}: {err}", out.status);
+        assert!(err.contains("verified"), "{err}");
+        assert!(
+            std::fs::read(&file).unwrap() == content,
+            "the region's bytes differ"
+        );
+        err
+    };
+    let err = run(&["--continue"]);
+    let found = err
+        .lines()
+        .find(|l| l.contains("--continue: the region holds"))
+        .unwrap_or_else(|| panic!("{err}"))
+        .to_string();
+    assert!(
+        !found.contains("holds none") && err.contains("p2p-rdma: resumed"),
+        "{err}"
+    );
+    // everything held: nothing put, the whole range checked
+    let all = run(&["-c"]);
+    assert!(
+        all.contains("holds all 128.0 MiB") && all.contains("putting nothing"),
+        "{all}"
+    );
+    // a region of other bytes: nothing kept, put whole
+    std::fs::write(&file, data(128 << 20, 52)).unwrap();
+    let none = run(&["--continue"]);
+    assert!(
+        none.contains("holds none") && !none.contains("p2p-rdma: resumed"),
+        "{none}"
+    );
+    figure(format!(
+        "reliability: put --qps {qps} of 128 MiB killed (SIGKILL), run again with --continue --verify: {}; {}; again: everything held; into other bytes: put whole",
+        found
+            .trim_start_matches("p2p-rdma: --continue: ")
+            .replace(&input.display().to_string(), "the input"),
+        err.lines().find(|l| l.contains("p2p-rdma: resumed")).unwrap_or_default().trim_start_matches("p2p-rdma: ")
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_reliability_a_cli_put_killed_mid_way_goes_on_with_continue() {
+    a_cli_put_killed_mid_way_goes_on_with_continue(1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_reliability_a_striped_cli_put_killed_mid_way_goes_on_with_continue() {
+    a_cli_put_killed_mid_way_goes_on_with_continue(2).await;
+}
