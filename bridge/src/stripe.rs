@@ -41,6 +41,29 @@ pub fn plan(offset: u64, len: u64, n: usize, chunk: u64) -> Vec<Stripe> {
     out
 }
 
+/// A part of a range that a transfer did not move, `len` bytes at `offset`: kept from an
+/// earlier try and compared with the server's checksum, `crc` the CRC-32C both sides had. As a
+/// report (of `like`'s op and region) to [`merge`] with the reports of the parts moved, so that
+/// the merged one covers the whole range, its CRC included, with the kept bytes counted apart.
+pub fn kept(like: &TransferReport, offset: u64, len: u64, crc: u32) -> TransferReport {
+    TransferReport {
+        offset,
+        bytes: len,
+        kept_bytes: len,
+        seconds: 0.0,
+        mib_per_sec: 0.0,
+        direct_bytes: 0,
+        bounce_bytes: 0,
+        zero_copy_bytes: 0,
+        tcp_bytes: 0,
+        crc32c: Some(crc),
+        verified: true,
+        first_bytes_ms: None,
+        reasked_chunks: 0,
+        ..like.clone()
+    }
+}
+
 /// One report for the whole range out of the stripes' (in range order), timed by the caller
 /// (`seconds`: the wall time of all of them).
 pub fn merge(reports: &[TransferReport], seconds: f64) -> Option<TransferReport> {
@@ -54,6 +77,7 @@ pub fn merge(reports: &[TransferReport], seconds: f64) -> Option<TransferReport>
         crc32c: None,
         verified: true,
         reasked_chunks: 0,
+        kept_bytes: 0,
         ..first.clone()
     };
     let mut end = first.offset;
@@ -74,6 +98,7 @@ pub fn merge(reports: &[TransferReport], seconds: f64) -> Option<TransferReport>
         m.zero_copy_bytes += r.zero_copy_bytes;
         m.tcp_bytes += r.tcp_bytes;
         m.reasked_chunks += r.reasked_chunks;
+        m.kept_bytes += r.kept_bytes;
         m.verified &= r.verified;
         // the stripes start together: the range's first bytes are the earliest stripe's
         m.first_bytes_ms = match (m.first_bytes_ms, r.first_bytes_ms) {
@@ -82,8 +107,9 @@ pub fn merge(reports: &[TransferReport], seconds: f64) -> Option<TransferReport>
         };
     }
     m.seconds = seconds;
+    // the rate of the bytes moved
     m.mib_per_sec = if seconds > 0.0 {
-        m.bytes as f64 / seconds / f64::from(1 << 20)
+        (m.bytes - m.kept_bytes) as f64 / seconds / f64::from(1 << 20)
     } else {
         0.0
     };
@@ -112,7 +138,33 @@ mod tests {
             first_bytes_ms: None,
             open_ms: None,
             reasked_chunks: 0,
+            kept_bytes: 0,
         }
+    }
+
+    #[test]
+    fn kept_parts_merge_into_the_crc_of_the_whole_range_and_count_apart() {
+        let data: Vec<u8> = (0..100_000u32).map(|i| (i * 13 % 253) as u8).collect();
+        let part = |a: usize, b: usize| report(a as u64, &data[a..b], true);
+        // kept: 0..30000 and 60000..70000; moved: the rest, in two pieces
+        let moved = [part(30_000, 60_000), part(70_000, 100_000)];
+        let like = &moved[0];
+        let mut all = vec![
+            kept(like, 0, 30_000, crc32c::crc32c(&data[..30_000])),
+            moved[0].clone(),
+            kept(like, 60_000, 10_000, crc32c::crc32c(&data[60_000..70_000])),
+            moved[1].clone(),
+        ];
+        let m = merge(&all, 2.0).unwrap();
+        assert_eq!((m.offset, m.bytes, m.kept_bytes), (0, 100_000, 40_000));
+        assert_eq!(m.crc32c, Some(crc32c::crc32c(&data)));
+        assert!(m.verified);
+        // the rate is of the bytes moved; the paths count only them
+        assert!((m.mib_per_sec - 60_000.0 / 2.0 / 1048576.0).abs() < 1e-9);
+        assert_eq!(m.direct_bytes, 60_000);
+        // out of order, the pieces are not one range: no CRC
+        all.swap(0, 1);
+        assert_eq!(merge(&all, 2.0).unwrap().crc32c, None);
     }
 
     #[test]

@@ -8,10 +8,10 @@ use bridge::stripe::Stripe;
 use super::exit::Usage;
 use super::parse_size_arg;
 use super::partial;
-use super::resume::Left;
+use super::resume::{Left, Tried};
 use super::stripe;
 use super::transfer::{
-    client_config, finish_transfer, kept_still_hold, ClientArgs, Progress, Retry,
+    client_config, finish_transfer, kept_still_hold, whole, ClientArgs, Progress, Retry,
 };
 
 /// `fetch`: where from, which bytes, where to.
@@ -138,15 +138,17 @@ pub(crate) async fn fetch(a: FetchArgs) -> anyhow::Result<()> {
     };
     let mut bar = Progress::new(len, json);
     let qps = usize::from(client.qps);
-    let mut rep;
     let mut r = r;
     if output == "-" {
         let mut sink = std::io::BufWriter::with_capacity(1 << 20, std::io::stdout());
-        rep = c
+        let rep = c
             .fetch(&r, offset, len, &mut sink, verify, &mut |d| bar.update(d))
             .await;
         return finish_transfer(c, &r, rep, bar, json).await;
     }
+    let mut rep;
+    // the kept parts once they are checked, each with its CRC-32C, for the report
+    let mut held = Vec::new();
     // the parts of the range the tries before wrote into the file, kept (with --verify) for
     // the next try to fetch only the rest: one part at the start with one connection, one per
     // stripe with --qps
@@ -197,8 +199,11 @@ pub(crate) async fn fetch(a: FetchArgs) -> anyhow::Result<()> {
         if let (Ok(_), false) = (&rep, kept.is_empty()) {
             // the kept parts moved before the failure: they must still be the region's bytes
             match kept_still_hold(&mut c, &r, (offset, &kept), &output, false).await {
-                Ok(true) => break,
-                Ok(false) => {
+                Ok(Some(crcs)) => {
+                    held = crcs;
+                    break;
+                }
+                Ok(None) => {
                     left = Left::new(offset, len);
                     continue;
                 }
@@ -238,7 +243,7 @@ pub(crate) async fn fetch(a: FetchArgs) -> anyhow::Result<()> {
     if rep.is_ok() {
         partial::remove(&output)?;
     }
-    finish_transfer(c, &r, rep, bar, json).await
+    finish_transfer(c, &r, whole(rep, &held)?, bar, json).await
 }
 
 /// One try at fetching into the file `output` what `left` says is left of the range, over
@@ -255,11 +260,7 @@ async fn into_file(
     verify: bool,
     qps: usize,
     bar: &mut Progress,
-) -> anyhow::Result<(
-    bridge::Client,
-    bridge::OpenRegion,
-    bridge::Result<bridge::TransferReport>,
-)> {
+) -> anyhow::Result<(bridge::Client, bridge::OpenRegion, bridge::Result<Tried>)> {
     let (offset, len) = left.range();
     if qps <= 1 && left.one_stream() {
         // one stream: what the tries before kept is the start of the file, and what is left
@@ -288,7 +289,7 @@ async fn into_file(
             })
             .await;
         left.wrote(&[piece], &[written]);
-        return Ok((c, r, rep));
+        return Ok((c, r, rep.map(Tried::one)));
     }
     // each further lane opens naming its piece; a connection for each part left at least
     // (--continue after a striped fetch, with fewer --qps)

@@ -6,10 +6,10 @@ use anyhow::Context as _;
 
 use super::exit::Usage;
 use super::parse_size_arg;
-use super::resume::Left;
+use super::resume::{Left, Tried};
 use super::stripe;
 use super::transfer::{
-    client_config, file_part, finish_transfer, kept_still_hold, ClientArgs, Progress, Retry,
+    client_config, file_part, finish_transfer, kept_still_hold, whole, ClientArgs, Progress, Retry,
 };
 
 /// `put`: which bytes, where to.
@@ -140,6 +140,8 @@ pub(crate) async fn put(a: PutArgs) -> anyhow::Result<()> {
         left = held(&mut c, &r, &input, &left, (qps, base.chunk as u64)).await?;
     }
     let mut rep;
+    // the kept parts once they are checked, each with its CRC-32C, for the report
+    let mut held = Vec::new();
     loop {
         let kept = left.kept();
         (c, r, rep) = from_file(
@@ -156,8 +158,11 @@ pub(crate) async fn put(a: PutArgs) -> anyhow::Result<()> {
         if let (Ok(_), false) = (&rep, kept.is_empty()) {
             // the kept parts moved before the failure: they must still be the region's bytes
             match kept_still_hold(&mut c, &r, (offset, &kept), &input, true).await {
-                Ok(true) => break,
-                Ok(false) => {
+                Ok(Some(crcs)) => {
+                    held = crcs;
+                    break;
+                }
+                Ok(None) => {
                     left = Left::new(offset, len);
                     continue;
                 }
@@ -179,7 +184,7 @@ pub(crate) async fn put(a: PutArgs) -> anyhow::Result<()> {
             None => break,
         }
     }
-    finish_transfer(c, &r, rep, bar, json).await
+    finish_transfer(c, &r, whole(rep, &held)?, bar, json).await
 }
 
 /// One try at putting from the file `input` what `left` says is left of the range, over `qps`
@@ -195,11 +200,7 @@ async fn from_file(
     verify: bool,
     qps: usize,
     bar: &mut Progress,
-) -> anyhow::Result<(
-    bridge::Client,
-    bridge::OpenRegion,
-    bridge::Result<bridge::TransferReport>,
-)> {
+) -> anyhow::Result<(bridge::Client, bridge::OpenRegion, bridge::Result<Tried>)> {
     let offset = left.range().0;
     if qps <= 1 && left.one_stream() {
         // one stream: what is left is one part, at the end of the range
@@ -222,7 +223,7 @@ async fn from_file(
             )
             .await;
         left.wrote(&[piece], &[put]);
-        return Ok((c, r, rep));
+        return Ok((c, r, rep.map(Tried::one)));
     }
     let n = qps.max(left.parts());
     let (mut lanes, pieces) =
@@ -255,7 +256,7 @@ async fn held(
         while n < p.len {
             let step = chunk.max(1).min(p.len - n);
             match c.compare(r, p.offset + n, step, &mut f).await {
-                Ok(()) => n += step,
+                Ok(_) => n += step,
                 Err(bridge::Error::Mismatch { .. }) => break,
                 Err(e) => return Err(e.into()),
             }

@@ -9,6 +9,7 @@
 //! server's checksum of the same bytes. Sans-IO: `fetch` and `put` drive it.
 
 use bridge::stripe::{plan, Stripe, MAX_STRIPES};
+use bridge::TransferReport;
 
 /// The range of a fetch into a file, and the parts of it not written yet.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -215,6 +216,38 @@ impl Left {
     }
 }
 
+/// What one try moved: the report of each piece, in range order, and the try's wall time.
+#[derive(Clone, Debug)]
+pub(crate) struct Tried {
+    pub(crate) pieces: Vec<TransferReport>,
+    pub(crate) seconds: f64,
+}
+
+impl Tried {
+    /// A try of one stream, timed by its report.
+    pub(crate) fn one(r: TransferReport) -> Tried {
+        Tried {
+            seconds: r.seconds,
+            pieces: vec![r],
+        }
+    }
+
+    /// The report of the whole range: the pieces moved and the `kept` parts, each with the
+    /// CRC-32C it was compared by (`Left::kept` of the try, checked), merged in range order, so
+    /// that a transfer resumed or continued reports every byte of its range and the CRC of
+    /// them all, the kept ones counted apart. None for a try that reported no piece.
+    pub(crate) fn whole(self, kept: &[(Stripe, u32)]) -> Option<TransferReport> {
+        let like = self.pieces.first()?.clone();
+        let mut all = self.pieces;
+        all.extend(
+            kept.iter()
+                .map(|(k, crc)| bridge::stripe::kept(&like, k.offset, k.len, *crc)),
+        );
+        all.sort_by_key(|r| (r.offset, r.bytes));
+        bridge::stripe::merge(&all, self.seconds)
+    }
+}
+
 /// What a resumed transfer says once its `kept` parts matched the server's bytes (`moved`:
 /// "fetched" or "put"); `offset`: the range's.
 pub(crate) fn resumed(offset: u64, kept: &[Stripe], moved: &str) -> String {
@@ -247,6 +280,72 @@ mod tests {
 
     fn s(offset: u64, len: u64) -> Stripe {
         Stripe { offset, len }
+    }
+
+    /// The report of moving `data[range]` (verified: summed).
+    fn moved(data: &[u8], at: usize, len: usize) -> TransferReport {
+        TransferReport {
+            op: "put",
+            region: "r".into(),
+            offset: at as u64,
+            bytes: len as u64,
+            seconds: 1.0,
+            mib_per_sec: 0.0,
+            direct_bytes: 0,
+            bounce_bytes: len as u64,
+            zero_copy_bytes: 0,
+            tcp_bytes: 0,
+            crc32c: Some(crc32c::crc32c(&data[at..at + len])),
+            verified: true,
+            first_bytes_ms: None,
+            open_ms: None,
+            reasked_chunks: 0,
+            kept_bytes: 0,
+        }
+    }
+
+    #[test]
+    fn a_resumed_try_reports_the_whole_range_with_what_it_kept() {
+        let data: Vec<u8> = (0..50_000u32).map(|i| (i * 29 % 241) as u8).collect();
+        let crc = |a: usize, b: usize| crc32c::crc32c(&data[a..b]);
+        // a striped try after one that kept a start of each of two pieces
+        let mut left = Left::new(0, 50_000);
+        left.wrote(&[s(0, 25_000), s(25_000, 25_000)], &[10_000, 5_000]);
+        let kept = left.kept();
+        assert_eq!(kept, [s(0, 10_000), s(25_000, 5_000)]);
+        let tried = Tried {
+            pieces: vec![moved(&data, 10_000, 15_000), moved(&data, 30_000, 20_000)],
+            seconds: 0.5,
+        };
+        let held = [(kept[0], crc(0, 10_000)), (kept[1], crc(25_000, 30_000))];
+        let r = tried.clone().whole(&held).unwrap();
+        assert_eq!((r.offset, r.bytes, r.kept_bytes), (0, 50_000, 15_000));
+        assert_eq!(r.crc32c, Some(crc32c::crc32c(&data)));
+        assert_eq!(r.bounce_bytes, 35_000);
+        assert!(r.verified && r.op == "put");
+        assert!((r.mib_per_sec - 35_000.0 / 0.5 / 1048576.0).abs() < 1e-9);
+        // nothing kept: the pieces' own report (two pieces apart: no range CRC)
+        let alone = tried.whole(&[]).unwrap();
+        assert_eq!(
+            (alone.offset, alone.bytes, alone.kept_bytes),
+            (10_000, 35_000, 0)
+        );
+        assert_eq!(alone.crc32c, None);
+        // a try of one stream after a kept start, and one that had nothing left to move
+        let one = Tried::one(moved(&data, 20_000, 30_000));
+        let r = one.whole(&[(s(0, 20_000), crc(0, 20_000))]).unwrap();
+        assert_eq!((r.offset, r.bytes, r.kept_bytes), (0, 50_000, 20_000));
+        assert_eq!(r.crc32c, Some(crc32c::crc32c(&data)));
+        let none_left = Tried::one(moved(&data, 50_000, 0));
+        let r = none_left.whole(&[(s(0, 50_000), crc(0, 50_000))]).unwrap();
+        assert_eq!((r.bytes, r.kept_bytes), (50_000, 50_000));
+        assert_eq!(r.crc32c, Some(crc32c::crc32c(&data)));
+        assert!(Tried {
+            pieces: vec![],
+            seconds: 1.0
+        }
+        .whole(&[])
+        .is_none());
     }
 
     #[test]

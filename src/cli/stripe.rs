@@ -8,10 +8,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use bridge::stripe::{merge, Stripe};
+use bridge::stripe::Stripe;
 use bridge::{Client, ClientConfig, OpenFor, OpenRegion, TransferReport};
 
-use super::resume::Left;
+use super::resume::{Left, Tried};
 use super::transfer::{file_part, Progress};
 
 /// The connections of a striped transfer, the first one being the one already open.
@@ -118,13 +118,14 @@ type Done = (usize, Lane, bridge::Result<TransferReport>);
 /// it), and what is handed the bytes each stripe moved so far, once a second.
 pub(crate) type Watch<'a> = (&'a mut Progress, u64, &'a mut dyn FnMut(&[u64]));
 
-/// The merged report of a striped transfer, and the bytes each stripe moved in order (what a
-/// failed one moved before it failed).
-type Striped = (bridge::Result<TransferReport>, Vec<u64>);
+/// The stripes' reports of a striped transfer, and the bytes each stripe moved in order (what
+/// a failed one moved before it failed).
+type Striped = (bridge::Result<Tried>, Vec<u64>);
 
 /// Run one task per stripe, each with its own file (`files[i]` for `stripes[i]`), keep the
 /// progress line moving (`before`: bytes moved by earlier tries), hand `note` the bytes each
-/// stripe moved so far once a second, and merge the reports. A
+/// stripe moved so far once a second, and give the reports (merged by the caller,
+/// `Tried::whole`, with what earlier tries kept). A
 /// failed stripe fails the transfer (its range is said on stderr; the error is the stripe's
 /// own).
 async fn run<T, F>(
@@ -215,9 +216,12 @@ where
     if let Some(e) = failed {
         return Ok((Err(e), moved));
     }
-    let m = merge(&reports, t0.elapsed().as_secs_f64())
-        .ok_or_else(|| anyhow::anyhow!("a striped transfer without a stripe"))?;
-    Ok((Ok(m), moved))
+    anyhow::ensure!(!reports.is_empty(), "a striped transfer without a stripe");
+    let tried = Tried {
+        pieces: reports,
+        seconds: t0.elapsed().as_secs_f64(),
+    };
+    Ok((Ok(tried), moved))
 }
 
 /// Fetch the `pieces` of the range of `len` bytes at `offset` into the file `output`, one

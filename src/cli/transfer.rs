@@ -72,11 +72,20 @@ pub(crate) fn print_report(r: &bridge::TransferReport, json: bool) -> anyhow::Re
         return emit(&format!("{}\n", serde_json::to_string(r)?));
     }
     eprintln!(
-        "p2p-rdma: {} {} of '{}' at offset {} in {:.3} s ({:.2} MiB/s{}{}; direct {}, bounce {}{}{}){}",
+        "p2p-rdma: {} {} of '{}' at offset {}{} in {:.3} s ({:.2} MiB/s{}{}; direct {}, bounce {}{}{}){}",
         r.op,
         human(r.bytes),
         r.region,
         r.offset,
+        if r.kept_bytes > 0 {
+            format!(
+                " ({} of them kept from before, moved {})",
+                human(r.kept_bytes),
+                human(r.bytes - r.kept_bytes)
+            )
+        } else {
+            String::new()
+        },
         r.seconds,
         r.mib_per_sec,
         match r.first_bytes_ms {
@@ -133,42 +142,43 @@ pub(crate) fn file_part(
 
 /// Whether region `r` holds the `kept` parts of the range at `offset` (a resumed transfer's,
 /// `super::resume`) as the file at `path` has them (its byte 0 is the range's first): the
-/// server's checksum of each part against the file's bytes. With `put`, a region the server
-/// makes puts durable in then has each part flushed (a resumed put's last try flushed only its
-/// own).
+/// server's checksum of each part against the file's bytes, each part given back with the
+/// CRC-32C it matched by. With `put`, a region the server makes puts durable in then has each
+/// part flushed (a resumed put's last try flushed only its own).
 async fn kept_holds(
     c: &mut bridge::Client,
     r: &bridge::OpenRegion,
     (offset, kept): (u64, &[bridge::stripe::Stripe]),
     path: &str,
     put: bool,
-) -> bridge::Result<()> {
+) -> bridge::Result<Vec<(bridge::stripe::Stripe, u32)>> {
+    let mut out = Vec::with_capacity(kept.len());
     for k in kept {
         let mut f = file_part(path, k.offset - offset, k.len)
             .map_err(|e| bridge::Error::io(format!("reading {path} again"), e))?;
-        c.compare(r, k.offset, k.len, &mut f).await?;
+        out.push((*k, c.compare(r, k.offset, k.len, &mut f).await?));
         if put && r.info.server_puts {
             c.flush(r, k.offset, k.len).await?;
         }
     }
-    Ok(())
+    Ok(out)
 }
 
 /// After a try that moved the rest of a resumed transfer: whether its `kept` parts hold
-/// ([`kept_holds`]; `put`: the transfer is a put), said on stderr. `Ok(false)`: a part
-/// differs, and the caller moves the whole range again (also said).
+/// ([`kept_holds`]; `put`: the transfer is a put), said on stderr: each with its CRC-32C, or
+/// `Ok(None)` when a part differs, and the caller moves the whole range again (also said).
 pub(crate) async fn kept_still_hold(
     c: &mut bridge::Client,
     r: &bridge::OpenRegion,
     (offset, kept): (u64, &[bridge::stripe::Stripe]),
     path: &str,
     put: bool,
-) -> bridge::Result<bool> {
+) -> bridge::Result<Option<Vec<(bridge::stripe::Stripe, u32)>>> {
     match kept_holds(c, r, (offset, kept), path, put).await {
-        Ok(()) => {
+        Ok(held) => {
             let moved = if put { "put" } else { "fetched" };
             eprintln!("p2p-rdma: {}", super::resume::resumed(offset, kept, moved));
-            Ok(true)
+            Ok(Some(held))
         }
         Err(e @ bridge::Error::Mismatch { .. }) => {
             eprintln!(
@@ -176,9 +186,23 @@ pub(crate) async fn kept_still_hold(
                  the whole range again",
                 if put { "putting" } else { "fetching" }
             );
-            Ok(false)
+            Ok(None)
         }
         Err(e) => Err(e),
+    }
+}
+
+/// The report of a file transfer's last try (`rep`) for the whole range: with the parts kept
+/// from the tries before, once checked (`held`, each with its CRC-32C).
+pub(crate) fn whole(
+    rep: bridge::Result<super::resume::Tried>,
+    held: &[(bridge::stripe::Stripe, u32)],
+) -> anyhow::Result<bridge::Result<bridge::TransferReport>> {
+    match rep {
+        Ok(t) => Ok(Ok(t.whole(held).ok_or_else(|| {
+            anyhow::anyhow!("a transfer whose try reported no piece")
+        })?)),
+        Err(e) => Ok(Err(e)),
     }
 }
 

@@ -310,7 +310,7 @@ async fn a_cli_fetch_killed_mid_way_goes_on_with_continue(qps: u16) {
             .arg(&out)
             .args(["--qps", &qps.to_string()])
             .args(more)
-            .stdout(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
             .spawn()
             .expect("p2p-rdma fetch")
@@ -337,10 +337,22 @@ async fn a_cli_fetch_killed_mid_way_goes_on_with_continue(qps: u16) {
         record.exists(),
         "a record beside the file only when striped"
     );
-    let done = fetch(&["--continue"]).wait_with_output().unwrap();
+    let done = fetch(&["--continue", "--json"]).wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&done.stderr);
     eprintln!("the fetch with --continue said:\n{err}");
     assert!(done.status.success(), "{:?}: {err}", done.status);
+    // the report covers the whole range: its CRC, and the bytes kept counted apart
+    let rep: serde_json::Value = serde_json::from_slice(&done.stdout).unwrap();
+    let kept = rep["kept_bytes"].as_u64().unwrap_or(0);
+    assert!(
+        rep["verified"] == true
+            && rep["offset"] == 0
+            && rep["bytes"] == 128u64 << 20
+            && rep["crc32c"] == crc32c::crc32c(&content)
+            && kept > 0
+            && kept <= had,
+        "{rep}"
+    );
     let keeping = if qps == 1 {
         "--continue: keeping the first"
     } else {
@@ -409,9 +421,9 @@ async fn a_cli_put_killed_mid_way_goes_on_with_continue(qps: u16) {
             .arg(&token_file)
             .arg("-i")
             .arg(&input)
-            .args(["--qps", &qps.to_string()])
+            .args(["--qps", &qps.to_string(), "--json"])
             .args(more)
-            .stdout(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
             .spawn()
             .expect("p2p-rdma put")
@@ -429,19 +441,32 @@ async fn a_cli_put_killed_mid_way_goes_on_with_continue(qps: u16) {
         !(block(64 << 20) && block(128 << 20)),
         "the put ended before it was killed: this run tested nothing"
     );
+    // the report covers the whole range: its CRC, and the bytes kept counted apart
+    let crc = crc32c::crc32c(&content);
     let run = |more: &[&str]| {
         let out = put(more).wait_with_output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr).into_owned();
         eprintln!("the put {more:?} said:\n{err}");
         assert!(out.status.success(), "{:?}: {err}", out.status);
-        assert!(err.contains("verified"), "{err}");
         assert!(
             std::fs::read(&file).unwrap() == content,
             "the region's bytes differ"
         );
-        err
+        let rep: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(rep["verified"], true, "{rep}");
+        assert_eq!(rep["offset"], 0, "{rep}");
+        assert_eq!(rep["bytes"], 128u64 << 20, "{rep}");
+        assert_eq!(rep["crc32c"], crc, "{rep}");
+        let kept = rep["kept_bytes"].as_u64().unwrap_or(0);
+        assert_eq!(
+            rep["direct_bytes"].as_u64().unwrap() + rep["bounce_bytes"].as_u64().unwrap(),
+            (128 << 20) - kept,
+            "{rep}"
+        );
+        (err, kept)
     };
-    let err = run(&["--continue"]);
+    let (err, kept) = run(&["--continue"]);
+    assert!(kept > 0, "nothing kept: {err}");
     let found = err
         .lines()
         .find(|l| l.contains("--continue: the region holds"))
@@ -452,18 +477,20 @@ async fn a_cli_put_killed_mid_way_goes_on_with_continue(qps: u16) {
         "{err}"
     );
     // everything held: nothing put, the whole range checked
-    let all = run(&["-c"]);
+    let (all, all_kept) = run(&["-c"]);
     assert!(
         all.contains("holds all 128.0 MiB") && all.contains("putting nothing"),
         "{all}"
     );
+    assert_eq!(all_kept, 128 << 20);
     // a region of other bytes: nothing kept, put whole
     std::fs::write(&file, data(128 << 20, 52)).unwrap();
-    let none = run(&["--continue"]);
+    let (none, none_kept) = run(&["--continue"]);
     assert!(
         none.contains("holds none") && !none.contains("p2p-rdma: resumed"),
         "{none}"
     );
+    assert_eq!(none_kept, 0);
     figure(format!(
         "reliability: put --qps {qps} of 128 MiB killed (SIGKILL), run again with --continue --verify: {}; {}; again: everything held; into other bytes: put whole",
         found

@@ -30,14 +30,15 @@ impl Checksum {
 impl super::Client {
     /// Compare `len` bytes read from `local` with the server's bytes at `offset` of `r`, by
     /// CRC-32C: `Error::Mismatch` when they differ (a copy made earlier, checked before it is
-    /// trusted; a fetch resumed after a failure checks the part it kept).
+    /// trusted; a fetch resumed after a failure checks the part it kept), else the CRC-32C
+    /// both sides have (for a report of the whole range, [`crate::stripe::kept`]).
     pub async fn compare(
         &mut self,
         r: &super::OpenRegion,
         offset: u64,
         len: u64,
         local: &mut (dyn std::io::Read + Send),
-    ) -> crate::error::Result<()> {
+    ) -> crate::error::Result<u32> {
         self.check_range(r, offset, len)?;
         let mut crc = Checksum::new(true);
         let mut buf = vec![0u8; (1 << 20).min(len.max(1) as usize)];
@@ -51,7 +52,7 @@ impl super::Client {
             left -= n as u64;
         }
         self.verify(r, "local copy", offset, len, crc).await?;
-        Ok(())
+        Ok(crc.value().unwrap_or(0))
     }
 }
 

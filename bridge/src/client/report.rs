@@ -60,6 +60,12 @@ pub struct TransferReport {
     /// Counted once per ask again.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub reasked_chunks: u64,
+    /// Of `bytes`, those this transfer did not move: kept from an earlier try or run (a
+    /// resumed or continued transfer of the CLI) and compared with the server's checksum
+    /// instead ([`crate::stripe::kept`]). `mib_per_sec` counts the bytes moved, `bytes` less
+    /// these. The library's own transfers keep none.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub kept_bytes: u64,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -98,5 +104,6 @@ pub(super) fn report(
         first_bytes_ms: None,
         open_ms: None,
         reasked_chunks: 0,
+        kept_bytes: 0,
     }
 }
