@@ -137,7 +137,7 @@ pub(crate) async fn put(a: PutArgs) -> anyhow::Result<()> {
     // put only the rest
     let mut left = Left::new(offset, len);
     if keep {
-        left = held(&mut c, &r, &input, &left, (qps, base.chunk as u64)).await?;
+        left = held_already(&mut c, &r, &input, &left, (qps, base.chunk as u64)).await?;
     }
     let mut rep;
     // the kept parts once they are checked, each with its CRC-32C, for the report
@@ -239,7 +239,7 @@ async fn from_file(
 /// (cut as a put over `qps` connections cuts them, in `chunk`'s) that the region holds as
 /// `input` has it, found chunk by chunk against the server's checksum up to the first that
 /// differs (a put interrupted part way put a start of each of its streams' pieces), and said.
-async fn held(
+async fn held_already(
     c: &mut bridge::Client,
     r: &bridge::OpenRegion,
     input: &str,
