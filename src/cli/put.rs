@@ -136,8 +136,29 @@ pub(crate) async fn put(a: PutArgs) -> anyhow::Result<()> {
     // the parts of the range the tries before put, kept (with --verify) for the next try to
     // put only the rest
     let mut left = Left::new(offset, len);
+    // (--retries: a scan cut by a failure a new connection may get past starts again)
     if keep {
-        left = held_already(&mut c, &r, &input, &left, (qps, base.chunk as u64)).await?;
+        loop {
+            match held_already(&mut c, &r, &input, &left, (qps, base.chunk as u64)).await {
+                Ok(l) => {
+                    left = l;
+                    break;
+                }
+                Err(e) => match retry
+                    .again(
+                        &mut c,
+                        &e,
+                        "scan for --continue",
+                        &region,
+                        bridge::OpenFor::Write,
+                    )
+                    .await
+                {
+                    Some(again) => r = again,
+                    None => return Err(e.into()),
+                },
+            }
+        }
     }
     let mut rep;
     // the kept parts once they are checked, each with its CRC-32C, for the report
@@ -245,20 +266,20 @@ async fn held_already(
     input: &str,
     all: &Left,
     (qps, chunk): (usize, u64),
-) -> anyhow::Result<Left> {
+) -> bridge::Result<Left> {
     let (offset, len) = all.range();
     let pieces = all.spread(qps, chunk).unwrap_or_default();
     let mut have = Vec::with_capacity(pieces.len());
     for p in &pieces {
         let mut f = file_part(input, p.offset - offset, p.len)
-            .with_context(|| format!("cannot read the input file {input}"))?;
+            .map_err(|e| bridge::Error::io(format!("reading the input file {input}"), e))?;
         let mut n = 0;
         while n < p.len {
             let step = chunk.max(1).min(p.len - n);
             match c.compare(r, p.offset + n, step, &mut f).await {
                 Ok(_) => n += step,
                 Err(bridge::Error::Mismatch { .. }) => break,
-                Err(e) => return Err(e.into()),
+                Err(e) => return Err(e),
             }
         }
         have.push(n);
