@@ -375,20 +375,6 @@ impl Client {
             .await
     }
 
-    /// The server's CRC-32C of a range.
-    pub async fn checksum(&mut self, r: &OpenRegion, offset: u64, len: u64) -> Result<u32> {
-        self.check_open(r)?;
-        let m = Msg::Checksum {
-            handle: r.handle,
-            offset,
-            len,
-        };
-        match self.request(&m, "checksum").await? {
-            Msg::ChecksumIs { crc32c } => Ok(crc32c),
-            other => Err(reply_err(&self.conn.peer, other, "checksum")),
-        }
-    }
-
     /// Ask the server to make `len` bytes at `offset` durable (a file region: `fdatasync`);
     /// a put is acknowledged when this returns.
     pub async fn flush(&mut self, r: &OpenRegion, offset: u64, len: u64) -> Result<()> {
