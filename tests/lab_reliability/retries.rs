@@ -512,3 +512,72 @@ async fn lab_reliability_a_cli_put_killed_mid_way_goes_on_with_continue() {
 async fn lab_reliability_a_striped_cli_put_killed_mid_way_goes_on_with_continue() {
     a_cli_put_killed_mid_way_goes_on_with_continue(2).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_reliability_a_cli_put_continue_scans_again_after_its_server_restarts() {
+    // put --continue --retries into a region that holds the input already, its scan slowed
+    // (4 KiB chunks: 16,384 compares of 64 MiB), the server killed mid-scan and started
+    // again: the scan connects again, scans again, finds everything held and puts nothing
+    let dir = std::env::temp_dir().join(format!("p2p-put-scan-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let token_file = dir.join("token");
+    std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
+    let content = data(64 << 20, 54);
+    let file = dir.join("region.bin");
+    std::fs::write(&file, &content).unwrap();
+    let input = dir.join("in.bin");
+    std::fs::write(&input, &content).unwrap();
+    let spec = format!("f=file:{}", file.display());
+    let (mut server, addr) = ServeProcess::start(&spec, &token_file).await;
+    let child = Command::new(env!("CARGO_BIN_EXE_p2p-rdma"))
+        .args(["put", &addr.to_string(), "f", "--verify", "--continue"])
+        .args([
+            "--retries",
+            "4",
+            "--retry-wait",
+            "1",
+            "--chunk",
+            "4K",
+            "--token-file",
+        ])
+        .arg(&token_file)
+        .arg("-i")
+        .arg(&input)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("p2p-rdma put");
+    let started = Instant::now();
+    let child = tokio::task::spawn_blocking(move || child.wait_with_output());
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    server.kill();
+    let (_again, _) = ServeProcess::start_at(addr, &spec, &token_file).await;
+    let done = tokio::time::timeout(Duration::from_secs(240), child)
+        .await
+        .expect("the put ends")
+        .unwrap()
+        .unwrap();
+    let err = String::from_utf8_lossy(&done.stderr);
+    eprintln!("the put said:\n{err}");
+    assert!(done.status.success(), "{:?}: {err}", done.status);
+    assert!(
+        err.contains("the scan for --continue failed") && err.contains("connecting again"),
+        "the server was not killed mid-scan: this run tested nothing\n{err}"
+    );
+    assert!(
+        err.contains("holds all 64.0 MiB") && err.contains("putting nothing"),
+        "{err}"
+    );
+    assert!(
+        std::fs::read(&file).unwrap() == content,
+        "the region's bytes differ"
+    );
+    figure(format!(
+        "reliability: put --continue --retries 4 --chunk 4K of 64 MiB already held, its server killed 3 s in (mid-scan) and started again: scanned again after {} retr{}, everything held, nothing put, verified ({:.0} s)",
+        err.matches("connecting again").count(),
+        if err.matches("connecting again").count() == 1 { "y" } else { "ies" },
+        started.elapsed().as_secs_f64()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+}
