@@ -302,7 +302,8 @@ async fn into_file(
     })
     .await;
     let before = left.kept_bytes();
-    // the record of what is left, once a second and after the try, for a --continue later
+    // the record of what is left, every 100 ms while the stripes move and after a failed try,
+    // for a --continue later
     let start = left.clone();
     let mut warned = false;
     let mut note = |moved: &[u64]| {

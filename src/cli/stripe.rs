@@ -115,7 +115,7 @@ type Lane = (Client, OpenRegion);
 type Done = (usize, Lane, bridge::Result<TransferReport>);
 
 /// How a striped transfer is watched: the progress line, the bytes moved by earlier tries (for
-/// it), and what is handed the bytes each stripe moved so far, once a second.
+/// it), and what is handed the bytes each stripe moved so far, every 100 ms while they move.
 pub(crate) type Watch<'a> = (&'a mut Progress, u64, &'a mut dyn FnMut(&[u64]));
 
 /// The stripes' reports of a striped transfer, and the bytes each stripe moved in order (what
@@ -124,7 +124,7 @@ type Striped = (bridge::Result<Tried>, Vec<u64>);
 
 /// Run one task per stripe, each with its own file (`files[i]` for `stripes[i]`), keep the
 /// progress line moving (`before`: bytes moved by earlier tries), hand `note` the bytes each
-/// stripe moved so far once a second, and give the reports (merged by the caller,
+/// stripe moved so far every 100 ms while they move, and give the reports (merged by the caller,
 /// `Tried::whole`, with what earlier tries kept). A
 /// failed stripe fails the transfer (its range is said on stderr; the error is the stripe's
 /// own).
@@ -166,7 +166,8 @@ where
         tasks.spawn(start(i, lane, s, f, Arc::clone(&counters[i])));
     }
     let mut tick = tokio::time::interval(Duration::from_millis(100));
-    let mut ticks = 0u32;
+    // what `note` was last handed: it is handed the counts again only when they moved
+    let mut noted = vec![0u64; stripes.len()];
     let moved = |c: &[Arc<AtomicU64>]| -> Vec<u64> {
         c.iter().map(|c| c.load(Ordering::Relaxed)).collect()
     };
@@ -182,9 +183,9 @@ where
             _ = tick.tick() => {
                 let now = moved(&counters);
                 bar.update(before + now.iter().sum::<u64>());
-                ticks += 1;
-                if ticks % 10 == 0 {
+                if now != noted {
                     note(&now);
+                    noted = now;
                 }
             }
         }
