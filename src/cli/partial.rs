@@ -1,8 +1,9 @@
 //! The record beside a file that a striped fetch is writing (`FILE.p2p-rdma-partial`): which
 //! parts of the range are still to fetch, saved every 100 ms while the stripes move and after
-//! a failed try, removed once the fetch is done. A striped fetch sizes its file first and writes it in several places, so
-//! the file's size does not say what it holds; `fetch --continue` reads the record instead
-//! (what the record says is then checked against the server's checksum, like every kept part).
+//! a failed try, removed once the fetch is done. A striped fetch sizes its file first and
+//! writes it in several places, so the file's size does not say what it holds; `fetch
+//! --continue` reads the record instead (what the record says is then checked against the
+//! server's checksum, like every kept part).
 
 use super::resume::Left;
 

@@ -124,10 +124,9 @@ type Striped = (bridge::Result<Tried>, Vec<u64>);
 
 /// Run one task per stripe, each with its own file (`files[i]` for `stripes[i]`), keep the
 /// progress line moving (`before`: bytes moved by earlier tries), hand `note` the bytes each
-/// stripe moved so far every 100 ms while they move, and give the reports (merged by the caller,
-/// `Tried::whole`, with what earlier tries kept). A
-/// failed stripe fails the transfer (its range is said on stderr; the error is the stripe's
-/// own).
+/// stripe moved so far every 100 ms while they move, and give the reports (merged by the
+/// caller, `Tried::whole`, with what earlier tries kept). A failed stripe fails the transfer
+/// (its range is said on stderr; the error is the stripe's own).
 async fn run<T, F>(
     lanes: &mut Lanes,
     stripes: Vec<Stripe>,
