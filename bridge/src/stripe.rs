@@ -108,11 +108,7 @@ pub fn merge(reports: &[TransferReport], seconds: f64) -> Option<TransferReport>
     }
     m.seconds = seconds;
     // the rate of the bytes moved
-    m.mib_per_sec = if seconds > 0.0 {
-        (m.bytes - m.kept_bytes) as f64 / seconds / f64::from(1 << 20)
-    } else {
-        0.0
-    };
+    m.mib_per_sec = crate::size::mib_per_sec(m.bytes - m.kept_bytes, seconds);
     Some(m)
 }
 

@@ -310,9 +310,9 @@ pub(crate) struct ClientArgs {
     /// --verify a fetch or put resumes after the bytes each of its streams moved instead (with
     /// --qps too), and checks them against the server's checksum at the end (moving the whole
     /// range again if they differ: the region changed meanwhile). A file only (-o FILE,
-    /// -i FILE): a pipe's bytes cannot be taken back. A server not reached at the start (not up yet, busy) is tried
-    /// again the same way. A refused request (an unknown region, a range, the token) or a
-    /// checksum mismatch is not retried.
+    /// -i FILE): a pipe's bytes cannot be taken back. A server not reached at the start (not
+    /// up yet, busy) is tried again the same way. A refused request (an unknown region, a
+    /// range, the token) or a checksum mismatch is not retried.
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub(crate) retries: u32,
     /// Seconds before the first retry; each later one waits twice as long as the one before,
