@@ -20,6 +20,24 @@ fn holds(file: &std::path::Path, at: u64, want: &[u8]) -> bool {
         && got == want
 }
 
+/// The stderr of a `p2p-rdma` command run in the background (`child`), once it has ended
+/// within `secs` and succeeded (`what`: the command, for the messages).
+async fn succeeded(
+    child: tokio::task::JoinHandle<std::io::Result<std::process::Output>>,
+    secs: u64,
+    what: &str,
+) -> String {
+    let done = tokio::time::timeout(Duration::from_secs(secs), child)
+        .await
+        .unwrap_or_else(|_| panic!("the {what} ends"))
+        .unwrap()
+        .unwrap();
+    let err = String::from_utf8_lossy(&done.stderr).into_owned();
+    eprintln!("the {what} said:\n{err}");
+    assert!(done.status.success(), "{:?}: {err}", done.status);
+    err
+}
+
 /// What [`a_cli_transfer_with_retries_outlives_a_server_restart`] moves.
 #[derive(Clone, Copy, PartialEq)]
 enum Moved {
@@ -134,14 +152,7 @@ async fn a_cli_transfer_with_retries_outlives_a_server_restart(moved: Moved, qps
         }
     }
     let (_again, _) = ServeProcess::start_at(addr, &spec, &token_file).await;
-    let done = tokio::time::timeout(Duration::from_secs(180), child)
-        .await
-        .unwrap_or_else(|_| panic!("the {op} ends"))
-        .unwrap()
-        .unwrap();
-    let err = String::from_utf8_lossy(&done.stderr);
-    eprintln!("the {op} said:\n{err}");
-    assert!(done.status.success(), "{:?}: {err}", done.status);
+    let err = succeeded(child, 180, op).await;
     assert!(
         err.contains("connecting again") && err.contains("retry 1 of 4"),
         "{err}"
@@ -266,14 +277,7 @@ async fn lab_reliability_a_cli_fetch_with_retries_waits_for_a_server_not_up_yet(
     let waiting = tokio::task::spawn_blocking(move || waiting.wait_with_output());
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let (_server, _) = ServeProcess::start_at(addr, &spec, &token_file).await;
-    let done = tokio::time::timeout(Duration::from_secs(120), waiting)
-        .await
-        .expect("the fetch ends")
-        .unwrap()
-        .unwrap();
-    let err = String::from_utf8_lossy(&done.stderr);
-    eprintln!("the fetch said:\n{err}");
-    assert!(done.status.success(), "{:?}: {err}", done.status);
+    let err = succeeded(waiting, 120, "fetch").await;
     assert!(
         err.contains("could not start the fetch") && err.contains("retry 1 of 5"),
         "{err}"
@@ -553,14 +557,7 @@ async fn lab_reliability_a_cli_put_continue_scans_again_after_its_server_restart
     tokio::time::sleep(Duration::from_secs(3)).await;
     server.kill();
     let (_again, _) = ServeProcess::start_at(addr, &spec, &token_file).await;
-    let done = tokio::time::timeout(Duration::from_secs(240), child)
-        .await
-        .expect("the put ends")
-        .unwrap()
-        .unwrap();
-    let err = String::from_utf8_lossy(&done.stderr);
-    eprintln!("the put said:\n{err}");
-    assert!(done.status.success(), "{:?}: {err}", done.status);
+    let err = succeeded(child, 240, "put").await;
     assert!(
         err.contains("the scan for --continue failed") && err.contains("connecting again"),
         "the server was not killed mid-scan: this run tested nothing\n{err}"
