@@ -11,6 +11,7 @@ pub(crate) mod man;
 pub(crate) mod partial;
 pub(crate) mod put;
 pub(crate) mod resume;
+pub(crate) mod scan;
 pub(crate) mod serve;
 pub(crate) mod stripe;
 pub(crate) mod transfer;

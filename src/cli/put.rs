@@ -34,8 +34,9 @@ pub(crate) struct PutArgs {
     pub(crate) verify: bool,
     /// Put only what the region does not hold of the input yet: an earlier put of the same
     /// bytes to the same range that was interrupted (killed, or failed) put a start of each of
-    /// its streams' pieces. Each piece's --chunk's are compared with the server's checksum in
-    /// order from its start, the ones that match are kept and the rest is put; once it is
+    /// its streams' pieces. The start of each piece that matches, in whole --chunk's, is found
+    /// with the server's checksum (spans growing to 16 MiB, the first that differs halved to
+    /// its first chunk that differs) and kept, and the rest is put; once it is
     /// in, the kept bytes are compared again (and flushed, where the server makes puts
     /// durable), and the whole range is put again if they changed meanwhile. Give the same
     /// --chunk and --qps as the earlier put to keep all it put. Needs -i FILE and --verify.
@@ -258,8 +259,9 @@ async fn from_file(
 
 /// `put --continue`: what is left of the range `all` after the start of each of its pieces
 /// (cut as a put over `qps` connections cuts them, in `chunk`'s) that the region holds as
-/// `input` has it, found chunk by chunk against the server's checksum up to the first that
-/// differs (a put interrupted part way put a start of each of its streams' pieces), and said.
+/// `input` has it, up to the first chunk that differs (a put interrupted part way put a start
+/// of each of its streams' pieces), found by comparing growing spans with the server's
+/// checksum and halving the first that differs (`super::scan`), and said.
 async fn held_already(
     c: &mut bridge::Client,
     r: &bridge::OpenRegion,
@@ -271,18 +273,17 @@ async fn held_already(
     let pieces = all.spread(qps, chunk).unwrap_or_default();
     let mut have = Vec::with_capacity(pieces.len());
     for p in &pieces {
-        let mut f = file_part(input, p.offset - offset, p.len)
-            .map_err(|e| bridge::Error::io(format!("reading the input file {input}"), e))?;
-        let mut n = 0;
-        while n < p.len {
-            let step = chunk.max(1).min(p.len - n);
-            match c.compare(r, p.offset + n, step, &mut f).await {
-                Ok(_) => n += step,
-                Err(bridge::Error::Mismatch { .. }) => break,
+        let mut scan = super::scan::Scan::new(p.len, chunk);
+        while let Some((at, n)) = scan.next() {
+            let mut f = file_part(input, p.offset - offset + at, n)
+                .map_err(|e| bridge::Error::io(format!("reading the input file {input}"), e))?;
+            match c.compare(r, p.offset + at, n, &mut f).await {
+                Ok(_) => scan.answer(true),
+                Err(bridge::Error::Mismatch { .. }) => scan.answer(false),
                 Err(e) => return Err(e),
             }
         }
-        have.push(n);
+        have.push(scan.held());
     }
     let mut left = all.clone();
     left.wrote(&pieces, &have);

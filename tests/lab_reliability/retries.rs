@@ -520,9 +520,10 @@ async fn lab_reliability_a_striped_cli_put_killed_mid_way_goes_on_with_continue(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "lab"]
 async fn lab_reliability_a_cli_put_continue_scans_again_after_its_server_restarts() {
-    // put --continue --retries into a region that holds the input already, its scan slowed
-    // (4 KiB chunks: 16,384 compares of 64 MiB), the server killed mid-scan and started
-    // again: the scan connects again, scans again, finds everything held and puts nothing
+    // put --continue --retries into a region that holds the input already, in 4 KiB chunks
+    // (16 compares of growing spans, where a compare of each chunk took 16,384), the server
+    // killed mid-scan (once the client has read 2 MiB of its input) and started again: the
+    // scan connects again, scans again, finds everything held and puts nothing
     let dir = std::env::temp_dir().join(format!("p2p-put-scan-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let token_file = dir.join("token");
@@ -553,8 +554,23 @@ async fn lab_reliability_a_cli_put_continue_scans_again_after_its_server_restart
         .spawn()
         .expect("p2p-rdma put");
     let started = Instant::now();
+    let io = format!("/proc/{}/io", child.id());
     let child = tokio::task::spawn_blocking(move || child.wait_with_output());
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // the bytes the client has read (its input, beside a few small files and replies)
+    let read = || {
+        let t = std::fs::read_to_string(&io).unwrap_or_default();
+        t.lines()
+            .find_map(|l| l.strip_prefix("rchar: ")?.trim().parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    while read() < 2 << 20 {
+        assert!(
+            started.elapsed() < Duration::from_secs(60) && !child.is_finished(),
+            "the client read no 2 MiB of its input in a minute"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let killed_at = started.elapsed();
     server.kill();
     let (_again, _) = ServeProcess::start_at(addr, &spec, &token_file).await;
     let err = succeeded(child, 240, "put").await;
@@ -571,7 +587,8 @@ async fn lab_reliability_a_cli_put_continue_scans_again_after_its_server_restart
         "the region's bytes differ"
     );
     figure(format!(
-        "reliability: put --continue --retries 4 --chunk 4K of 64 MiB already held, its server killed 3 s in (mid-scan) and started again: scanned again after {} retr{}, everything held, nothing put, verified ({:.0} s)",
+        "reliability: put --continue --retries 4 --chunk 4K of 64 MiB already held, its server killed mid-scan ({:.1} s in, 2 MiB of the input read) and started again: scanned again after {} retr{}, everything held, nothing put, verified ({:.1} s)",
+        killed_at.as_secs_f64(),
         err.matches("connecting again").count(),
         if err.matches("connecting again").count() == 1 { "y" } else { "ies" },
         started.elapsed().as_secs_f64()
