@@ -300,7 +300,10 @@ fn exit_2_for_bad_input_names_what_is_wrong() {
         (fetch_with("--offset", "1Q"), "unknown unit"),
         (fetch_with("--ack-timeout", "32"), "0..=31"),
         (fetch_with("--mtu", "1500"), "an Ethernet MTU such as 1500"),
-        (fetch_with("--retries", "2"), "give -o FILE, not -"),
+        (
+            fetch_with("--retries", "2"),
+            "with -o - goes on after the bytes",
+        ),
         (fetch_with("--retry-wait", "4000"), "from 0 to 3600"),
         (fetch_with("--continue", "--verify"), "give -o FILE, not -"),
         (

@@ -97,10 +97,11 @@ pub(crate) async fn fetch(a: FetchArgs) -> anyhow::Result<()> {
         )
         .into());
     }
-    if client.retries > 0 && output == "-" {
+    if client.retries > 0 && output == "-" && !verify {
         return Err(Usage(
-            "--retries may write the file again (from its start, or after what a verified \
-             fetch kept): give -o FILE, not - (bytes written to a pipe cannot be taken back)"
+            "--retries with -o - goes on after the bytes a failed try wrote to the pipe (they \
+             cannot be taken back), which only --verify checks against the region's: add \
+             --verify"
                 .into(),
         )
         .into());
@@ -140,11 +141,8 @@ pub(crate) async fn fetch(a: FetchArgs) -> anyhow::Result<()> {
     let qps = usize::from(client.qps);
     let mut r = r;
     if output == "-" {
-        let mut sink = std::io::BufWriter::with_capacity(1 << 20, std::io::stdout());
-        let rep = c
-            .fetch(&r, offset, len, &mut sink, verify, &mut |d| bar.update(d))
-            .await;
-        return finish_transfer(c, &r, rep, bar, json).await;
+        let range = (offset, len);
+        return super::pipe::to_stdout(c, r, &region, range, verify, retry, bar, json).await;
     }
     let mut rep;
     // the kept parts once they are checked, each with its CRC-32C, for the report

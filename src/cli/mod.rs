@@ -9,6 +9,7 @@ pub(crate) mod inspect;
 pub(crate) mod ls;
 pub(crate) mod man;
 pub(crate) mod partial;
+pub(crate) mod pipe;
 pub(crate) mod put;
 pub(crate) mod resume;
 pub(crate) mod scan;

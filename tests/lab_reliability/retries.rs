@@ -51,15 +51,30 @@ enum Moved {
     /// A put whose region changes while the server is down (the first MiB of each half): a
     /// part it kept is not there any more, and it puts the whole range again.
     PutChanged,
+    /// A fetch to stdout (`-o -`, a file here), which goes on after the bytes it wrote.
+    FetchPipe,
+    /// A fetch to stdout whose region changes while the server is down: the bytes it wrote
+    /// cannot be taken back, and it fails with a mismatch that says so.
+    FetchPipeChanged,
 }
 
 impl Moved {
     fn fetching(self) -> bool {
-        matches!(self, Moved::Fetch | Moved::FetchChanged)
+        matches!(
+            self,
+            Moved::Fetch | Moved::FetchChanged | Moved::FetchPipe | Moved::FetchPipeChanged
+        )
     }
 
     fn changed(self) -> bool {
-        matches!(self, Moved::FetchChanged | Moved::PutChanged)
+        matches!(
+            self,
+            Moved::FetchChanged | Moved::PutChanged | Moved::FetchPipeChanged
+        )
+    }
+
+    fn pipe(self) -> bool {
+        matches!(self, Moved::FetchPipe | Moved::FetchPipeChanged)
     }
 }
 
@@ -72,8 +87,9 @@ async fn a_cli_transfer_with_retries_outlives_a_server_restart(moved: Moved, qps
     let fetching = moved.fetching();
     let op = if fetching { "fetch" } else { "put" };
     let dir = std::env::temp_dir().join(format!(
-        "p2p-retry-{op}-{}-{qps}-{}",
+        "p2p-retry-{op}-{}-{}-{qps}-{}",
         moved.changed(),
+        moved.pipe(),
         std::process::id()
     ));
     std::fs::create_dir_all(&dir).unwrap();
@@ -97,8 +113,8 @@ async fn a_cli_transfer_with_retries_outlives_a_server_restart(moved: Moved, qps
     if !fetching {
         std::fs::write(&local, &content).unwrap();
     }
-    let child = Command::new(env!("CARGO_BIN_EXE_p2p-rdma"))
-        .args([op, &addr.to_string(), "f", "--verify", "--retries", "4"])
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_p2p-rdma"));
+    cmd.args([op, &addr.to_string(), "f", "--verify", "--retries", "4"])
         .args([
             "--retry-wait",
             "1",
@@ -108,11 +124,14 @@ async fn a_cli_transfer_with_retries_outlives_a_server_restart(moved: Moved, qps
         ])
         .arg(&token_file)
         .arg(if fetching { "-o" } else { "-i" })
-        .arg(&local)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("p2p-rdma fetch or put");
+        .stderr(std::process::Stdio::piped());
+    if moved.pipe() {
+        // stdout, which a pipe would read: bytes written there stay
+        cmd.arg("-").stdout(std::fs::File::create(&local).unwrap());
+    } else {
+        cmd.arg(&local).stdout(std::process::Stdio::null());
+    }
+    let child = cmd.spawn().expect("p2p-rdma fetch or put");
     let child = tokio::task::spawn_blocking(move || child.wait_with_output());
     // cut it once the 4th MiB of either half (a stripe, with --qps 2) is where it goes: in the
     // fetched file (which a striped fetch sizes first), or in the region. The two stripes need
@@ -152,6 +171,28 @@ async fn a_cli_transfer_with_retries_outlives_a_server_restart(moved: Moved, qps
         }
     }
     let (_again, _) = ServeProcess::start_at(addr, &spec, &token_file).await;
+    if moved == Moved::FetchPipeChanged {
+        // the first MiB, written to stdout before the server went down, differs from the
+        // region's now: the fetch ends with a mismatch (exit 6) that says why
+        let done = tokio::time::timeout(Duration::from_secs(180), child)
+            .await
+            .expect("the fetch ends")
+            .unwrap()
+            .unwrap();
+        let err = String::from_utf8_lossy(&done.stderr).into_owned();
+        eprintln!("the fetch said:\n{err}");
+        assert_eq!(done.status.code(), Some(6), "{err}");
+        assert!(
+            err.contains("retry 1 of 4") && err.contains("two versions of it"),
+            "{err}"
+        );
+        figure(format!(
+            "reliability: fetch -o - --retries 4 of 128 MiB, its server killed mid-way and started again, the first MiB of each half of the region changed meanwhile: went on after the bytes written to stdout, then failed (exit 6): {}",
+            err.lines().find(|l| l.contains("two versions")).unwrap_or_default().trim_start_matches("p2p-rdma: error: ")
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        return;
+    }
     let err = succeeded(child, 180, op).await;
     assert!(
         err.contains("connecting again") && err.contains("retry 1 of 4"),
@@ -165,11 +206,17 @@ async fn a_cli_transfer_with_retries_outlives_a_server_restart(moved: Moved, qps
     } else {
         assert!(resumed && !whole_again, "{err}");
     }
+    assert_eq!(
+        moved.pipe(),
+        err.contains("written to stdout before"),
+        "{err}"
+    );
     let got = std::fs::read(if fetching { &local } else { &file }).unwrap();
     assert!(got == content, "the bytes {op} moved differ");
     let tries = err.matches("connecting again").count();
     figure(format!(
-        "reliability: {op} --retries 4 --qps {qps} of 128 MiB, its server killed mid-way and started again{}: done after {tries} retr{}, verified{}",
+        "reliability: {op}{} --retries 4 --qps {qps} of 128 MiB, its server killed mid-way and started again{}: done after {tries} retr{}, verified{}",
+        if moved.pipe() { " -o -" } else { "" },
         if moved.changed() { ", the first MiB of each half of the region changed meanwhile" } else { "" },
         if tries == 1 { "y" } else { "ies" },
         match (resumed, whole_again) {
@@ -205,6 +252,19 @@ async fn lab_reliability_a_cli_fetch_with_retries_fetches_again_what_changed_whi
 async fn lab_reliability_a_striped_cli_fetch_with_retries_fetches_again_what_changed_while_its_server_was_down(
 ) {
     a_cli_transfer_with_retries_outlives_a_server_restart(Moved::FetchChanged, 2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_reliability_a_cli_fetch_to_stdout_with_retries_goes_on_after_what_it_wrote() {
+    a_cli_transfer_with_retries_outlives_a_server_restart(Moved::FetchPipe, 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_reliability_a_cli_fetch_to_stdout_fails_if_what_it_wrote_changed_while_its_server_was_down(
+) {
+    a_cli_transfer_with_retries_outlives_a_server_restart(Moved::FetchPipeChanged, 1).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
