@@ -321,7 +321,7 @@ fn exit_2_for_bad_input_names_what_is_wrong() {
             ["put", "127.0.0.1:9", "r", "-i", "-", "--retries", "1"]
                 .map(Into::into)
                 .to_vec(),
-            "give -i FILE, not -",
+            "with -i - goes on after the bytes",
         ),
         (
             [

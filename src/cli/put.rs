@@ -105,10 +105,11 @@ pub(crate) async fn put(a: PutArgs) -> anyhow::Result<()> {
         )
         .into());
     }
-    if client.retries > 0 && input == "-" {
+    if client.retries > 0 && input == "-" && !verify {
         return Err(Usage(
-            "--retries reads the input again (from its start, or after what a verified put \
-             kept): give -i FILE, not - (bytes read from a pipe cannot be read again)"
+            "--retries with -i - goes on after the bytes a failed try put (those read from a \
+             pipe cannot be read again), which only --verify checks against the region's: add \
+             --verify"
                 .into(),
         )
         .into());
@@ -126,12 +127,9 @@ pub(crate) async fn put(a: PutArgs) -> anyhow::Result<()> {
         .await?;
     let mut bar = Progress::new(limit.unwrap_or(r.info.size.saturating_sub(offset)), json);
     let Some(len) = limit.filter(|_| input != "-") else {
-        // stdin: one stream, one try (--qps and --retries were refused above)
-        let mut from = std::io::stdin();
-        let rep = c
-            .put(&r, offset, &mut from, limit, verify, &mut |d| bar.update(d))
-            .await;
-        return finish_transfer(c, &r, rep, bar, json).await;
+        // stdin: one stream (--qps was refused above)
+        let range = (offset, limit);
+        return super::pipe::from_stdin(c, r, &region, range, verify, retry, bar, json).await;
     };
     let qps = usize::from(client.qps);
     // the parts of the range the tries before put, kept (with --verify) for the next try to

@@ -309,12 +309,12 @@ pub(crate) struct ClientArgs {
     /// connect again and start the transfer over, up to N times, each said on stderr. With
     /// --verify a fetch or put resumes after the bytes each of its streams moved instead (with
     /// --qps too), and checks them against the server's checksum at the end (moving the whole
-    /// range again if they differ: the region changed meanwhile). With -o - (and --verify, which
-    /// it needs), a fetch goes on after the bytes written to stdout, which cannot be taken
-    /// back: it fails, saying so, if those differ from the region's at the end. Not with -i -.
-    /// A server not reached at the start (not
-    /// up yet, busy) is tried again the same way. A refused request (an unknown region, a
-    /// range, the token) or a checksum mismatch is not retried.
+    /// range again if they differ: the region changed meanwhile). With -o - or -i - (and
+    /// --verify, which they need), a transfer goes on after the bytes the pipe moved, which
+    /// cannot be moved again (a put keeps those it read until the server has them): it fails,
+    /// saying so, if those differ from the region's at the end. A server not reached at the
+    /// start (not up yet, busy) is tried again the same way. A refused request (an unknown
+    /// region, a range, the token) or a checksum mismatch is not retried.
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub(crate) retries: u32,
     /// Seconds before the first retry; each later one waits twice as long as the one before,

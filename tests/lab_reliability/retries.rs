@@ -56,6 +56,11 @@ enum Moved {
     /// A fetch to stdout whose region changes while the server is down: the bytes it wrote
     /// cannot be taken back, and it fails with a mismatch that says so.
     FetchPipeChanged,
+    /// A put from stdin (`-i -`, a file here), which goes on after the bytes it put.
+    PutPipe,
+    /// A put from stdin whose region changes while the server is down: the bytes it put
+    /// cannot be read again, and it fails with a mismatch that says so.
+    PutPipeChanged,
 }
 
 impl Moved {
@@ -69,12 +74,18 @@ impl Moved {
     fn changed(self) -> bool {
         matches!(
             self,
-            Moved::FetchChanged | Moved::PutChanged | Moved::FetchPipeChanged
+            Moved::FetchChanged
+                | Moved::PutChanged
+                | Moved::FetchPipeChanged
+                | Moved::PutPipeChanged
         )
     }
 
     fn pipe(self) -> bool {
-        matches!(self, Moved::FetchPipe | Moved::FetchPipeChanged)
+        matches!(
+            self,
+            Moved::FetchPipe | Moved::FetchPipeChanged | Moved::PutPipe | Moved::PutPipeChanged
+        )
     }
 }
 
@@ -125,9 +136,14 @@ async fn a_cli_transfer_with_retries_outlives_a_server_restart(moved: Moved, qps
         .arg(&token_file)
         .arg(if fetching { "-o" } else { "-i" })
         .stderr(std::process::Stdio::piped());
-    if moved.pipe() {
+    if moved.pipe() && fetching {
         // stdout, which a pipe would read: bytes written there stay
         cmd.arg("-").stdout(std::fs::File::create(&local).unwrap());
+    } else if moved.pipe() {
+        // stdin, read once as a pipe is
+        cmd.arg("-")
+            .stdin(std::fs::File::open(&local).unwrap())
+            .stdout(std::process::Stdio::null());
     } else {
         cmd.arg(&local).stdout(std::process::Stdio::null());
     }
@@ -171,24 +187,28 @@ async fn a_cli_transfer_with_retries_outlives_a_server_restart(moved: Moved, qps
         }
     }
     let (_again, _) = ServeProcess::start_at(addr, &spec, &token_file).await;
-    if moved == Moved::FetchPipeChanged {
-        // the first MiB, written to stdout before the server went down, differs from the
-        // region's now: the fetch ends with a mismatch (exit 6) that says why
+    if moved.pipe() && moved.changed() {
+        // the first MiB, moved through the pipe before the server went down, differs from the
+        // region's now and cannot be moved again: the transfer ends with a mismatch (exit 6)
+        // that says why
         let done = tokio::time::timeout(Duration::from_secs(180), child)
             .await
-            .expect("the fetch ends")
+            .unwrap_or_else(|_| panic!("the {op} ends"))
             .unwrap()
             .unwrap();
         let err = String::from_utf8_lossy(&done.stderr).into_owned();
-        eprintln!("the fetch said:\n{err}");
+        eprintln!("the {op} said:\n{err}");
         assert_eq!(done.status.code(), Some(6), "{err}");
-        assert!(
-            err.contains("retry 1 of 4") && err.contains("two versions of it"),
-            "{err}"
-        );
+        let why = if fetching {
+            "two versions of it"
+        } else {
+            "stdin cannot be read again"
+        };
+        assert!(err.contains("retry 1 of 4") && err.contains(why), "{err}");
         figure(format!(
-            "reliability: fetch -o - --retries 4 of 128 MiB, its server killed mid-way and started again, the first MiB of each half of the region changed meanwhile: went on after the bytes written to stdout, then failed (exit 6): {}",
-            err.lines().find(|l| l.contains("two versions")).unwrap_or_default().trim_start_matches("p2p-rdma: error: ")
+            "reliability: {op} {} --retries 4 of 128 MiB, its server killed mid-way and started again, the first MiB of each half of the region changed meanwhile: went on after the bytes moved through the pipe, then failed (exit 6): {}",
+            if fetching { "-o -" } else { "-i -" },
+            err.lines().find(|l| l.contains(why)).unwrap_or_default().trim_start_matches("p2p-rdma: error: ")
         ));
         let _ = std::fs::remove_dir_all(&dir);
         return;
@@ -206,17 +226,22 @@ async fn a_cli_transfer_with_retries_outlives_a_server_restart(moved: Moved, qps
     } else {
         assert!(resumed && !whole_again, "{err}");
     }
-    assert_eq!(
-        moved.pipe(),
-        err.contains("written to stdout before"),
-        "{err}"
-    );
+    let piped = if fetching {
+        "written to stdout before"
+    } else {
+        "put from stdin before"
+    };
+    assert_eq!(moved.pipe(), err.contains(piped), "{err}");
     let got = std::fs::read(if fetching { &local } else { &file }).unwrap();
     assert!(got == content, "the bytes {op} moved differ");
     let tries = err.matches("connecting again").count();
     figure(format!(
         "reliability: {op}{} --retries 4 --qps {qps} of 128 MiB, its server killed mid-way and started again{}: done after {tries} retr{}, verified{}",
-        if moved.pipe() { " -o -" } else { "" },
+        match (moved.pipe(), fetching) {
+            (false, _) => "",
+            (true, true) => " -o -",
+            (true, false) => " -i -",
+        },
         if moved.changed() { ", the first MiB of each half of the region changed meanwhile" } else { "" },
         if tries == 1 { "y" } else { "ies" },
         match (resumed, whole_again) {
@@ -265,6 +290,19 @@ async fn lab_reliability_a_cli_fetch_to_stdout_with_retries_goes_on_after_what_i
 async fn lab_reliability_a_cli_fetch_to_stdout_fails_if_what_it_wrote_changed_while_its_server_was_down(
 ) {
     a_cli_transfer_with_retries_outlives_a_server_restart(Moved::FetchPipeChanged, 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_reliability_a_cli_put_from_stdin_with_retries_goes_on_after_what_it_put() {
+    a_cli_transfer_with_retries_outlives_a_server_restart(Moved::PutPipe, 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_reliability_a_cli_put_from_stdin_fails_if_what_it_put_changed_while_its_server_was_down(
+) {
+    a_cli_transfer_with_retries_outlives_a_server_restart(Moved::PutPipeChanged, 1).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
