@@ -191,22 +191,16 @@ pub(crate) async fn from_stdin(
             None => break Err(e),
         }
     };
-    let rep = match rep {
-        Ok(t) if !earlier.is_empty() => {
-            match still_hold(&mut c, &mut r, region, &earlier, &mut retry, true).await {
-                Ok(()) => {
-                    let kept: Vec<Stripe> = earlier.iter().map(|(s, _)| *s).collect();
-                    eprintln!(
-                        "p2p-rdma: {}",
-                        super::resume::resumed(offset, &kept, "put from stdin")
-                    );
-                    Ok(t)
-                }
-                Err(e) => Err(e),
-            }
-        }
-        other => other,
-    };
+    let rep = checked(
+        &mut c,
+        &mut r,
+        (region, offset),
+        rep,
+        &earlier,
+        &mut retry,
+        true,
+    )
+    .await;
     finish_transfer(c, &r, whole(rep, &earlier)?, bar, json).await
 }
 
@@ -257,26 +251,47 @@ pub(crate) async fn to_stdout(
             None => break Err(e),
         }
     };
-    let rep = match rep {
-        Ok(t) if !earlier.is_empty() => {
-            match still_hold(&mut c, &mut r, region, &earlier, &mut retry, false).await {
-                Ok(()) => {
-                    let kept: Vec<Stripe> = earlier.iter().map(|(s, _)| *s).collect();
-                    eprintln!(
-                        "p2p-rdma: {}",
-                        super::resume::resumed(offset, &kept, "written to stdout")
-                    );
-                    Ok(t)
-                }
-                Err(e) => Err(e),
-            }
-        }
-        other => other,
-    };
+    let rep = checked(
+        &mut c,
+        &mut r,
+        (region, offset),
+        rep,
+        &earlier,
+        &mut retry,
+        false,
+    )
+    .await;
     let flushed = sink.flush();
     let rep = whole(rep, &earlier)?;
     flushed.map_err(|e| anyhow::anyhow!("writing to stdout: {e}"))?;
     finish_transfer(c, &r, rep, bar, json).await
+}
+
+/// The last try's outcome `rep`, once the `earlier` parts, those the failed tries moved through
+/// the pipe (`put`: from stdin, else to stdout), are found still in the region
+/// ([`still_hold`]), which is said; `offset`: the range's.
+async fn checked(
+    c: &mut bridge::Client,
+    r: &mut bridge::OpenRegion,
+    (region, offset): (&str, u64),
+    rep: bridge::Result<Tried>,
+    earlier: &[(Stripe, u32)],
+    retry: &mut Retry,
+    put: bool,
+) -> bridge::Result<Tried> {
+    let t = rep?;
+    if earlier.is_empty() {
+        return Ok(t);
+    }
+    still_hold(c, r, region, earlier, retry, put).await?;
+    let kept: Vec<Stripe> = earlier.iter().map(|(s, _)| *s).collect();
+    let moved = if put {
+        "put from stdin"
+    } else {
+        "written to stdout"
+    };
+    eprintln!("p2p-rdma: {}", super::resume::resumed(offset, &kept, moved));
+    Ok(t)
 }
 
 /// Whether the region still holds the `parts` the failed tries moved through the pipe, by the
