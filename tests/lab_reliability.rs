@@ -7,6 +7,8 @@
 //! `scripts/reliability --long` leaves for the lab guest.
 
 mod common;
+#[path = "lab_reliability/resuming.rs"]
+mod resuming;
 #[path = "lab_reliability/retries.rs"]
 mod retries;
 use common::{data, rdma_resources, start, TOKEN};

@@ -25,8 +25,8 @@ pub mod stripe;
 pub mod token;
 
 pub use client::{
-    BatchRange, Client, ClientConfig, Landed, LocalBuffer, OpenFor, OpenRegion, Stranded,
-    TransferReport, Transport, DEFAULT_INLINE,
+    BatchRange, Client, ClientConfig, Landed, LocalBuffer, OpenFor, OpenRegion, Resumed, Retries,
+    Stranded, TransferReport, Transport, DEFAULT_INLINE,
 };
 pub use error::{Error, Result};
 pub use qp_path::QpPath;

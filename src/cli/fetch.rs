@@ -142,7 +142,7 @@ pub(crate) async fn fetch(a: FetchArgs) -> anyhow::Result<()> {
     let mut r = r;
     if output == "-" {
         let range = (offset, len);
-        return super::pipe::to_stdout(c, r, &region, range, verify, retry, bar, json).await;
+        return super::pipe::to_stdout(c, r, range, verify, retry, bar, json).await;
     }
     let mut rep;
     // the kept parts once they are checked, each with its CRC-32C, for the report

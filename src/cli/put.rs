@@ -129,7 +129,7 @@ pub(crate) async fn put(a: PutArgs) -> anyhow::Result<()> {
     let Some(len) = limit.filter(|_| input != "-") else {
         // stdin: one stream (--qps was refused above)
         let range = (offset, limit);
-        return super::pipe::from_stdin(c, r, &region, range, verify, retry, bar, json).await;
+        return super::pipe::from_stdin(c, r, range, verify, retry, bar, json).await;
     };
     let qps = usize::from(client.qps);
     // the parts of the range the tries before put, kept (with --verify) for the next try to

@@ -343,20 +343,17 @@ fn parse_retry_wait(s: &str) -> Result<f64, String> {
     }
 }
 
-/// `--retries`: a failed transfer tried again on a new connection, after a wait that doubles.
-pub(crate) struct Retry {
-    left: u32,
-    wait: Duration,
-    done: u32,
-}
+/// `--retries`: a failed transfer tried again on a new connection, after a wait that doubles
+/// (`bridge::Retries`, each retry said on stderr).
+#[derive(Debug)]
+pub(crate) struct Retry(pub(crate) bridge::Retries);
 
 impl Retry {
     pub(crate) fn new(a: &ClientArgs) -> Retry {
-        Retry {
-            left: a.retries,
-            wait: Duration::from_secs_f64(a.retry_wait),
-            done: 0,
-        }
+        Retry(
+            bridge::Retries::new(a.retries, Duration::from_secs_f64(a.retry_wait))
+                .saying(|s| eprintln!("p2p-rdma: {s}")),
+        )
     }
 
     /// The first connection and open of the transfer `what`: `open` again, after the same
@@ -378,27 +375,13 @@ impl Retry {
             let transient = e
                 .downcast_ref::<bridge::Error>()
                 .is_some_and(bridge::Error::is_transient);
-            if !transient || self.left == 0 {
+            if !transient || self.0.left() == 0 {
                 return Err(e);
             }
-            self.take_turn(&format!("could not start the {what} ({e}); trying again"))
+            self.0
+                .take_turn(&format!("could not start the {what} ({e}); trying again"))
                 .await;
         }
-    }
-
-    /// Use one of the tries: say `why` with the wait and the count, and wait (each wait
-    /// twice the one before, at most 30 s).
-    async fn take_turn(&mut self, why: &str) {
-        self.left -= 1;
-        self.done += 1;
-        eprintln!(
-            "p2p-rdma: {why} in {:.1} s (retry {} of {})",
-            self.wait.as_secs_f64(),
-            self.done,
-            self.done + self.left
-        );
-        tokio::time::sleep(self.wait).await;
-        self.wait = (self.wait * 2).min(Duration::from_secs(30));
     }
 
     /// After `e` ended the transfer `what`: if it is worth another try and tries are left,
@@ -412,32 +395,6 @@ impl Retry {
         region: &str,
         purpose: bridge::OpenFor,
     ) -> Option<bridge::OpenRegion> {
-        let mut why = e.to_string();
-        if !e.is_transient() {
-            return None;
-        }
-        while self.left > 0 {
-            self.take_turn(&format!("the {what} failed ({why}); connecting again"))
-                .await;
-            let opened = match c.reconnect().await {
-                Ok(()) => c.open_for(region, purpose).await,
-                Err(e) => Err(e),
-            };
-            match opened {
-                Ok(r) => return Some(r),
-                Err(e) if e.is_transient() => why = e.to_string(),
-                Err(e) => {
-                    eprintln!("p2p-rdma: connected again, but: {e}");
-                    return None;
-                }
-            }
-        }
-        if self.done > 0 {
-            eprintln!(
-                "p2p-rdma: no retry left after {}; the last failure: {why}",
-                self.done
-            );
-        }
-        None
+        self.0.again(c, e, what, region, purpose).await
     }
 }

@@ -202,7 +202,7 @@ async fn a_cli_transfer_with_retries_outlives_a_server_restart(moved: Moved, qps
         let why = if fetching {
             "two versions of it"
         } else {
-            "stdin cannot be read again"
+            "lacks bytes of the source"
         };
         assert!(err.contains("retry 1 of 4") && err.contains(why), "{err}");
         figure(format!(

@@ -17,6 +17,8 @@ mod first;
 mod nic;
 mod rdma;
 mod report;
+mod resuming;
+mod retries;
 mod tcp;
 mod wait;
 mod window;
@@ -28,6 +30,8 @@ pub use first::OpenFor;
 use rdma::Rdma;
 pub use report::TransferReport;
 use report::{millis, report};
+pub use resuming::Resumed;
+pub use retries::Retries;
 use wait::await_or_stall;
 use window::{
     bounce_reply, issue, land, may_stage, more_input, overflow_error, piece, pull_staged, pulls,

@@ -1,0 +1,148 @@
+//! `Client::fetch_resuming` and `Client::put_resuming`, the library's transfers that go on
+//! after a failure: a server killed mid-transfer and started again on the same address.
+
+use std::io::{Read, Write};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use p2p_rdma::bridge::{Client, ClientConfig, Retries};
+
+use crate::common::{data, TOKEN};
+use crate::{figure, ServeProcess};
+
+/// A sink (or source) that counts the bytes through it, for the test to cut the transfer.
+struct Counted<T> {
+    inner: T,
+    seen: Arc<AtomicU64>,
+}
+
+impl<T: Write> Write for Counted<T> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.seen.fetch_add(n as u64, Ordering::Relaxed);
+        Ok(n)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+impl<T: Read> Read for Counted<T> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.seen.fetch_add(n as u64, Ordering::Relaxed);
+        Ok(n)
+    }
+}
+
+/// 64 MiB of a file region fetched (`fetching`) or put through the library with
+/// `Retries::new(4, 1 s)`, the server SIGKILLed once 8 MiB went into the sink (24 MiB out of
+/// the source: a put reads up to its window of 16 chunks ahead of what the server has) and
+/// started again: the transfer goes on after what it moved, each byte through once, and its
+/// report covers the whole range.
+async fn goes_on_after_a_server_restart(fetching: bool) {
+    let dir = std::env::temp_dir().join(format!("p2p-resuming-{fetching}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let token_file = dir.join("token");
+    std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
+    let content = data(64 << 20, 56);
+    let file = dir.join("region.bin");
+    std::fs::write(
+        &file,
+        if fetching {
+            content.clone()
+        } else {
+            vec![0; content.len()]
+        },
+    )
+    .unwrap();
+    let spec = format!("f=file:{}", file.display());
+    let (mut server, addr) = ServeProcess::start(&spec, &token_file).await;
+    let seen = Arc::new(AtomicU64::new(0));
+    let said = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let log = Arc::clone(&said);
+    let mut retries = Retries::new(4, Duration::from_secs(1))
+        .saying(move |s| log.lock().unwrap().push(s.to_string()));
+    let mut cfg = ClientConfig::new(addr.to_string(), TOKEN);
+    cfg.chunk = 1 << 20;
+    let mut c = Client::connect(cfg).await.unwrap();
+    let mut r = c.open("f", !fetching).await.unwrap();
+    let started = Instant::now();
+    let mib: u64 = if fetching { 8 } else { 24 };
+    let cut = {
+        let seen = Arc::clone(&seen);
+        tokio::spawn(async move {
+            while seen.load(Ordering::Relaxed) < mib << 20 {
+                assert!(
+                    started.elapsed() < Duration::from_secs(60),
+                    "no {mib} MiB moved"
+                );
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            server.kill();
+            ServeProcess::start_at(addr, &spec, &token_file).await.0
+        })
+    };
+    let (out, got) = if fetching {
+        let mut sink = Counted {
+            inner: Vec::new(),
+            seen: Arc::clone(&seen),
+        };
+        let out = c
+            .fetch_resuming(&mut r, (0, 64 << 20), &mut sink, &mut retries, &mut |_| {})
+            .await;
+        (out, sink.inner)
+    } else {
+        let mut source = Counted {
+            inner: content.as_slice(),
+            seen: Arc::clone(&seen),
+        };
+        let out = c
+            .put_resuming(&mut r, 0, &mut source, None, &mut retries, &mut |_| {})
+            .await;
+        (out, std::fs::read(&file).unwrap())
+    };
+    let _again = cut.await.unwrap();
+    let said = said.lock().unwrap().clone();
+    let done = out.unwrap_or_else(|e| panic!("{e}; said: {said:?}"));
+    assert!(got == content, "the bytes moved differ");
+    assert!(
+        said.iter()
+            .any(|s| s.contains("connecting again") && s.contains("(retry 1 of 4)")),
+        "the server was not killed mid-way: this run tested nothing; said: {said:?}"
+    );
+    // read once: each byte of the source handed out once to the put (kept bytes replayed)
+    if !fetching {
+        assert_eq!(seen.load(Ordering::Relaxed), 64 << 20);
+    }
+    let rep = &done.report;
+    assert!(rep.verified, "{rep:?}");
+    assert_eq!((rep.offset, rep.bytes), (0, 64 << 20), "{rep:?}");
+    assert_eq!(rep.crc32c, Some(crc32c::crc32c(&content)), "{rep:?}");
+    let kept: u64 = done.earlier.iter().map(|s| s.len).sum();
+    assert!(
+        kept > 0 && rep.kept_bytes == kept,
+        "{rep:?} {:?}",
+        done.earlier
+    );
+    figure(format!(
+        "reliability: library {} of 64 MiB with Retries::new(4, 1 s), the server killed once {mib} MiB went through and started again: went on after the {:.1} MiB moved before, verified, whole range reported",
+        if fetching { "fetch_resuming" } else { "put_resuming" },
+        kept as f64 / (1 << 20) as f64
+    ));
+    c.bye().await.ok();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_reliability_the_library_fetch_resuming_goes_on_after_a_server_restart() {
+    goes_on_after_a_server_restart(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_reliability_the_library_put_resuming_goes_on_after_a_server_restart() {
+    goes_on_after_a_server_restart(false).await;
+}
