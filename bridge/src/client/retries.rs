@@ -15,8 +15,8 @@ const MAX_WAIT: Duration = Duration::from_secs(30);
 type Say = Arc<dyn Fn(&str) + Send + Sync>;
 
 /// Tries left for a transfer, and the wait before the next (twice the one before each time, at
-/// most 30 s). Each retry is logged (`warn`), and also said through the hook of
-/// [`Retries::saying`] (a command line prints it).
+/// most 30 s). Each retry is logged at `warn` level, or said through the hook of
+/// [`Retries::saying`] (a command line prints it) and logged at `debug` level.
 #[derive(Clone)]
 pub struct Retries {
     left: u32,
@@ -51,7 +51,8 @@ impl Retries {
         Retries::new(0, Duration::ZERO)
     }
 
-    /// Say each retry, and why, through `say` too.
+    /// Say each retry, and why, through `say` (then logged at `debug` level only, so that a
+    /// program that prints it and logs warnings does not say it twice).
     pub fn saying(mut self, say: impl Fn(&str) + Send + Sync + 'static) -> Retries {
         self.say = Some(Arc::new(say));
         self
@@ -68,9 +69,12 @@ impl Retries {
     }
 
     fn say(&self, what: &str) {
-        tracing::warn!("{what}");
-        if let Some(say) = &self.say {
-            say(what);
+        match &self.say {
+            Some(say) => {
+                tracing::debug!("{what}");
+                say(what);
+            }
+            None => tracing::warn!("{what}"),
         }
     }
 
