@@ -470,6 +470,48 @@ async fn lab_reliability_a_client_killed_mid_transfer_disturbs_nothing() {
     assert_eq!(before, after, "QPs, MRs, PDs or CQs leaked");
 }
 
+/// A file region `f` in a directory of its own beside a token file, served by a
+/// [`ServeProcess`].
+#[derive(Clone)]
+struct ServedFile {
+    /// The directory (removed by the test at its end).
+    dir: std::path::PathBuf,
+    token_file: std::path::PathBuf,
+    /// The region's file.
+    file: std::path::PathBuf,
+    /// Its spec, to serve it again.
+    spec: String,
+}
+
+impl ServedFile {
+    /// A new directory `name` under the temp dir holding a token file and a file of `bytes`,
+    /// served as `f`: the files, the server and its address.
+    async fn start(name: &str, bytes: &[u8]) -> (ServedFile, ServeProcess, std::net::SocketAddr) {
+        let dir = std::env::temp_dir().join(format!("{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let token_file = dir.join("token");
+        std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
+        let file = dir.join("region.bin");
+        std::fs::write(&file, bytes).unwrap();
+        let spec = format!("f=file:{}", file.display());
+        let (server, addr) = ServeProcess::start(&spec, &token_file).await;
+        let f = ServedFile {
+            dir,
+            token_file,
+            file,
+            spec,
+        };
+        (f, server, addr)
+    }
+
+    /// Serve it again on `addr` (after the server there was killed).
+    async fn again(&self, addr: std::net::SocketAddr) -> ServeProcess {
+        ServeProcess::start_at(addr, &self.spec, &self.token_file)
+            .await
+            .0
+    }
+}
+
 /// A `p2p-rdma serve` process; killed (SIGKILL) and reaped when dropped, also when a test fails.
 struct ServeProcess(std::process::Child);
 

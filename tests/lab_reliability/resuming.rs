@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use p2p_rdma::bridge::{Client, ClientConfig, Retries};
 
 use crate::common::{data, TOKEN};
-use crate::{figure, ServeProcess};
+use crate::{figure, ServedFile};
 
 /// A sink (or source) that counts the bytes through it, for the test to cut the transfer.
 struct Counted<T> {
@@ -42,23 +42,13 @@ impl<T: Read> Read for Counted<T> {
 /// started again: the transfer goes on after what it moved, each byte through once, and its
 /// report covers the whole range.
 async fn goes_on_after_a_server_restart(fetching: bool) {
-    let dir = std::env::temp_dir().join(format!("p2p-resuming-{fetching}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let token_file = dir.join("token");
-    std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
     let content = data(64 << 20, 56);
-    let file = dir.join("region.bin");
-    std::fs::write(
-        &file,
-        if fetching {
-            content.clone()
-        } else {
-            vec![0; content.len()]
-        },
-    )
-    .unwrap();
-    let spec = format!("f=file:{}", file.display());
-    let (mut server, addr) = ServeProcess::start(&spec, &token_file).await;
+    let name = format!("p2p-resuming-{fetching}");
+    let (served, mut server, addr) = if fetching {
+        ServedFile::start(&name, &content).await
+    } else {
+        ServedFile::start(&name, &vec![0; content.len()]).await
+    };
     let seen = Arc::new(AtomicU64::new(0));
     let said = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
     let log = Arc::clone(&said);
@@ -71,7 +61,7 @@ async fn goes_on_after_a_server_restart(fetching: bool) {
     let started = Instant::now();
     let mib: u64 = if fetching { 8 } else { 24 };
     let cut = {
-        let seen = Arc::clone(&seen);
+        let (seen, served) = (Arc::clone(&seen), served.clone());
         tokio::spawn(async move {
             while seen.load(Ordering::Relaxed) < mib << 20 {
                 assert!(
@@ -81,7 +71,7 @@ async fn goes_on_after_a_server_restart(fetching: bool) {
                 tokio::time::sleep(Duration::from_millis(2)).await;
             }
             server.kill();
-            ServeProcess::start_at(addr, &spec, &token_file).await.0
+            served.again(addr).await
         })
     };
     let (out, got) = if fetching {
@@ -101,7 +91,7 @@ async fn goes_on_after_a_server_restart(fetching: bool) {
         let out = c
             .put_resuming(&mut r, 0, &mut source, None, &mut retries, &mut |_| {})
             .await;
-        (out, std::fs::read(&file).unwrap())
+        (out, std::fs::read(&served.file).unwrap())
     };
     let _again = cut.await.unwrap();
     let said = said.lock().unwrap().clone();
@@ -132,7 +122,7 @@ async fn goes_on_after_a_server_restart(fetching: bool) {
         kept as f64 / (1 << 20) as f64
     ));
     c.bye().await.ok();
-    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&served.dir);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

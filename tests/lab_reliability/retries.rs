@@ -5,7 +5,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use crate::common::{data, TOKEN};
-use crate::{figure, ServeProcess};
+use crate::{figure, ServeProcess, ServedFile};
 
 /// Whether `file` holds `want` at `at` (a put has reached it).
 fn holds(file: &std::path::Path, at: u64, want: &[u8]) -> bool {
@@ -97,28 +97,14 @@ impl Moved {
 async fn a_cli_transfer_with_retries_outlives_a_server_restart(moved: Moved, qps: u16) {
     let fetching = moved.fetching();
     let op = if fetching { "fetch" } else { "put" };
-    let dir = std::env::temp_dir().join(format!(
-        "p2p-retry-{op}-{}-{}-{qps}-{}",
-        moved.changed(),
-        moved.pipe(),
-        std::process::id()
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    let token_file = dir.join("token");
-    std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
-    let file = dir.join("region.bin");
     let mut content = data(128 << 20, 43);
-    std::fs::write(
-        &file,
-        if fetching {
-            content.clone()
-        } else {
-            vec![0; content.len()]
-        },
-    )
-    .unwrap();
-    let spec = format!("f=file:{}", file.display());
-    let (mut server, addr) = ServeProcess::start(&spec, &token_file).await;
+    let name = format!("p2p-retry-{op}-{}-{}-{qps}", moved.changed(), moved.pipe());
+    let (served, mut server, addr) = if fetching {
+        ServedFile::start(&name, &content).await
+    } else {
+        ServedFile::start(&name, &vec![0; content.len()]).await
+    };
+    let (dir, file) = (&served.dir, &served.file);
     // the other end: the file written by the fetch, or read by the put
     let local = dir.join("local.bin");
     if !fetching {
@@ -133,7 +119,7 @@ async fn a_cli_transfer_with_retries_outlives_a_server_restart(moved: Moved, qps
             &qps.to_string(),
             "--token-file",
         ])
-        .arg(&token_file)
+        .arg(&served.token_file)
         .arg(if fetching { "-o" } else { "-i" })
         .stderr(std::process::Stdio::piped());
     if moved.pipe() && fetching {
@@ -154,7 +140,7 @@ async fn a_cli_transfer_with_retries_outlives_a_server_restart(moved: Moved, qps
     // not move at the same pace. A put's bytes reach the region before the client counts them
     // put (up to its depth of 16 chunks of 1 MiB in flight): its cut waits for the 24th MiB,
     // so that it has put some
-    let dest = if fetching { &local } else { &file };
+    let dest = if fetching { &local } else { file };
     let block = |end: usize| holds(dest, end as u64 - 4096, &content[end - 4096..end]);
     let mib = if fetching { 4 } else { 24 };
     let progressed = || block(mib << 20) || block((64 + mib) << 20);
@@ -175,7 +161,7 @@ async fn a_cli_transfer_with_retries_outlives_a_server_restart(moved: Moved, qps
         // from the region's now. A fetch must end with the region's new bytes, a put with its
         // input's
         use std::io::{Seek as _, Write as _};
-        let mut f = std::fs::OpenOptions::new().write(true).open(&file).unwrap();
+        let mut f = std::fs::OpenOptions::new().write(true).open(file).unwrap();
         let other = data(1 << 20, 44);
         for at in [0usize, 64 << 20] {
             if fetching {
@@ -186,7 +172,7 @@ async fn a_cli_transfer_with_retries_outlives_a_server_restart(moved: Moved, qps
                 .unwrap();
         }
     }
-    let (_again, _) = ServeProcess::start_at(addr, &spec, &token_file).await;
+    let _again = served.again(addr).await;
     if moved.pipe() && moved.changed() {
         // the first MiB, moved through the pipe before the server went down, differs from the
         // region's now and cannot be moved again: the transfer ends with a mismatch (exit 6)
@@ -210,7 +196,7 @@ async fn a_cli_transfer_with_retries_outlives_a_server_restart(moved: Moved, qps
             if fetching { "-o -" } else { "-i -" },
             err.lines().find(|l| l.contains(why)).unwrap_or_default().trim_start_matches("p2p-rdma: error: ")
         ));
-        let _ = std::fs::remove_dir_all(&dir);
+        let _ = std::fs::remove_dir_all(dir);
         return;
     }
     let err = succeeded(child, 180, op).await;
@@ -233,7 +219,7 @@ async fn a_cli_transfer_with_retries_outlives_a_server_restart(moved: Moved, qps
         "put from stdin before"
     };
     assert_eq!(moved.pipe(), err.contains(piped), "{err}");
-    let got = std::fs::read(if fetching { &local } else { &file }).unwrap();
+    let got = std::fs::read(if fetching { &local } else { file }).unwrap();
     assert!(got == content, "the bytes {op} moved differ");
     let tries = err.matches("connecting again").count();
     figure(format!(
@@ -251,7 +237,7 @@ async fn a_cli_transfer_with_retries_outlives_a_server_restart(moved: Moved, qps
             _ => ", started over".into(),
         }
     ));
-    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -623,17 +609,10 @@ async fn lab_reliability_a_cli_put_continue_scans_again_after_its_server_restart
     // (16 compares of growing spans, where a compare of each chunk took 16,384), the server
     // killed mid-scan (once the client has read 2 MiB of its input) and started again: the
     // scan connects again, scans again, finds everything held and puts nothing
-    let dir = std::env::temp_dir().join(format!("p2p-put-scan-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let token_file = dir.join("token");
-    std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
     let content = data(64 << 20, 54);
-    let file = dir.join("region.bin");
-    std::fs::write(&file, &content).unwrap();
-    let input = dir.join("in.bin");
+    let (served, mut server, addr) = ServedFile::start("p2p-put-scan", &content).await;
+    let input = served.dir.join("in.bin");
     std::fs::write(&input, &content).unwrap();
-    let spec = format!("f=file:{}", file.display());
-    let (mut server, addr) = ServeProcess::start(&spec, &token_file).await;
     let child = Command::new(env!("CARGO_BIN_EXE_p2p-rdma"))
         .args(["put", &addr.to_string(), "f", "--verify", "--continue"])
         .args([
@@ -645,7 +624,7 @@ async fn lab_reliability_a_cli_put_continue_scans_again_after_its_server_restart
             "4K",
             "--token-file",
         ])
-        .arg(&token_file)
+        .arg(&served.token_file)
         .arg("-i")
         .arg(&input)
         .stdout(std::process::Stdio::null())
@@ -671,7 +650,7 @@ async fn lab_reliability_a_cli_put_continue_scans_again_after_its_server_restart
     }
     let killed_at = started.elapsed();
     server.kill();
-    let (_again, _) = ServeProcess::start_at(addr, &spec, &token_file).await;
+    let _again = served.again(addr).await;
     let err = succeeded(child, 240, "put").await;
     assert!(
         err.contains("the scan for --continue failed") && err.contains("connecting again"),
@@ -682,7 +661,7 @@ async fn lab_reliability_a_cli_put_continue_scans_again_after_its_server_restart
         "{err}"
     );
     assert!(
-        std::fs::read(&file).unwrap() == content,
+        std::fs::read(&served.file).unwrap() == content,
         "the region's bytes differ"
     );
     figure(format!(
@@ -692,5 +671,5 @@ async fn lab_reliability_a_cli_put_continue_scans_again_after_its_server_restart
         if err.matches("connecting again").count() == 1 { "y" } else { "ies" },
         started.elapsed().as_secs_f64()
     ));
-    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&served.dir);
 }
