@@ -279,14 +279,8 @@ impl Client {
                 match step {
                     Ok(v) => break v,
                     Err(e) => {
-                        let again = if put {
-                            OpenFor::Write
-                        } else {
-                            OpenFor::Fetch {
-                                offset: s.offset,
-                                len: s.len,
-                            }
-                        };
+                        // a plain open: the check moves no bytes, so nothing is staged for it
+                        let again = if put { OpenFor::Write } else { OpenFor::Read };
                         *r = retries
                             .again(self, &e, "check", &name, again)
                             .await
