@@ -9,10 +9,11 @@
 //!   complete in order); the bytes it read past that are kept ([`Replay`], at most the put's
 //!   window) and read again by the next try.
 //!
-//! Every try is verified. The CRC-32C of the bytes each failed try moved is kept, and once the
-//! range is in, the server's checksum of those parts must still match (a put's parts are then
-//! flushed, where the server makes puts durable): a region that changed between tries fails
-//! with [`Error::Mismatch`], which says so. The caller, who knows whether its sink or source
+//! Every byte is summed (CRC-32C) once, as it is written to the sink or acknowledged from the
+//! source, and every try's part is checked against the server's checksum once the range is in
+//! (a failed try's part is then flushed, where the server makes puts durable; the last try
+//! flushed its own): a part that differs fails with [`Error::Mismatch`], which says whether a
+//! try before the last moved it (the region changed between tries). The caller, who knows whether its sink or source
 //! can be moved again (a file can, a pipe or a socket cannot), decides what to do then.
 
 use std::collections::VecDeque;
@@ -175,14 +176,15 @@ impl Client {
         let mut done = 0;
         let last = loop {
             let at = offset + done;
+            // unverified: the bytes are summed here as they are written, checked at the end
             let rep = self
-                .fetch(r, at, len - done, &mut sink, true, &mut |d| {
+                .fetch(r, at, len - done, &mut sink, false, &mut |d| {
                     progress(done + d)
                 })
                 .await;
             let (n, crc) = sink.take();
             let e = match rep {
-                Ok(t) => break t,
+                Ok(t) => break (t, crc),
                 Err(e) => e,
             };
             if n > 0 {
@@ -228,14 +230,21 @@ impl Client {
         let mut done = 0;
         let last = loop {
             let (at, start) = (offset + done, done);
+            // unverified: the bytes are summed here as they are acknowledged, checked at the end
             let rep = self
-                .put(r, at, &mut from, limit.map(|l| l - done), true, &mut |d| {
+                .put(r, at, &mut from, limit.map(|l| l - done), false, &mut |d| {
                     acked.store(start + d, Ordering::Relaxed);
                     progress(start + d)
                 })
                 .await;
             let e = match rep {
-                Ok(t) => break t,
+                Ok(t) => {
+                    // every byte of the last try is in (and flushed, where puts are made durable)
+                    acked.store(start + t.bytes, Ordering::Relaxed);
+                    let (n, crc) = from.acknowledged();
+                    debug_assert_eq!(n, t.bytes, "the last try's bytes, all acknowledged");
+                    break (t, crc);
+                }
                 Err(e) => e,
             };
             let (n, crc) = from.acknowledged();
@@ -253,24 +262,31 @@ impl Client {
         self.resumed(r, last, earlier, retries, true).await
     }
 
-    /// The whole range's outcome, once the `earlier` parts (with the CRC-32C of the bytes the
-    /// failed tries moved) are found still in the region: the server's checksum of each, and
-    /// with `put` a flush where the server makes puts durable (a try flushes only its own). A
-    /// check cut by a failure a new connection may get past connects again.
+    /// The whole range's outcome, once every try's part is found in the region as it was
+    /// moved: the `earlier` parts (with the CRC-32C of the bytes the failed tries moved) and
+    /// the `last` try's (unverified, with the CRC-32C of its bytes), each compared with the
+    /// server's checksum, and with `put` an earlier part flushed where the server makes puts
+    /// durable (a try flushes only its own, and only when it completes). A check cut by a
+    /// failure a new connection may get past connects again.
     async fn resumed(
         &mut self,
         r: &mut OpenRegion,
-        last: TransferReport,
+        (mut last, last_crc): (TransferReport, u32),
         earlier: Vec<(Stripe, u32)>,
         retries: &mut Retries,
         put: bool,
     ) -> Result<Resumed> {
         let name = r.info.name.clone();
-        for (s, crc) in &earlier {
+        let whole = Stripe {
+            offset: last.offset,
+            len: last.bytes,
+        };
+        let parts = earlier.iter().map(|&(s, crc)| (s, crc, true));
+        for (s, crc, before) in parts.chain([(whole, last_crc, false)]) {
             let server = loop {
                 let step = async {
                     let server = self.checksum(r, s.offset, s.len).await?;
-                    if server == *crc && put && r.info.server_puts {
+                    if server == crc && before && put && r.info.server_puts {
                         self.flush(r, s.offset, s.len).await?;
                     }
                     Ok::<_, Error>(server)
@@ -288,10 +304,14 @@ impl Client {
                     }
                 }
             };
-            if server != *crc {
+            if server != crc {
                 let (n, at) = (crate::size::human(s.len), s.offset);
+                let op = if put { "put" } else { "fetch" };
                 return Err(Error::Mismatch {
-                    what: if put {
+                    what: if !before {
+                        // as a verified transfer of one try says it
+                        format!("{op} of {} bytes at offset {at} of '{name}'", s.len)
+                    } else if put {
                         format!(
                             "the {n} put at offset {at} of '{name}' by a try before the last: \
                              the region changed since, and lacks bytes of the source"
@@ -303,11 +323,12 @@ impl Client {
                              versions of it"
                         )
                     },
-                    client: *crc,
+                    client: crc,
                     server,
                 });
             }
         }
+        (last.crc32c, last.verified) = (Some(last_crc), true);
         let seconds = last.seconds;
         let mut all: Vec<TransferReport> = earlier
             .iter()
