@@ -26,7 +26,7 @@ pub mod token;
 
 pub use client::{
     BatchRange, Client, ClientConfig, Landed, LocalBuffer, OpenFor, OpenRegion, Resumed, Retries,
-    Stranded, TransferReport, Transport, DEFAULT_INLINE,
+    SinkFor, SourceFor, Stranded, Striped, TransferReport, Transport, DEFAULT_INLINE,
 };
 pub use error::{Error, Result};
 pub use qp_path::QpPath;

@@ -1,12 +1,14 @@
 //! `Client::fetch_resuming` and `Client::put_resuming`, the library's transfers that go on
-//! after a failure: a server killed mid-transfer and started again on the same address.
+//! after a failure, and `Client::fetch_striped` and `Client::put_striped`, the same over several
+//! connections: a server killed mid-transfer and started again on the same address.
 
-use std::io::{Read, Write};
+use std::io::{Read, Seek, SeekFrom, Write};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use p2p_rdma::bridge::{Client, ClientConfig, Retries};
+use p2p_rdma::bridge::stripe::Stripe;
+use p2p_rdma::bridge::{Client, ClientConfig, Retries, SinkFor, SourceFor};
 
 use crate::common::{data, TOKEN};
 use crate::{figure, ServedFile};
@@ -135,4 +137,139 @@ async fn lab_reliability_the_library_fetch_resuming_goes_on_after_a_server_resta
 #[ignore = "lab"]
 async fn lab_reliability_the_library_put_resuming_goes_on_after_a_server_restart() {
     goes_on_after_a_server_restart(false).await;
+}
+
+/// 64 MiB of a file region fetched (`fetching`) or put through the library, striped over 4
+/// connections (`Client::fetch_striped`, `Client::put_striped`, 256 KiB chunks) with
+/// `Retries::new(4, 1 s)`, the server SIGKILLed once 8 MiB went through all stripes together
+/// and started again: every stripe goes on after what it moved, each byte through once, and
+/// the whole report covers the range with the CRC-32C of every byte.
+async fn striped_goes_on_after_a_server_restart(fetching: bool) {
+    let content = Arc::new(data(64 << 20, 57));
+    let name = format!("p2p-striped-{fetching}");
+    let (served, mut server, addr) = if fetching {
+        ServedFile::start(&name, &content).await
+    } else {
+        ServedFile::start(&name, &vec![0; content.len()]).await
+    };
+    let seen = Arc::new(AtomicU64::new(0));
+    let said = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let log = Arc::clone(&said);
+    let retries = Retries::new(4, Duration::from_secs(1))
+        .saying(move |s| log.lock().unwrap().push(s.to_string()));
+    // chunks of 256 KiB: each stripe's window (16 chunks) moves 4 MiB ahead of its sink, so
+    // that the server dies while every stripe has bytes left to move
+    let mut cfg = ClientConfig::new(addr.to_string(), TOKEN);
+    cfg.chunk = 256 << 10;
+    let started = Instant::now();
+    let cut = {
+        let (seen, served) = (Arc::clone(&seen), served.clone());
+        // watched off the runtime: four stripes busy on its two workers kept a task of its
+        // own from running until they were all but done
+        let killer = tokio::task::spawn_blocking(move || {
+            while seen.load(Ordering::Relaxed) < 8 << 20 {
+                assert!(
+                    started.elapsed() < Duration::from_secs(60),
+                    "no 8 MiB moved"
+                );
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            server.kill();
+        });
+        tokio::spawn(async move {
+            killer.await.unwrap();
+            served.again(addr).await
+        })
+    };
+    let output = served.dir.join("fetched");
+    let mut told = 0;
+    let range = (0, 64 << 20);
+    let out = if fetching {
+        std::fs::File::create(&output)
+            .unwrap()
+            .set_len(64 << 20)
+            .unwrap();
+        let sink_for = |s: Stripe| -> std::io::Result<SinkFor> {
+            let mut f = std::fs::OpenOptions::new().write(true).open(&output)?;
+            f.seek(SeekFrom::Start(s.offset))?;
+            let seen = Arc::clone(&seen);
+            Ok(Box::new(Counted { inner: f, seen }))
+        };
+        Client::fetch_striped(&cfg, "f", range, 4, sink_for, &retries, &mut |n| told = n).await
+    } else {
+        let source_for = |s: Stripe| -> std::io::Result<SourceFor> {
+            let part = content[s.offset as usize..(s.offset + s.len) as usize].to_vec();
+            let seen = Arc::clone(&seen);
+            Ok(Box::new(Counted {
+                inner: std::io::Cursor::new(part),
+                seen,
+            }))
+        };
+        Client::put_striped(&cfg, "f", range, 4, source_for, &retries, &mut |n| told = n).await
+    };
+    let _again = cut.await.unwrap();
+    let said = said.lock().unwrap().clone();
+    let out = out.unwrap_or_else(|e| panic!("{e}; said: {said:?}"));
+    let parts: Vec<(u64, bool)> = out
+        .stripes
+        .iter()
+        .map(|(s, o)| (s.len, o.is_ok()))
+        .collect();
+    let done = out
+        .whole()
+        .unwrap_or_else(|e| panic!("{e}; said: {said:?}"));
+    let got = std::fs::read(if fetching { &output } else { &served.file }).unwrap();
+    assert!(got == *content, "the bytes moved differ");
+    assert_eq!(parts, [(16 << 20, true); 4], "four stripes of 16 MiB");
+    assert!(
+        said.iter().any(|s| s.contains("connecting again")),
+        "the server was not killed mid-way: this run tested nothing; said: {said:?}"
+    );
+    assert_eq!(told, 64 << 20, "progress ends at the whole range");
+    if !fetching {
+        assert_eq!(
+            seen.load(Ordering::Relaxed),
+            64 << 20,
+            "each source read once"
+        );
+    }
+    let rep = &done.report;
+    assert!(rep.verified, "{rep:?}");
+    assert_eq!((rep.offset, rep.bytes), range, "{rep:?}");
+    assert_eq!(rep.crc32c, Some(crc32c::crc32c(&content)), "{rep:?}");
+    let kept: u64 = done.earlier.iter().map(|s| s.len).sum();
+    assert!(
+        kept > 0 && rep.kept_bytes == kept,
+        "{rep:?} {:?}; said: {said:?}",
+        done.earlier
+    );
+    // a fetch's sinks were all written when the server died (8 MiB over 4 of 16 MiB each)
+    assert!(
+        !fetching || done.earlier.len() >= 2,
+        "more than one stripe goes on after what it moved: {:?}",
+        done.earlier
+    );
+    let retried = said
+        .iter()
+        .filter(|s| s.contains("connecting again"))
+        .count();
+    figure(format!(
+        "reliability: library {} of 64 MiB over 4 connections with Retries::new(4, 1 s), the server killed once 8 MiB went through and started again: {retried} retries over the stripes, went on after the {:.1} MiB moved before in {} parts, verified, whole range reported",
+        if fetching { "fetch_striped" } else { "put_striped" },
+        kept as f64 / (1 << 20) as f64,
+        done.earlier.len()
+    ));
+    let _ = std::fs::remove_dir_all(&served.dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_reliability_the_library_fetch_striped_goes_on_after_a_server_restart() {
+    striped_goes_on_after_a_server_restart(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab"]
+async fn lab_reliability_the_library_put_striped_goes_on_after_a_server_restart() {
+    striped_goes_on_after_a_server_restart(false).await;
 }

@@ -19,6 +19,7 @@ mod rdma;
 mod report;
 mod resuming;
 mod retries;
+mod striped;
 mod tcp;
 mod wait;
 mod window;
@@ -32,6 +33,7 @@ pub use report::TransferReport;
 use report::{millis, report};
 pub use resuming::Resumed;
 pub use retries::Retries;
+pub use striped::{SinkFor, SourceFor, Striped};
 use wait::await_or_stall;
 use window::{
     bounce_reply, issue, land, may_stage, more_input, overflow_error, piece, pull_staged, pulls,
