@@ -259,6 +259,18 @@ async fn striped_goes_on_after_a_server_restart(fetching: bool) {
         kept as f64 / (1 << 20) as f64,
         done.earlier.len()
     ));
+    // an empty range: one connection checks the region and the range, nothing moves
+    let empty = if fetching {
+        let sink_for = |_: Stripe| -> std::io::Result<SinkFor> { Ok(Box::new(std::io::sink())) };
+        Client::fetch_striped(&cfg, "f", (4096, 0), 4, sink_for, &retries, &mut |_| {}).await
+    } else {
+        let source_for =
+            |_: Stripe| -> std::io::Result<SourceFor> { Ok(Box::new(std::io::empty())) };
+        Client::put_striped(&cfg, "f", (4096, 0), 4, source_for, &retries, &mut |_| {}).await
+    };
+    let empty = empty.and_then(|s| s.whole()).unwrap();
+    assert_eq!((empty.report.offset, empty.report.bytes), (4096, 0));
+    assert!(empty.report.verified, "{:?}", empty.report);
     let _ = std::fs::remove_dir_all(&served.dir);
 }
 

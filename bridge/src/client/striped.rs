@@ -72,7 +72,7 @@ impl Client {
         progress: &mut (dyn FnMut(u64) + Send),
     ) -> Result<Striped> {
         let mut lanes = Vec::new();
-        for s in crate::stripe::plan(offset, len, n, cfg.chunk as u64) {
+        for s in stripes(offset, len, n, cfg)? {
             let mut sink = sink_for(s).map_err(|e| Error::io("opening a stripe's sink", e))?;
             let (cfg, region, mut retries) = (cfg.clone(), region.to_string(), retries.clone());
             let moved = Arc::new(AtomicU64::new(0));
@@ -117,7 +117,7 @@ impl Client {
         progress: &mut (dyn FnMut(u64) + Send),
     ) -> Result<Striped> {
         let mut lanes = Vec::new();
-        for s in crate::stripe::plan(offset, len, n, cfg.chunk as u64) {
+        for s in stripes(offset, len, n, cfg)? {
             let mut source =
                 source_for(s).map_err(|e| Error::io("opening a stripe's source", e))?;
             let (cfg, region, mut retries) = (cfg.clone(), region.to_string(), retries.clone());
@@ -143,6 +143,21 @@ impl Client {
         }
         run(lanes, progress).await
     }
+}
+
+/// The stripes of `len` bytes at `offset` over up to `n` connections, in whole chunks: one
+/// empty stripe for an empty range (its one connection checks the region and the range).
+fn stripes(offset: u64, len: u64, n: usize, cfg: &ClientConfig) -> Result<Vec<Stripe>> {
+    if offset.checked_add(len).is_none() {
+        return Err(Error::Config(format!(
+            "offset {offset} + length {len} is past the largest offset"
+        )));
+    }
+    let mut plan = crate::stripe::plan(offset, len, n, cfg.chunk as u64);
+    if plan.is_empty() {
+        plan.push(Stripe { offset, len: 0 });
+    }
+    Ok(plan)
 }
 
 /// A stripe's connection and its open of `region`: a failure a new connection may get past
@@ -299,6 +314,24 @@ mod tests {
                 (s, moved, lane)
             })
             .collect()
+    }
+
+    #[test]
+    fn an_empty_range_is_one_empty_stripe_and_a_range_past_the_end_of_offsets_is_refused() {
+        let cfg = ClientConfig::new("127.0.0.1:1", "t");
+        let one = stripes(4096, 0, 4, &cfg).unwrap();
+        assert_eq!(
+            one,
+            [Stripe {
+                offset: 4096,
+                len: 0
+            }]
+        );
+        let e = stripes(u64::MAX - 10, 11, 4, &cfg).unwrap_err();
+        assert!(e.to_string().contains("past the largest offset"), "{e}");
+        let four = stripes(0, 64 << 20, 4, &cfg).unwrap();
+        assert_eq!(four.len(), 4);
+        assert_eq!(four.iter().map(|s| s.len).sum::<u64>(), 64 << 20);
     }
 
     #[tokio::test(start_paused = true)]
