@@ -18,7 +18,7 @@ use super::{Client, ClientConfig, OpenFor, Resumed, Retries};
 use crate::error::{Error, Result};
 use crate::stripe::Stripe;
 
-/// A sink, or a source, of one stripe.
+/// The sink of one stripe, written from its first byte in order.
 pub type SinkFor = Box<dyn Write + Send>;
 /// The bytes of one stripe, from its first.
 pub type SourceFor = Box<dyn Read + Send>;
