@@ -112,31 +112,34 @@ pub fn merge(reports: &[TransferReport], seconds: f64) -> Option<TransferReport>
     Some(m)
 }
 
+/// A fetch's report of `data` at `offset`, summed (`verified`) or not: for the tests of reports.
+#[cfg(test)]
+pub(crate) fn test_report(offset: u64, data: &[u8], verified: bool) -> TransferReport {
+    TransferReport {
+        op: "fetch",
+        region: "r".into(),
+        offset,
+        bytes: data.len() as u64,
+        seconds: 1.0,
+        mib_per_sec: 0.0,
+        direct_bytes: data.len() as u64,
+        bounce_bytes: 0,
+        zero_copy_bytes: 0,
+        tcp_bytes: 0,
+        crc32c: verified.then(|| crc32c::crc32c(data)),
+        verified,
+        first_bytes_ms: None,
+        open_ms: None,
+        reasked_chunks: 0,
+        kept_bytes: 0,
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::test_report as report;
     use super::*;
     use proptest::prelude::*;
-
-    fn report(offset: u64, data: &[u8], verified: bool) -> TransferReport {
-        TransferReport {
-            op: "fetch",
-            region: "r".into(),
-            offset,
-            bytes: data.len() as u64,
-            seconds: 1.0,
-            mib_per_sec: 0.0,
-            direct_bytes: data.len() as u64,
-            bounce_bytes: 0,
-            zero_copy_bytes: 0,
-            tcp_bytes: 0,
-            crc32c: verified.then(|| crc32c::crc32c(data)),
-            verified,
-            first_bytes_ms: None,
-            open_ms: None,
-            reasked_chunks: 0,
-            kept_bytes: 0,
-        }
-    }
 
     #[test]
     fn kept_parts_merge_into_the_crc_of_the_whole_range_and_count_apart() {

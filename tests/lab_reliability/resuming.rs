@@ -38,6 +38,70 @@ impl<T: Read> Read for Counted<T> {
     }
 }
 
+/// A served file region for a transfer cut by a server restart, and what the transfer says.
+struct Cut {
+    served: ServedFile,
+    addr: std::net::SocketAddr,
+    /// Bytes through the transfer's sink or source, for the kill.
+    seen: Arc<AtomicU64>,
+    /// What the retries said.
+    said: Arc<std::sync::Mutex<Vec<String>>>,
+    retries: Retries,
+    server: Option<super::ServeProcess>,
+}
+
+impl Cut {
+    /// A file region `name` serving `content` for a fetch, or zeros of its length for a put,
+    /// and `Retries::new(4, 1 s)` that say what they do into `said`.
+    async fn serve(name: &str, content: &[u8], fetching: bool) -> Cut {
+        let (served, server, addr) = if fetching {
+            ServedFile::start(name, content).await
+        } else {
+            ServedFile::start(name, &vec![0; content.len()]).await
+        };
+        let said = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+        let log = Arc::clone(&said);
+        let retries = Retries::new(4, Duration::from_secs(1))
+            .saying(move |s| log.lock().unwrap().push(s.to_string()));
+        Cut {
+            served,
+            addr,
+            seen: Arc::new(AtomicU64::new(0)),
+            said,
+            retries,
+            server: Some(server),
+        }
+    }
+
+    /// Kill the server (SIGKILL) once `bytes` went through, then start it again on its
+    /// address. Watched off the runtime: transfers busy on its workers (four stripes on two)
+    /// kept a task of its own from running until they were all but done.
+    fn kill_after(&mut self, bytes: u64) -> tokio::task::JoinHandle<super::ServeProcess> {
+        let (seen, served, addr) = (Arc::clone(&self.seen), self.served.clone(), self.addr);
+        let mut server = self.server.take().expect("one kill per run");
+        let started = Instant::now();
+        let killer = tokio::task::spawn_blocking(move || {
+            while seen.load(Ordering::Relaxed) < bytes {
+                assert!(
+                    started.elapsed() < Duration::from_secs(60),
+                    "no {bytes} bytes moved"
+                );
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            server.kill();
+        });
+        tokio::spawn(async move {
+            killer.await.unwrap();
+            served.again(addr).await
+        })
+    }
+
+    /// What the retries said.
+    fn said(&self) -> Vec<String> {
+        self.said.lock().unwrap().clone()
+    }
+}
+
 /// 64 MiB of a file region fetched (`fetching`) or put through the library with
 /// `Retries::new(4, 1 s)`, the server SIGKILLed once 8 MiB went into the sink (24 MiB out of
 /// the source: a put reads up to its window of 16 chunks ahead of what the server has) and
@@ -45,37 +109,14 @@ impl<T: Read> Read for Counted<T> {
 /// report covers the whole range.
 async fn goes_on_after_a_server_restart(fetching: bool) {
     let content = data(64 << 20, 56);
-    let name = format!("p2p-resuming-{fetching}");
-    let (served, mut server, addr) = if fetching {
-        ServedFile::start(&name, &content).await
-    } else {
-        ServedFile::start(&name, &vec![0; content.len()]).await
-    };
-    let seen = Arc::new(AtomicU64::new(0));
-    let said = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
-    let log = Arc::clone(&said);
-    let mut retries = Retries::new(4, Duration::from_secs(1))
-        .saying(move |s| log.lock().unwrap().push(s.to_string()));
-    let mut cfg = ClientConfig::new(addr.to_string(), TOKEN);
+    let mut run = Cut::serve(&format!("p2p-resuming-{fetching}"), &content, fetching).await;
+    let mut cfg = ClientConfig::new(run.addr.to_string(), TOKEN);
     cfg.chunk = 1 << 20;
     let mut c = Client::connect(cfg).await.unwrap();
     let mut r = c.open("f", !fetching).await.unwrap();
-    let started = Instant::now();
     let mib: u64 = if fetching { 8 } else { 24 };
-    let cut = {
-        let (seen, served) = (Arc::clone(&seen), served.clone());
-        tokio::spawn(async move {
-            while seen.load(Ordering::Relaxed) < mib << 20 {
-                assert!(
-                    started.elapsed() < Duration::from_secs(60),
-                    "no {mib} MiB moved"
-                );
-                tokio::time::sleep(Duration::from_millis(2)).await;
-            }
-            server.kill();
-            served.again(addr).await
-        })
-    };
+    let cut = run.kill_after(mib << 20);
+    let (seen, mut retries) = (Arc::clone(&run.seen), run.retries.clone());
     let (out, got) = if fetching {
         let mut sink = Counted {
             inner: Vec::new(),
@@ -93,10 +134,10 @@ async fn goes_on_after_a_server_restart(fetching: bool) {
         let out = c
             .put_resuming(&mut r, 0, &mut source, None, &mut retries, &mut |_| {})
             .await;
-        (out, std::fs::read(&served.file).unwrap())
+        (out, std::fs::read(&run.served.file).unwrap())
     };
     let _again = cut.await.unwrap();
-    let said = said.lock().unwrap().clone();
+    let said = run.said();
     let done = out.unwrap_or_else(|e| panic!("{e}; said: {said:?}"));
     assert!(got == content, "the bytes moved differ");
     assert!(
@@ -124,7 +165,7 @@ async fn goes_on_after_a_server_restart(fetching: bool) {
         kept as f64 / (1 << 20) as f64
     ));
     c.bye().await.ok();
-    let _ = std::fs::remove_dir_all(&served.dir);
+    let _ = std::fs::remove_dir_all(&run.served.dir);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -146,42 +187,14 @@ async fn lab_reliability_the_library_put_resuming_goes_on_after_a_server_restart
 /// the whole report covers the range with the CRC-32C of every byte.
 async fn striped_goes_on_after_a_server_restart(fetching: bool) {
     let content = Arc::new(data(64 << 20, 57));
-    let name = format!("p2p-striped-{fetching}");
-    let (served, mut server, addr) = if fetching {
-        ServedFile::start(&name, &content).await
-    } else {
-        ServedFile::start(&name, &vec![0; content.len()]).await
-    };
-    let seen = Arc::new(AtomicU64::new(0));
-    let said = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
-    let log = Arc::clone(&said);
-    let retries = Retries::new(4, Duration::from_secs(1))
-        .saying(move |s| log.lock().unwrap().push(s.to_string()));
+    let mut run = Cut::serve(&format!("p2p-striped-{fetching}"), &content, fetching).await;
+    let (seen, retries) = (Arc::clone(&run.seen), run.retries.clone());
     // chunks of 256 KiB: each stripe's window (16 chunks) moves 4 MiB ahead of its sink, so
     // that the server dies while every stripe has bytes left to move
-    let mut cfg = ClientConfig::new(addr.to_string(), TOKEN);
+    let mut cfg = ClientConfig::new(run.addr.to_string(), TOKEN);
     cfg.chunk = 256 << 10;
-    let started = Instant::now();
-    let cut = {
-        let (seen, served) = (Arc::clone(&seen), served.clone());
-        // watched off the runtime: four stripes busy on its two workers kept a task of its
-        // own from running until they were all but done
-        let killer = tokio::task::spawn_blocking(move || {
-            while seen.load(Ordering::Relaxed) < 8 << 20 {
-                assert!(
-                    started.elapsed() < Duration::from_secs(60),
-                    "no 8 MiB moved"
-                );
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            server.kill();
-        });
-        tokio::spawn(async move {
-            killer.await.unwrap();
-            served.again(addr).await
-        })
-    };
-    let output = served.dir.join("fetched");
+    let cut = run.kill_after(8 << 20);
+    let output = run.served.dir.join("fetched");
     let mut told = 0;
     let range = (0, 64 << 20);
     let out = if fetching {
@@ -208,7 +221,7 @@ async fn striped_goes_on_after_a_server_restart(fetching: bool) {
         Client::put_striped(&cfg, "f", range, 4, source_for, &retries, &mut |n| told = n).await
     };
     let _again = cut.await.unwrap();
-    let said = said.lock().unwrap().clone();
+    let said = run.said();
     let out = out.unwrap_or_else(|e| panic!("{e}; said: {said:?}"));
     let parts: Vec<(u64, bool)> = out
         .stripes
@@ -218,7 +231,7 @@ async fn striped_goes_on_after_a_server_restart(fetching: bool) {
     let done = out
         .whole()
         .unwrap_or_else(|e| panic!("{e}; said: {said:?}"));
-    let got = std::fs::read(if fetching { &output } else { &served.file }).unwrap();
+    let got = std::fs::read(if fetching { &output } else { &run.served.file }).unwrap();
     assert!(got == *content, "the bytes moved differ");
     assert_eq!(parts, [(16 << 20, true); 4], "four stripes of 16 MiB");
     assert!(
@@ -271,7 +284,7 @@ async fn striped_goes_on_after_a_server_restart(fetching: bool) {
     let empty = empty.and_then(|s| s.whole()).unwrap();
     assert_eq!((empty.report.offset, empty.report.bytes), (4096, 0));
     assert!(empty.report.verified, "{:?}", empty.report);
-    let _ = std::fs::remove_dir_all(&served.dir);
+    let _ = std::fs::remove_dir_all(&run.served.dir);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -56,6 +56,12 @@ const TICK: Duration = Duration::from_millis(100);
 /// What one stripe's task runs: its own connection (with its retries) and stream.
 type Lane = std::pin::Pin<Box<dyn std::future::Future<Output = Result<Resumed>> + Send>>;
 
+/// What a stripe moves: into its sink, or from its source.
+enum Job {
+    Fetch(SinkFor),
+    Put(SourceFor),
+}
+
 impl Client {
     /// Fetch `len` bytes at `offset` of `region` striped over up to `n` connections to
     /// `cfg`'s server (cut in whole chunks of `cfg.chunk`), each stripe into the sink that
@@ -65,39 +71,17 @@ impl Client {
     pub async fn fetch_striped(
         cfg: &ClientConfig,
         region: &str,
-        (offset, len): (u64, u64),
+        range: (u64, u64),
         n: usize,
         mut sink_for: impl FnMut(Stripe) -> std::io::Result<SinkFor>,
         retries: &Retries,
         progress: &mut (dyn FnMut(u64) + Send),
     ) -> Result<Striped> {
-        let mut lanes = Vec::new();
-        for s in stripes(offset, len, n, cfg)? {
-            let mut sink = sink_for(s).map_err(|e| Error::io("opening a stripe's sink", e))?;
-            let (cfg, region, mut retries) = (cfg.clone(), region.to_string(), retries.clone());
-            let moved = Arc::new(AtomicU64::new(0));
-            let counter = Arc::clone(&moved);
-            let lane: Lane = Box::pin(async move {
-                let purpose = OpenFor::Fetch {
-                    offset: s.offset,
-                    len: s.len,
-                };
-                let (mut c, mut r) = connected(cfg, &region, purpose, &mut retries).await?;
-                let out = c
-                    .fetch_resuming(
-                        &mut r,
-                        (s.offset, s.len),
-                        &mut *sink,
-                        &mut retries,
-                        &mut |d| counter.store(d, Ordering::Relaxed),
-                    )
-                    .await;
-                goodbye(c, &r).await;
-                out
-            });
-            lanes.push((s, moved, lane));
-        }
-        run(lanes, progress).await
+        let jobs = |s| {
+            let sink = sink_for(s).map_err(|e| Error::io("opening a stripe's sink", e))?;
+            Ok(Job::Fetch(sink))
+        };
+        striped(cfg, region, range, n, jobs, retries, progress).await
     }
 
     /// Put `len` bytes at `offset` of `region` striped over up to `n` connections to `cfg`'s
@@ -110,39 +94,65 @@ impl Client {
     pub async fn put_striped(
         cfg: &ClientConfig,
         region: &str,
-        (offset, len): (u64, u64),
+        range: (u64, u64),
         n: usize,
         mut source_for: impl FnMut(Stripe) -> std::io::Result<SourceFor>,
         retries: &Retries,
         progress: &mut (dyn FnMut(u64) + Send),
     ) -> Result<Striped> {
-        let mut lanes = Vec::new();
-        for s in stripes(offset, len, n, cfg)? {
-            let mut source =
-                source_for(s).map_err(|e| Error::io("opening a stripe's source", e))?;
-            let (cfg, region, mut retries) = (cfg.clone(), region.to_string(), retries.clone());
-            let moved = Arc::new(AtomicU64::new(0));
-            let counter = Arc::clone(&moved);
-            let lane: Lane = Box::pin(async move {
-                let purpose = OpenFor::Write;
-                let (mut c, mut r) = connected(cfg, &region, purpose, &mut retries).await?;
-                let out = c
-                    .put_resuming(
-                        &mut r,
-                        s.offset,
-                        &mut *source,
-                        Some(s.len),
-                        &mut retries,
-                        &mut |d| counter.store(d, Ordering::Relaxed),
-                    )
-                    .await;
-                goodbye(c, &r).await;
-                out
-            });
-            lanes.push((s, moved, lane));
-        }
-        run(lanes, progress).await
+        let jobs = |s| {
+            let source = source_for(s).map_err(|e| Error::io("opening a stripe's source", e))?;
+            Ok(Job::Put(source))
+        };
+        striped(cfg, region, range, n, jobs, retries, progress).await
     }
+}
+
+/// The stripes of `range` over up to `n` connections, each moving the job `job_for` gives
+/// for it on a connection of its own, with its own copy of `retries`.
+async fn striped(
+    cfg: &ClientConfig,
+    region: &str,
+    (offset, len): (u64, u64),
+    n: usize,
+    mut job_for: impl FnMut(Stripe) -> Result<Job>,
+    retries: &Retries,
+    progress: &mut (dyn FnMut(u64) + Send),
+) -> Result<Striped> {
+    let mut lanes = Vec::new();
+    for s in stripes(offset, len, n, cfg)? {
+        let job = job_for(s)?;
+        let (cfg, region, mut retries) = (cfg.clone(), region.to_string(), retries.clone());
+        let moved = Arc::new(AtomicU64::new(0));
+        let counter = Arc::clone(&moved);
+        let lane: Lane = Box::pin(async move {
+            let purpose = match job {
+                Job::Fetch(_) => OpenFor::Fetch {
+                    offset: s.offset,
+                    len: s.len,
+                },
+                Job::Put(_) => OpenFor::Write,
+            };
+            let (mut c, mut r) = connected(cfg, &region, purpose, &mut retries).await?;
+            let tell = &mut |d| counter.store(d, Ordering::Relaxed);
+            let out = match job {
+                Job::Fetch(mut sink) => {
+                    let range = (s.offset, s.len);
+                    c.fetch_resuming(&mut r, range, &mut *sink, &mut retries, tell)
+                        .await
+                }
+                Job::Put(mut source) => {
+                    let limit = Some(s.len);
+                    c.put_resuming(&mut r, s.offset, &mut *source, limit, &mut retries, tell)
+                        .await
+                }
+            };
+            goodbye(c, &r).await;
+            out
+        });
+        lanes.push((s, moved, lane));
+    }
+    run(lanes, progress).await
 }
 
 /// The stripes of `len` bytes at `offset` over up to `n` connections, in whole chunks: one
@@ -263,22 +273,8 @@ mod tests {
 
     fn resumed(offset: u64, data: &[u8], earlier: Vec<Stripe>) -> Resumed {
         let report = TransferReport {
-            op: "fetch",
-            region: "r".into(),
-            offset,
-            bytes: data.len() as u64,
-            seconds: 1.0,
-            mib_per_sec: 0.0,
-            direct_bytes: data.len() as u64,
-            bounce_bytes: 0,
-            zero_copy_bytes: 0,
-            tcp_bytes: 0,
-            crc32c: Some(crc32c::crc32c(data)),
-            verified: true,
-            first_bytes_ms: None,
-            open_ms: None,
-            reasked_chunks: 0,
             kept_bytes: earlier.iter().map(|s| s.len).sum(),
+            ..crate::stripe::test_report(offset, data, true)
         };
         Resumed { report, earlier }
     }
