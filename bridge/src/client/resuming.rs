@@ -13,8 +13,9 @@
 //! source, and every try's part is checked against the server's checksum once the range is in
 //! (a failed try's part is then flushed, where the server makes puts durable; the last try
 //! flushed its own): a part that differs fails with [`Error::Mismatch`], which says whether a
-//! try before the last moved it (the region changed between tries). The caller, who knows whether its sink or source
-//! can be moved again (a file can, a pipe or a socket cannot), decides what to do then.
+//! try before the last moved it (the region changed between tries). The caller, who knows
+//! whether its sink or source can be moved again (a file can, a pipe or a socket cannot),
+//! decides what to do then.
 
 use std::collections::VecDeque;
 use std::io::{Read, Write};
