@@ -504,6 +504,20 @@ impl ServedFile {
         (f, server, addr)
     }
 
+    /// [`ServedFile::start`] for a transfer of `content`: the region holds it for a fetch
+    /// (`fetching`), zeros of its length for a put.
+    async fn start_for(
+        name: &str,
+        content: &[u8],
+        fetching: bool,
+    ) -> (ServedFile, ServeProcess, std::net::SocketAddr) {
+        if fetching {
+            ServedFile::start(name, content).await
+        } else {
+            ServedFile::start(name, &vec![0; content.len()]).await
+        }
+    }
+
     /// Serve it again on `addr` (after the server there was killed).
     async fn again(&self, addr: std::net::SocketAddr) -> ServeProcess {
         ServeProcess::start_at(addr, &self.spec, &self.token_file)

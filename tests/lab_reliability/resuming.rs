@@ -54,11 +54,7 @@ impl Cut {
     /// A file region `name` serving `content` for a fetch, or zeros of its length for a put,
     /// and `Retries::new(4, 1 s)` that say what they do into `said`.
     async fn serve(name: &str, content: &[u8], fetching: bool) -> Cut {
-        let (served, server, addr) = if fetching {
-            ServedFile::start(name, content).await
-        } else {
-            ServedFile::start(name, &vec![0; content.len()]).await
-        };
+        let (served, server, addr) = ServedFile::start_for(name, content, fetching).await;
         let said = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
         let log = Arc::clone(&said);
         let retries = Retries::new(4, Duration::from_secs(1))

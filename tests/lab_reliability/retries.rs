@@ -99,11 +99,7 @@ async fn a_cli_transfer_with_retries_outlives_a_server_restart(moved: Moved, qps
     let op = if fetching { "fetch" } else { "put" };
     let mut content = data(128 << 20, 43);
     let name = format!("p2p-retry-{op}-{}-{}-{qps}", moved.changed(), moved.pipe());
-    let (served, mut server, addr) = if fetching {
-        ServedFile::start(&name, &content).await
-    } else {
-        ServedFile::start(&name, &vec![0; content.len()]).await
-    };
+    let (served, mut server, addr) = ServedFile::start_for(&name, &content, fetching).await;
     let (dir, file) = (&served.dir, &served.file);
     // the other end: the file written by the fetch, or read by the put
     let local = dir.join("local.bin");

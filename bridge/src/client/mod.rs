@@ -153,6 +153,22 @@ impl std::fmt::Debug for Client {
     }
 }
 
+/// The mismatch of a transfer's CRC-32C (`client`) with the server's checksum of its range
+/// (`offset`, `len`) of region `name`: what a verified `op` ("fetch", "put") says.
+pub(super) fn mismatch(
+    op: &str,
+    name: &str,
+    (offset, len): (u64, u64),
+    client: u32,
+    server: u32,
+) -> Error {
+    Error::Mismatch {
+        what: format!("{op} of {len} bytes at offset {offset} of '{name}'"),
+        client,
+        server,
+    }
+}
+
 pub(super) fn reply_err(peer: &str, m: Msg, want: &'static str) -> Error {
     match m {
         Msg::Error { code, message } => Error::Server { code, message },
@@ -411,14 +427,7 @@ impl Client {
         };
         let server = self.checksum(r, offset, len).await?;
         if server != crc {
-            return Err(Error::Mismatch {
-                what: format!(
-                    "{op} of {len} bytes at offset {offset} of '{}'",
-                    r.info.name
-                ),
-                client: crc,
-                server,
-            });
+            return Err(mismatch(op, &r.info.name, (offset, len), crc, server));
         }
         Ok(true)
     }

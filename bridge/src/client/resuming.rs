@@ -305,14 +305,15 @@ impl Client {
                     }
                 }
             };
+            if server != crc && !before {
+                // the last try's part: as a verified transfer of one try says it
+                let op = if put { "put" } else { "fetch" };
+                return Err(super::mismatch(op, &name, (s.offset, s.len), crc, server));
+            }
             if server != crc {
                 let (n, at) = (crate::size::human(s.len), s.offset);
-                let op = if put { "put" } else { "fetch" };
                 return Err(Error::Mismatch {
-                    what: if !before {
-                        // as a verified transfer of one try says it
-                        format!("{op} of {} bytes at offset {at} of '{name}'", s.len)
-                    } else if put {
+                    what: if put {
                         format!(
                             "the {n} put at offset {at} of '{name}' by a try before the last: \
                              the region changed since, and lacks bytes of the source"
