@@ -330,6 +330,42 @@ mod tests {
         assert_eq!(four.iter().map(|s| s.len).sum::<u64>(), 64 << 20);
     }
 
+    #[tokio::test]
+    async fn a_sink_or_source_that_cannot_be_opened_fails_the_transfer_before_it_connects() {
+        // no server at this address: the closure's error comes first, named
+        let cfg = ClientConfig::new("127.0.0.1:1", "t");
+        let denied = |_: Stripe| -> std::io::Result<SinkFor> {
+            Err(std::io::Error::from(std::io::ErrorKind::PermissionDenied))
+        };
+        let e = Client::fetch_striped(
+            &cfg,
+            "r",
+            (0, 1 << 20),
+            2,
+            denied,
+            &Retries::none(),
+            &mut |_| {},
+        )
+        .await
+        .unwrap_err();
+        assert!(e.to_string().contains("opening a stripe's sink"), "{e}");
+        let denied = |_: Stripe| -> std::io::Result<SourceFor> {
+            Err(std::io::Error::from(std::io::ErrorKind::NotFound))
+        };
+        let e = Client::put_striped(
+            &cfg,
+            "r",
+            (0, 1 << 20),
+            2,
+            denied,
+            &Retries::none(),
+            &mut |_| {},
+        )
+        .await
+        .unwrap_err();
+        assert!(e.to_string().contains("opening a stripe's source"), "{e}");
+    }
+
     #[tokio::test(start_paused = true)]
     async fn stripes_end_in_any_order_and_make_one_report_of_the_whole_range() {
         let data: Arc<Vec<u8>> = Arc::new((0..10_000u32).map(|i| (i * 7 % 251) as u8).collect());
