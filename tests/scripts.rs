@@ -52,6 +52,7 @@ fn perf_report_help_says_what_each_option_does_and_its_default() {
         ("--rounds N", "default 2"),
         ("--fetch-rounds F", "default 15"),
         ("--compare-rounds M", "0 skips it"),
+        ("--storage-rounds S", "as many as the compare's; 0 skips it"),
         ("--loopback-rounds K", "default 0"),
         ("--kernel KERNEL", "default 7.3"),
         ("--out DIR", "target/perf-report"),

@@ -290,8 +290,8 @@ pub async fn ring_nic_leg(
     max_mtu: Option<u32>,
 ) -> RingLeg {
     use peermem::canary::{register_mode, run_landing_canary, CanaryAt};
-    let copies = "the CPU copies each slot to host staging";
-    let put_copies = "the CPU copies each put from host staging into a slot";
+    let copies = peermem::block::FETCH_STAGED;
+    let put_copies = peermem::block::PUT_STAGED;
     // (`put_why`: why a put the region would take through the ring does not land there)
     let refused = |report: String, put_why: &str| RingLeg {
         put_report: match &puts {
@@ -374,8 +374,8 @@ pub async fn ring_nic_leg(
     };
     let report = format!(
         "the NIC reads each chunk from its ring slot through a read-only memory window ({how}); \
-         a chunk the ring cannot lend (longer than a slot, no slot free{}) is copied by the CPU \
-         to host staging",
+         a chunk the ring cannot lend (longer than a slot, no slot free{}) goes from the device \
+         to host staging by direct I/O",
         if page_start.is_some() {
             ", starting partway into a page, or asked on a connection at another path MTU"
         } else {

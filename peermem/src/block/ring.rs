@@ -53,6 +53,20 @@ impl Ring {
 }
 
 impl BlockStorage {
+    /// A free ring slot for `span` bytes whose leg (`write`: CMB → device) was proved.
+    fn take_slot(&self, write: bool, span: u64) -> Option<(&Ring, u64)> {
+        let ring = self.via.as_ref()?;
+        let ok = if write { &ring.write } else { &ring.read };
+        ok.as_ref().ok()?;
+        if span > ring.slot {
+            return None;
+        }
+        let slot = lock(&ring.free).pop()?;
+        Some((ring, slot))
+    }
+}
+
+impl BlockStorage {
     /// Build the ring over `cmb` and prove its legs: a read of the region's first slot into
     /// the CMB must give the bytes a read into host memory gives; a write of those same bytes
     /// back from the CMB must read back unchanged (the device's bytes stay what they were).
