@@ -266,6 +266,18 @@ pub struct RingLeg {
     pub nic: Option<RingNic>,
 }
 
+impl RingLeg {
+    /// Record these legs on the region `b` (its legs' report) and give the ring back to the
+    /// CMB where no chunk can go through it: the registration to lend through, None when the
+    /// NIC was not proved to reach the ring or the ring was given back (its registration is
+    /// dropped with it, so that the CMB has the memory again).
+    pub fn record_on(self, b: &peermem::block::BlockStorage) -> Option<RingNic> {
+        let nic = self.nic.as_ref().map_or((false, false), |n| (true, n.puts));
+        let kept = b.set_nic_legs((self.report, self.put_report), nic);
+        self.nic.filter(|_| kept)
+    }
+}
+
 /// Whether the NIC can reach an `nvme` region's CMB staging ring: the same registration
 /// attempts and canaries as a region's. Ring slots are only ever read from the start of the
 /// chunk staged in them, and a chunk that starts on a block starts on a page of its slot, so

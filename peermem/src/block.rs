@@ -215,7 +215,19 @@ impl BlockStorage {
         };
         if let Some(v) = via {
             match CmbMemory::allocate(sysfs, &v.device, v.size) {
-                Ok(cmb) => me.via = Some(me.prove_ring(cmb, chunk)?),
+                Ok(cmb) => {
+                    me.via = Some(me.prove_ring(cmb, chunk)?);
+                    if me
+                        .via
+                        .as_ref()
+                        .is_some_and(|r| r.read.is_err() && r.write.is_err())
+                    {
+                        me.give_back_ring(
+                            "no chunk can go through it: neither of the device's legs to the \
+                             CMB is peer to peer",
+                        );
+                    }
+                }
                 Err(e) => {
                     tracing::warn!(path = %shown, error = %e, "no CMB staging ring: host staging");
                     me.via_refused = Some(format!("cmb:{}: {e}", v.device));
@@ -247,13 +259,18 @@ impl BlockStorage {
     pub fn ring(&self) -> Option<Arc<dyn Provider>> {
         self.via
             .as_ref()
-            .map(|r| Arc::clone(&r.cmb) as Arc<dyn Provider>)
+            .and_then(Ring::memory)
+            .map(|m| m as Arc<dyn Provider>)
     }
 
     /// Record what registering the ring on the NIC found, for the legs' report: the CMB →
-    /// NIC leg (fetches) and the NIC → CMB leg (puts).
-    pub fn set_nic_legs(&self, reads: String, puts: String) {
+    /// NIC leg (fetches) and the NIC → CMB leg (puts); `nic`: whether the NIC was proved to
+    /// read ring slots and to write them. Whether the ring is kept: one that no chunk can go
+    /// through is given back to the CMB ([`BlockStorage::keep_ring_if_used`]), and the caller
+    /// drops its registration of the ring too.
+    pub fn set_nic_legs(&self, (reads, puts): (String, String), nic: (bool, bool)) -> bool {
         *lock(&self.nic_leg) = Some((reads, puts));
+        self.keep_ring_if_used(nic.0, nic.1)
     }
 
     /// The logical block size.
@@ -412,10 +429,11 @@ impl Provider for BlockStorage {
             self.base,
             self.block,
             match &self.via {
+                Some(r) if r.memory().is_some() =>
+                    format!(", staged through {} bytes of the CMB of {}", r.len, r.bdf),
                 Some(r) => format!(
-                    ", staged through {} bytes of the CMB of {}",
-                    r.cmb.len(),
-                    r.cmb.device().bdf
+                    ", its ring of {} bytes given back to the CMB of {}",
+                    r.len, r.bdf
                 ),
                 None => String::new(),
             }
@@ -513,8 +531,13 @@ impl BlockStorage {
                         format!("not tried: {}", crate::block::PUT_STAGED),
                     )
                 });
+                let given_back = lock(&r.given_back)
+                    .as_ref()
+                    .map(|why| format!(", given back to the CMB ({why})"))
+                    .unwrap_or_default();
                 format!(
-                    "a ring of {} slots of {} KiB; {}; {}; CMB → NIC: {reads}; NIC → CMB: {puts}",
+                    "a ring of {} slots of {} KiB{given_back}; {}; {}; CMB → NIC: {reads}; NIC → \
+                     CMB: {puts}",
                     r.slots(),
                     r.slot >> 10,
                     leg(&r.read, "device → CMB"),

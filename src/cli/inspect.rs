@@ -173,7 +173,7 @@ pub(crate) async fn doctor(
     if let Some((b, ring)) = block.and_then(|b| b.ring().map(|r| (b, r))) {
         // as `serve` would with its default sharing (memory windows)
         let leg = bridge::path::ring_nic_leg(&pd, &ring, reg, true, b.ring_put_leg(), None).await;
-        b.set_nic_legs(leg.report, leg.put_report);
+        leg.record_on(b);
     }
     let legs = block.map(|b| b.legs_plan());
     // block storage moves no pages: its residency is the bytes each leg moved

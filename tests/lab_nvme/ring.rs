@@ -101,8 +101,24 @@ async fn lab_nvme_region_through_a_cmb_proves_each_leg_or_names_the_refusal() {
         );
     }
     let (nic_reads_ring, nic_leg) = ring_nic_leg_expected();
+    // a ring that neither of the SSD's legs reaches peer to peer is given back to the CMB at
+    // open, before the NIC's legs are tried: no chunk could go through it
+    let nic_leg = if iommu {
+        "given back to the CMB (no chunk can go through it: neither of the device's legs to the \
+         CMB is peer to peer); device → CMB: through host memory"
+    } else {
+        nic_leg
+    };
     if kernel != "6.12" {
         assert!(info.reason.contains(nic_leg), "{}", info.reason);
+    }
+    if iommu {
+        assert!(
+            info.reason
+                .contains("CMB → NIC: not tried: each chunk goes from the device to host staging"),
+            "{}",
+            info.reason
+        );
     }
     // the NIC reads chunks from the ring only where the SSD's read into it was proved too
     let lends = kernel != "6.12" && nic_reads_ring && through_cmb;
@@ -342,8 +358,12 @@ async fn lab_nvme_ring_slots_proved_at_one_path_mtu_are_not_lent_to_a_connection
         return;
     }
     // a server whose own QPs are capped below the port's MTU proves the ring at its own path
-    // MTU, where a canary from the start of a page fails too: it lends nothing, and says why
-    let s = start(&[&spec], |c| {
+    // MTU, where a canary from the start of a page fails too: it lends nothing, and says why.
+    // No chunk can go through that ring (the region takes no puts), so the ring is given back
+    // to the CMB: a 20 MiB ring of its 32 MiB, and then a 20 MiB CMB region fits beside it
+    let cmb = controller_of("p2plab0");
+    let big = format!("d=nvme:{dev}:0:8M:ro,via=cmb:{cmb}:20M");
+    let s = start(&[&big], |c| {
         c.bounce_chunk = 256 << 10;
         c.qp_path.max_mtu = Some(1024);
     })
@@ -356,13 +376,23 @@ async fn lab_nvme_ring_slots_proved_at_one_path_mtu_are_not_lent_to_a_connection
             && info
                 .reason
                 .contains("; from the start of a page: odp: registered but the canary found")
-            && info.reason.contains("at path MTU 1024)"),
+            && info.reason.contains("at path MTU 1024)")
+            && info.reason.contains(
+                "a ring of 20 slots of 1024 KiB, given back to the CMB (no chunk can go through \
+                 it: the NIC reaches it neither way"
+            ),
         "{}",
         info.reason
     );
     let h = c.open("d", false).await.unwrap();
     fetch_matches(&mut c, &h, 0, 2 << 20, &model).await;
     assert_eq!(cmb_to_nic(&mut c).await, 0.0, "lent under --mtu 1024");
+    let beside: p2p_rdma::bridge::RegionSpec = format!("c=cmb:{cmb}:20M").parse().unwrap();
+    let added = s.handle.add_region(beside).await;
+    assert!(
+        added.is_ok(),
+        "no room in the CMB beside a ring given back: {added:?}"
+    );
     c.bye().await.unwrap();
     s.stop().await;
 }
@@ -516,8 +546,8 @@ async fn lab_nvme_a_ring_too_small_for_eight_chunks_lends_whole_chunks_from_fewe
         );
     } else {
         assert!(
-            info.reason
-                .contains("legs: a ring of 4 slots of 1024 KiB; device → CMB: "),
+            info.reason.contains("legs: a ring of 4 slots of 1024 KiB")
+                && info.reason.contains("; device → CMB: "),
             "{}",
             info.reason
         );

@@ -285,8 +285,8 @@ pub(super) async fn build_region(
             cfg.qp_path.max_mtu,
         )
         .await;
-        b.set_nic_legs(leg.report, leg.put_report);
-        ring_nic = leg.nic;
+        // (a ring no chunk can go through is given back to the CMB, its registration with it)
+        ring_nic = leg.record_on(b);
     }
     let choice = opts.choice(len, cfg.reg, cfg.p2p);
     let residency_before = provider.residency();

@@ -18,7 +18,14 @@ use crate::provider::{check_range, Provider};
 /// A ring of staging slots in a CMB, and what its legs were proved to do.
 #[derive(Debug)]
 pub(super) struct Ring {
-    pub(super) cmb: Arc<CmbMemory>,
+    /// The ring's memory, until it is given back to the CMB ([`BlockStorage::give_back_ring`]):
+    /// then no slot is taken any more.
+    mem: Mutex<Option<Arc<CmbMemory>>>,
+    /// Bytes of the ring, and the CMB's PCI address (kept for the report once it is given back).
+    pub(super) len: u64,
+    pub(super) bdf: String,
+    /// Why the ring was given back to the CMB (None while it is held).
+    pub(super) given_back: Mutex<Option<String>>,
     pub(super) slot: u64,
     /// Offsets of the free slots (a [`RingLease`] gives its slot back here).
     pub(super) free: Arc<Mutex<Vec<u64>>>,
@@ -48,21 +55,64 @@ impl Drop for RingLease {
 impl Ring {
     /// How many slots the ring has (at least one: `prove_ring`).
     pub(super) fn slots(&self) -> u64 {
-        (self.cmb.len() / self.slot).max(1)
+        (self.len / self.slot).max(1)
+    }
+
+    /// The ring's memory, None once given back.
+    pub(super) fn memory(&self) -> Option<Arc<CmbMemory>> {
+        lock(&self.mem).clone()
     }
 }
 
 impl BlockStorage {
-    /// A free ring slot for `span` bytes whose leg (`write`: CMB → device) was proved.
-    fn take_slot(&self, write: bool, span: u64) -> Option<(&Ring, u64)> {
+    /// A free ring slot for `span` bytes whose leg (`write`: CMB → device) was proved, and the
+    /// ring's memory (held by the caller while it uses the slot).
+    fn take_slot(&self, write: bool, span: u64) -> Option<(&Ring, u64, Arc<SharedMemory>)> {
         let ring = self.via.as_ref()?;
         let ok = if write { &ring.write } else { &ring.read };
         ok.as_ref().ok()?;
         if span > ring.slot {
             return None;
         }
+        let mem = ring.memory()?;
         let slot = lock(&ring.free).pop()?;
-        Some((ring, slot))
+        Some((ring, slot, cmb_mem(&mem)))
+    }
+
+    /// Whether some chunk can go through the ring, given what the NIC was proved to do with
+    /// it (`nic_reads`: it reads slots, `nic_lands`: it writes them): the NIC's leg and the
+    /// device's leg of one direction both hold. Else the ring is given back to the CMB, so that
+    /// other regions can have that memory, and the reason says why: no chunk would go through it
+    /// (they go by direct I/O through host staging). Called once the NIC's legs were tried
+    /// ([`BlockStorage::set_nic_legs`]); a ring whose two device legs failed is given back at
+    /// open.
+    pub(super) fn keep_ring_if_used(&self, nic_reads: bool, nic_lands: bool) -> bool {
+        let Some(ring) = self.via.as_ref() else {
+            return false;
+        };
+        let reads = nic_reads && ring.read.is_ok();
+        let lands = nic_lands && ring.write.is_ok();
+        if reads || lands {
+            return true;
+        }
+        self.give_back_ring(
+            "no chunk can go through it: the NIC reaches it neither way, or not where the \
+             device's leg of the same direction holds",
+        );
+        false
+    }
+
+    /// Give the ring's memory back to the CMB (see [`BlockStorage::keep_ring_if_used`]).
+    pub(super) fn give_back_ring(&self, why: &str) {
+        let Some(ring) = self.via.as_ref() else {
+            return;
+        };
+        let mem = lock(&ring.mem).take();
+        lock(&ring.free).clear();
+        *lock(&ring.given_back) = Some(why.to_string());
+        if mem.is_some() {
+            tracing::info!(path = %self.path.display(), bytes = ring.len, why, "CMB ring given back");
+        }
     }
 }
 
@@ -129,7 +179,10 @@ impl BlockStorage {
         }
         let ring = Ring {
             free: Arc::default(),
-            cmb: Arc::new(cmb),
+            len: cmb.len(),
+            bdf: cmb.device().bdf.clone(),
+            mem: Mutex::new(Some(Arc::new(cmb))),
+            given_back: Mutex::new(None),
             slot,
             read,
             write,
@@ -157,7 +210,7 @@ impl BlockStorage {
         let at = self.base + offset;
         let (a0, a1) = self.cover(at, len);
         let skip = at - a0;
-        let Some((ring, slot)) = self.take_slot(false, a1 - a0) else {
+        let Some((ring, slot, mem)) = self.take_slot(false, a1 - a0) else {
             return Ok(None);
         };
         let lease = RingLease {
@@ -166,7 +219,7 @@ impl BlockStorage {
             range: slot + skip..slot + skip + len,
         };
         // (a read that fails gives the slot back with the lease)
-        cmb_mem(ring).fill_from_fd(slot, (a1 - a0) as usize, self.fd(), a0)?;
+        mem.fill_from_fd(slot, (a1 - a0) as usize, self.fd(), a0)?;
         self.moved.dev_to_cmb.fetch_add(a1 - a0, Ordering::Relaxed);
         self.moved.cmb_to_nic.fetch_add(len, Ordering::Relaxed);
         Ok(Some(lease))
@@ -225,7 +278,7 @@ impl BlockStorage {
         if !self.put_lands(offset, len)? {
             return Ok(None);
         }
-        let Some((ring, slot)) = self.take_slot(true, len) else {
+        let Some((ring, slot, _)) = self.take_slot(true, len) else {
             return Ok(None);
         };
         Ok(Some(RingLease {
@@ -270,16 +323,19 @@ impl BlockStorage {
                 "a put's slot holds whole blocks from its start: {len} bytes at {offset} are not"
             )));
         }
+        let mem = ring.memory().ok_or_else(|| {
+            Error::InvalidArgument("the region's ring was given back to the CMB".into())
+        })?;
         let _whole = self.whole_blocks();
-        cmb_mem(ring).drain_to_fd(lease.slot, len as usize, self.fd(), at)?;
+        cmb_mem(&mem).drain_to_fd(lease.slot, len as usize, self.fd(), at)?;
         self.moved.nic_to_cmb.fetch_add(len, Ordering::Relaxed);
         self.moved.cmb_to_dev.fetch_add(len, Ordering::Relaxed);
         Ok(())
     }
 }
 
-pub(super) fn cmb_mem(ring: &Ring) -> &Arc<SharedMemory> {
-    ring.cmb.mapping().expect("a CMB has a CPU mapping").0
+fn cmb_mem(cmb: &CmbMemory) -> Arc<SharedMemory> {
+    Arc::clone(cmb.mapping().expect("a CMB has a CPU mapping").0)
 }
 
 fn same(mem: &SharedMemory, want: &[u8], what: &str) -> Result<(), String> {

@@ -347,6 +347,55 @@ fn copies_go_by_direct_io_through_host_memory_never_through_a_ring_slot() {
 }
 
 #[test]
+fn a_ring_no_chunk_can_go_through_is_given_back_to_the_cmb() {
+    // the NIC reads slots and the device's read leg holds: kept
+    let (_dirs, _, _, b) = with_ring(1 << 20, 1 << 20, true);
+    assert!(b.set_nic_legs(("reads".into(), "puts".into()), (true, false)));
+    assert!(b.ring().is_some() && b.free_slots() > 0);
+    assert!(!b.legs_plan().contains("given back"), "{}", b.legs_plan());
+    // the NIC lands puts and the device's write leg holds: kept too
+    let (_dirs, _, _, b) = with_ring(1 << 20, 1 << 20, true);
+    assert!(b.set_nic_legs(("reads".into(), "puts".into()), (false, true)));
+    assert!(b.ring().is_some());
+    // the NIC reaches the ring neither way: given back, and every chunk still moves
+    let (dirs, path, mut model, b) = with_ring(1 << 20, 1 << 20, true);
+    let ring = b.ring().unwrap();
+    let lent = b.lend_slot(0, 4096, true).unwrap().unwrap();
+    assert!(!b.set_nic_legs(("cannot".into(), "cannot".into()), (false, false)));
+    assert!(
+        b.ring().is_none(),
+        "the ring's memory is no longer handed out"
+    );
+    assert_eq!((b.free_slots(), b.ring_slots()), (0, Some(8)));
+    assert!(b.lend_slot(0, 4096, true).unwrap().is_none());
+    assert!(b.lend_slot_for_put(0, 4096).unwrap().is_none());
+    // a lease from before holds its slot, and gives it back to a ring that takes none
+    drop(lent);
+    assert!(b.lend_slot(0, 4096, true).unwrap().is_none());
+    assert!(
+        b.legs_plan().starts_with(
+            "a ring of 8 slots of 128 KiB, given back to the CMB (no chunk can go through it: the \
+             NIC reaches it neither way"
+        ),
+        "{}",
+        b.legs_plan()
+    );
+    assert!(b
+        .describe()
+        .contains("its ring of 1048576 bytes given back to the CMB of 0000:03:00.0"));
+    let mut out = vec![0; 300_000];
+    b.copy_out(4095, &mut out).unwrap();
+    assert!(out == model[4095..304_095]);
+    let d = vec![7u8; 5000];
+    b.copy_in(100, &d).unwrap();
+    model[100..5100].copy_from_slice(&d);
+    assert_eq!(std::fs::read(&path).unwrap(), model);
+    // the caller's clone of the memory is the last one: once dropped, the CMB has it again
+    assert_eq!(Arc::strong_count(&ring), 1);
+    drop((ring, dirs));
+}
+
+#[test]
 fn a_lent_slot_holds_the_chunk_until_the_lease_ends() {
     let (_dirs, _, model, b) = with_ring(4 << 20, 2 << 20, false);
     let ring = b.ring().unwrap();
