@@ -241,13 +241,12 @@ impl BlockStorage {
     /// (device offset, range in the caller's buffer). The blocks covering a piece never span
     /// more than one piece.
     fn pieces(&self, offset: u64, len: usize) -> Vec<(u64, std::ops::Range<usize>)> {
-        let piece = PIECE;
         let start = self.base + offset;
         let end = start + len as u64;
         let mut out = Vec::new();
         let mut at = start;
         while at < end {
-            let next = ((at / piece + 1) * piece).min(end);
+            let next = ((at / PIECE + 1) * PIECE).min(end);
             out.push((at, (at - start) as usize..(next - start) as usize));
             at = next;
         }
