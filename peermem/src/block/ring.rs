@@ -241,9 +241,13 @@ impl BlockStorage {
         Ok(len != 0 && a1 - a0 <= ring.slot && !(page_start && (at - a0) % PAGE != 0))
     }
 
-    /// How many of the ring's slots are free now (0 without a ring).
+    /// How many of the ring's slots are free now (0 without a ring, or once it was given back).
     pub fn free_slots(&self) -> u64 {
-        self.via.as_ref().map_or(0, |r| lock(&r.free).len() as u64)
+        // (a lease from before the ring was given back returns its slot to a ring taking none)
+        self.via
+            .as_ref()
+            .filter(|r| r.memory().is_some())
+            .map_or(0, |r| lock(&r.free).len() as u64)
     }
 
     /// How many slots the region's CMB ring has (None: no ring). A caller that lends more

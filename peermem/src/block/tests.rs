@@ -372,6 +372,7 @@ fn a_ring_no_chunk_can_go_through_is_given_back_to_the_cmb() {
     // a lease from before holds its slot, and gives it back to a ring that takes none
     drop(lent);
     assert!(b.lend_slot(0, 4096, true).unwrap().is_none());
+    assert_eq!(b.free_slots(), 0);
     assert!(
         b.legs_plan().starts_with(
             "a ring of 8 slots of 128 KiB, given back to the CMB (no chunk can go through it: the \
