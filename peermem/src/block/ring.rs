@@ -328,7 +328,11 @@ impl BlockStorage {
             )));
         }
         let mem = ring.memory().ok_or_else(|| {
-            Error::InvalidArgument("the region's ring was given back to the CMB".into())
+            Error::InvalidArgument(
+                "the region's ring was given back to the CMB: write the chunk through host \
+                 staging (copy_in)"
+                    .into(),
+            )
         })?;
         let _whole = self.whole_blocks();
         cmb_mem(&mem).drain_to_fd(lease.slot, len as usize, self.fd(), at)?;

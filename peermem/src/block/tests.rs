@@ -361,7 +361,15 @@ fn a_ring_no_chunk_can_go_through_is_given_back_to_the_cmb() {
     let (dirs, path, mut model, b) = with_ring(1 << 20, 1 << 20, true);
     let ring = b.ring().unwrap();
     let lent = b.lend_slot(0, 4096, true).unwrap().unwrap();
+    let landing = b.lend_slot_for_put(0, 4096).unwrap().unwrap();
     assert!(!b.set_nic_legs(("cannot".into(), "cannot".into()), (false, false)));
+    // a put's slot from before is not written to the device from a ring given back
+    let e = b.commit_slot(&landing, 0).unwrap_err().to_string();
+    assert!(
+        e.contains("given back to the CMB: write the chunk through host staging"),
+        "{e}"
+    );
+    drop(landing);
     assert!(
         b.ring().is_none(),
         "the ring's memory is no longer handed out"
