@@ -1,7 +1,7 @@
 //! Waiting for a run's work requests off the runtime's workers. A latency run waits on a
 //! thread of its own: it sleeps on the completion channel between polls, as perftest's
-//! `--use_event` loop ([`Settle::Block`]), or with `--poll` spins without yielding
-//! ([`Settle::Spin`]). Polled bandwidth lanes and SEND receivers spin together on one thread
+//! `--use_event` loop ([`Settle::Block`]), or with `--poll` spins, yielding to the OS
+//! scheduler every few dozen polls and never to the runtime ([`Settle::Spin`]). Polled bandwidth lanes and SEND receivers spin together on one thread
 //! of their own ([`spin_together`]); event-driven ones await on the runtime. Yielding to the
 //! multi-threaded runtime between polls costs a scheduler pass (and often an `epoll_wait`) per
 //! poll and lets the loop migrate between worker threads; in one lab guest of two CPUs, where
@@ -32,7 +32,7 @@ pub(super) enum Settle<'a> {
     /// Sleep on the completion channel between polls ([`verbs::Pending::sleep_until_event`]),
     /// as perftest's `--use_event` loop sleeps in `ibv_get_cq_event`.
     Block,
-    /// Busy-poll.
+    /// Busy-poll, giving way to the OS scheduler every [`POLLS_PER_CHECK`] polls.
     Spin { stop: &'a AtomicBool },
 }
 
@@ -189,8 +189,13 @@ pub(super) fn spin<T>(
     stop: &AtomicBool,
 ) -> Result<Option<T>> {
     // no `pause` between polls (perftest's loops have none either): under TCG it leaves the
-    // translated code for QEMU's main loop, a detour that the completion can land in
-    attempt_until(attempt, stop, POLLS_PER_CHECK, || Ok(()))
+    // translated code for QEMU's main loop, a detour that the completion can land in. Every
+    // POLLS_PER_CHECK polls the spin gives way to what else is runnable on its CPU (rxe's
+    // workers, which carry the very message it waits for); alone there, it goes on at once
+    attempt_until(attempt, stop, POLLS_PER_CHECK, || {
+        std::thread::yield_now();
+        Ok(())
+    })
 }
 
 /// How long [`block`] sleeps on the completion channel at most before it looks at its
@@ -259,7 +264,8 @@ pub(super) type SpinTask<T> = Pin<Box<dyn Future<Output = Result<T>> + Send>>;
 
 /// Run `tasks` together on a thread of their own, on a single-threaded runtime with no I/O
 /// driver: the busy-polled waits inside them (`CqMode::Polling`) yield to one another there
-/// without a syscall and without hopping between worker threads, and one thread spins for all
+/// without an `epoll_wait` and without hopping between worker threads (each empty poll gives
+/// way to the kernel's runnable work first, one `sched_yield`), and one thread spins for all
 /// of them, as perftest polls all its QPs from one thread. Their results, in no set order;
 /// the first error ends the rest.
 pub(super) async fn spin_together<T: Send + 'static>(tasks: Vec<SpinTask<T>>) -> Result<Vec<T>> {

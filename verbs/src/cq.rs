@@ -29,7 +29,10 @@ pub enum CqMode {
     /// Sleep on the completion channel: no CPU use while idle (the default).
     #[default]
     Events,
-    /// Busy-poll the CQ, yielding to tokio between polls: lowest latency, one core busy.
+    /// Busy-poll the CQ: lowest latency, one core busy. After a poll that found nothing the
+    /// waiter yields to the OS scheduler (`sched_yield`), then to tokio: work that is runnable
+    /// on the same CPU (a software RDMA device's kernel workers, which move this QP's packets)
+    /// runs at once instead of when the spinning thread's time slice ends.
     Polling,
     /// Sleep on the completion channel on the thread that waits, with no runtime involved
     /// ([`crate::Pending::sleep_until_event`]): for a loop on a thread of its own. The channel is
@@ -374,7 +377,13 @@ impl Cq {
                         }
                     }
                 }
-                _ => tokio::task::yield_now().await,
+                _ => {
+                    // a spin that holds its CPU holds up whatever must run there for the
+                    // completion to come (rxe's workers): give way to it first; with nothing
+                    // else runnable the kernel returns at once
+                    std::thread::yield_now();
+                    tokio::task::yield_now().await
+                }
             }
         }
     }
