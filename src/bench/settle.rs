@@ -1,8 +1,9 @@
 //! Waiting for a run's work requests off the runtime's workers. A latency run waits on a
 //! thread of its own: it sleeps on the completion channel between polls, as perftest's
 //! `--use_event` loop ([`Settle::Block`]), or with `--poll` spins, yielding to the OS
-//! scheduler every few dozen polls and never to the runtime ([`Settle::Spin`]). Polled bandwidth lanes and SEND receivers spin together on one thread
-//! of their own ([`spin_together`]); event-driven ones await on the runtime. Yielding to the
+//! scheduler every few dozen polls and never to the runtime ([`Settle::Spin`]). Polled
+//! bandwidth lanes and SEND receivers spin together on one thread of their own
+//! ([`spin_together`]); event-driven ones await on the runtime. Yielding to the
 //! multi-threaded runtime between polls costs a scheduler pass (and often an `epoll_wait`) per
 //! poll and lets the loop migrate between worker threads; in one lab guest of two CPUs, where
 //! rxe's own work needs the CPUs too, that halved a polled 64 KiB SEND run against
