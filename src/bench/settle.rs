@@ -1,9 +1,8 @@
 //! Waiting for a run's work requests off the runtime's workers. A latency run waits on a
 //! thread of its own: it sleeps on the completion channel between polls, as perftest's
-//! `--use_event` loop ([`Settle::Block`]), or with `--poll` spins, yielding to the OS
-//! scheduler every few dozen polls and never to the runtime ([`Settle::Spin`]). Polled
-//! bandwidth lanes and SEND receivers spin together on one thread of their own
-//! ([`spin_together`]); event-driven ones await on the runtime. Yielding to the
+//! `--use_event` loop ([`Settle::Block`]), or with `--poll` spins without yielding
+//! ([`Settle::Spin`]). Polled bandwidth lanes and SEND receivers spin together on one thread
+//! of their own ([`spin_together`]); event-driven ones await on the runtime. Yielding to the
 //! multi-threaded runtime between polls costs a scheduler pass (and often an `epoll_wait`) per
 //! poll and lets the loop migrate between worker threads; in one lab guest of two CPUs, where
 //! rxe's own work needs the CPUs too, that halved a polled 64 KiB SEND run against
@@ -33,7 +32,7 @@ pub(super) enum Settle<'a> {
     /// Sleep on the completion channel between polls ([`verbs::Pending::sleep_until_event`]),
     /// as perftest's `--use_event` loop sleeps in `ibv_get_cq_event`.
     Block,
-    /// Busy-poll, giving way to the OS scheduler every [`POLLS_PER_CHECK`] polls.
+    /// Busy-poll.
     Spin { stop: &'a AtomicBool },
 }
 
@@ -190,13 +189,11 @@ pub(super) fn spin<T>(
     stop: &AtomicBool,
 ) -> Result<Option<T>> {
     // no `pause` between polls (perftest's loops have none either): under TCG it leaves the
-    // translated code for QEMU's main loop, a detour that the completion can land in. Every
-    // POLLS_PER_CHECK polls the spin gives way to what else is runnable on its CPU (rxe's
-    // workers, which carry the very message it waits for); alone there, it goes on at once
-    attempt_until(attempt, stop, POLLS_PER_CHECK, || {
-        std::thread::yield_now();
-        Ok(())
-    })
+    // translated code for QEMU's main loop, a detour that the completion can land in. Nor a
+    // `sched_yield`, which bandwidth waits make (`CqMode::Polling`): made every 64 polls, it
+    // left a polled WRITE ping-pong in one lab guest of two CPUs at 0.61 of ib_write_lat,
+    // against 0.99 without it in the next boot
+    attempt_until(attempt, stop, POLLS_PER_CHECK, || Ok(()))
 }
 
 /// How long [`block`] sleeps on the completion channel at most before it looks at its
