@@ -262,8 +262,9 @@ pub(super) type SpinTask<T> = Pin<Box<dyn Future<Output = Result<T>> + Send>>;
 
 /// Run `tasks` together on a thread of their own, on a single-threaded runtime with no I/O
 /// driver: the busy-polled waits inside them (`CqMode::Polling`) yield to one another there
-/// without an `epoll_wait` and without hopping between worker threads (each empty poll gives
-/// way to the kernel's runnable work first, one `sched_yield`), and one thread spins for all
+/// without an `epoll_wait` and without hopping between worker threads (each poll that did not
+/// complete what it waits for gives way to the kernel's runnable work first, one
+/// `sched_yield`), and one thread spins for all
 /// of them, as perftest polls all its QPs from one thread. Their results, in no set order;
 /// the first error ends the rest.
 pub(super) async fn spin_together<T: Send + 'static>(tasks: Vec<SpinTask<T>>) -> Result<Vec<T>> {

@@ -50,8 +50,8 @@ pub(crate) struct BenchArgs {
     /// Busy-poll the completion queues on both sides, as perftest does by default, instead
     /// of sleeping on completion events (perftest's --use_event): no interrupt and wake-up
     /// per completion, but one core spins on each host while a run lasts. A bandwidth run's
-    /// spin calls sched_yield after each poll that found nothing, so that kernel work on its
-    /// CPU (a soft-RoCE device's workers) is not held up. A latency run
+    /// spin calls sched_yield after each poll that did not complete what it waits for, so that
+    /// kernel work on its CPU (a soft-RoCE device's workers) is not held up. A latency run
     /// (--lat) then spins on a thread of its own on each side and writes each next message
     /// into the send queue before the last one completes; the poll that sees the completion
     /// rings its doorbell. A WRITE ping-pong then goes as ib_write_lat: plain WRITEs, each

@@ -29,10 +29,11 @@ pub enum CqMode {
     /// Sleep on the completion channel: no CPU use while idle (the default).
     #[default]
     Events,
-    /// Busy-poll the CQ: lowest latency, one core busy. After a poll that found nothing the
-    /// waiter yields to the OS scheduler (`sched_yield`), then to tokio: work that is runnable
-    /// on the same CPU (a software RDMA device's kernel workers, which move this QP's packets)
-    /// runs at once instead of when the spinning thread's time slice ends.
+    /// Busy-poll the CQ: lowest latency, one core busy. After a poll that did not complete
+    /// what it waits for, the waiter yields to the OS scheduler (`sched_yield`), then to tokio:
+    /// work that is runnable on the same CPU (a software RDMA device's kernel workers, which
+    /// move this QP's packets) runs at once instead of when the spinning thread's time slice
+    /// ends.
     Polling,
     /// Sleep on the completion channel on the thread that waits, with no runtime involved
     /// ([`crate::Pending::sleep_until_event`]): for a loop on a thread of its own. The channel is
