@@ -53,6 +53,7 @@ fn perf_report_help_says_what_each_option_does_and_its_default() {
         ("--fetch-rounds F", "default 15"),
         ("--compare-rounds M", "0 skips it"),
         ("--storage-rounds S", "as many as the compare's; 0 skips it"),
+        ("--storage-qemu V[,V]", "default 7.2,10"),
         ("--loopback-rounds K", "default 0"),
         ("--kernel KERNEL", "default 7.3"),
         ("--out DIR", "target/perf-report"),
@@ -81,4 +82,34 @@ fn perf_report_help_says_what_each_option_does_and_its_default() {
         help.contains("soft-roce/two-host-test") && help.contains("Needs:"),
         "{help}"
     );
+}
+
+#[test]
+fn perf_report_refuses_an_emulator_the_lab_does_not_have_before_building() {
+    let (code, stderr) = script("scripts/perf-report", &["--storage-qemu", "7.2,9"]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("choose 7.2 and/or 10 (comma-separated), got '7.2,9'"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("Compiling"), "it built first: {stderr}");
+}
+
+#[test]
+fn lab_refuses_an_emulator_it_does_not_know_before_booting() {
+    for bad in ["9", "7", ""] {
+        let (code, stderr) = script("soft-roce/lab", &["--qemu", bad, "--", "true"]);
+        if bad.is_empty() {
+            // an empty value is a missing one
+            assert_eq!(code, Some(1), "--qemu '': {stderr}");
+            assert!(stderr.contains("--qemu needs a value"), "{stderr}");
+            continue;
+        }
+        assert_eq!(code, Some(125), "--qemu '{bad}': {stderr}");
+        assert!(
+            stderr.contains(&format!("unknown QEMU '{bad}' (choose 7.2 or 10)")),
+            "--qemu '{bad}': {stderr}"
+        );
+        assert!(!stderr.contains("fetching"), "it fetched first: {stderr}");
+    }
 }
