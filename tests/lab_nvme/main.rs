@@ -25,11 +25,14 @@ fn namespace_of(serial: &str) -> String {
     names.sort();
     for n in &names {
         // the namespace's device is its controller, or with multipath its subsystem: both
-        // have the serial
+        // have the serial. With multipath (QEMU 10's NVMe controllers are in a subsystem)
+        // /sys/block also lists each path to the namespace (nvme2c2n1), a hidden disk that
+        // has no device node: the namespace is its head (nvme2n1)
         let s =
             std::fs::read_to_string(format!("/sys/block/{n}/device/serial")).unwrap_or_default();
-        if s.trim() == serial {
-            return format!("/dev/{n}");
+        let dev = format!("/dev/{n}");
+        if s.trim() == serial && std::path::Path::new(&dev).exists() {
+            return dev;
         }
     }
     panic!(
