@@ -26,8 +26,8 @@ fn namespace_of(serial: &str) -> String {
     for n in &names {
         // the namespace's device is its controller, or with multipath its subsystem: both
         // have the serial. With multipath (QEMU 10's NVMe controllers are in a subsystem)
-        // /sys/block also lists each path to the namespace (nvme2c2n1), a hidden disk that
-        // has no device node: the namespace is its head (nvme2n1)
+        // /sys/block also lists each path to the namespace (e.g. nvme1c1n1), a hidden disk
+        // that has no device node: the namespace is its head (nvme1n1)
         let s =
             std::fs::read_to_string(format!("/sys/block/{n}/device/serial")).unwrap_or_default();
         let dev = format!("/dev/{n}");
