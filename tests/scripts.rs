@@ -27,15 +27,20 @@ fn two_host_test_refuses_fetch_rounds_that_are_not_a_positive_number() {
     }
 }
 
+/// `scripts/perf-report ARGS` exits 2 saying `message`, before it builds anything.
+fn perf_report_refuses(args: &[&str], message: &str) {
+    let (code, stderr) = script("scripts/perf-report", args);
+    assert_eq!(code, Some(2), "{args:?}: {stderr}");
+    assert!(stderr.contains(message), "{args:?}: {stderr}");
+    assert!(!stderr.contains("Compiling"), "it built first: {stderr}");
+}
+
 #[test]
 fn perf_report_refuses_fewer_than_one_fetch_round_before_building() {
-    let (code, stderr) = script("scripts/perf-report", &["--fetch-rounds", "0"]);
-    assert_eq!(code, Some(2), "{stderr}");
-    assert!(
-        stderr.contains("--fetch-rounds must be at least 1, got 0"),
-        "{stderr}"
+    perf_report_refuses(
+        &["--fetch-rounds", "0"],
+        "--fetch-rounds must be at least 1, got 0",
     );
-    assert!(!stderr.contains("Compiling"), "it built first: {stderr}");
 }
 
 #[test]
@@ -86,13 +91,10 @@ fn perf_report_help_says_what_each_option_does_and_its_default() {
 
 #[test]
 fn perf_report_refuses_an_emulator_the_lab_does_not_have_before_building() {
-    let (code, stderr) = script("scripts/perf-report", &["--storage-qemu", "7.2,9"]);
-    assert_eq!(code, Some(2), "{stderr}");
-    assert!(
-        stderr.contains("choose 7.2 and/or 10 (comma-separated), got '7.2,9'"),
-        "{stderr}"
+    perf_report_refuses(
+        &["--storage-qemu", "7.2,9"],
+        "choose 7.2 and/or 10 (comma-separated), got '7.2,9'",
     );
-    assert!(!stderr.contains("Compiling"), "it built first: {stderr}");
 }
 
 #[test]
