@@ -115,3 +115,29 @@ fn lab_refuses_an_emulator_it_does_not_know_before_booting() {
         assert!(!stderr.contains("fetching"), "it fetched first: {stderr}");
     }
 }
+
+#[test]
+fn lab_refuses_an_rxe_it_does_not_build_before_building_or_booting() {
+    let refused = |args: &[&str], want: &str| {
+        let (code, stderr) = script("soft-roce/lab", args);
+        assert_eq!(code, Some(125), "{args:?}: {stderr}");
+        assert!(stderr.contains(want), "{args:?}: {stderr}");
+        assert!(
+            !stderr.contains("fetching") && !stderr.contains("building"),
+            "{args:?}: it fetched or built first: {stderr}"
+        );
+    };
+    refused(
+        &["--rxe", "fixed", "--", "true"],
+        "unknown rxe 'fixed' (choose stock or odp-fix)",
+    );
+    // the fix is built for the 7.3 kernel's rxe, whose ODP it mends (6.12's rxe has none)
+    refused(
+        &["--kernel", "6.12", "--rxe", "odp-fix", "--", "true"],
+        "--rxe odp-fix is built for kernel 7.3 only",
+    );
+    refused(
+        &["fetch", "--rxe", "stok", "7.3"],
+        "unknown rxe 'stok' (choose stock or odp-fix)",
+    );
+}
