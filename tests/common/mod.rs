@@ -21,6 +21,26 @@ pub(crate) fn lab_port_mtu() -> u32 {
         .active_mtu
 }
 
+/// Whether the guest runs `rdma_rxe` with its ODP copy fixed (`soft-roce/lab --rxe odp-fix`,
+/// soft-roce/rxe-odp-offset.patch): its NIC then reads and writes a CMB at any offset and path
+/// MTU, where the kernel's own rdma_rxe copies each packet from the start of its page (LAB.md).
+/// Panics where `P2P_LAB_RXE` and the loaded module disagree: the fixed one is built out of tree
+/// (taint `O`), the kernel's own is not.
+pub(crate) fn lab_rxe_any_offset() -> bool {
+    let fixed = std::env::var("P2P_LAB_RXE").as_deref() == Ok("odp-fix");
+    let taint = std::fs::read_to_string("/sys/module/rdma_rxe/taint")
+        .unwrap_or_else(|e| panic!("/sys/module/rdma_rxe/taint: {e}. {LAB}"));
+    assert_eq!(
+        taint.contains('O'),
+        fixed,
+        "P2P_LAB_RXE={:?}, but the loaded rdma_rxe's taint is {:?} ('O': built out of tree, as \
+         soft-roce/lab --rxe odp-fix builds it)",
+        std::env::var("P2P_LAB_RXE").unwrap_or_default(),
+        taint.trim()
+    );
+    fixed
+}
+
 pub(crate) fn init_tracing() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
