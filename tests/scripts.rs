@@ -141,3 +141,116 @@ fn lab_refuses_an_rxe_it_does_not_build_before_building_or_booting() {
         "unknown rxe 'stok' (choose stock or odp-fix)",
     );
 }
+
+/// `soft-roce/lab ARGS` with `apt-get` and `apt-cache` replaced by the shell scripts `apt_get`
+/// and `apt_cache` (which see the subcommand as ` download ` in `" $* "`), in a lab cache of its
+/// own: its exit code and standard error, and the cache.
+fn lab_with_stand_in_apt(
+    name: &str,
+    args: &[&str],
+    apt_get: &str,
+    apt_cache: &str,
+) -> (Option<i32>, String, std::path::PathBuf) {
+    let dir = std::env::temp_dir().join(format!("p2p-lab-apt-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let bin = dir.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    for (tool, body) in [("apt-get", apt_get), ("apt-cache", apt_cache)] {
+        let p = bin.join(tool);
+        std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
+        std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    }
+    // the lab installs its Debian packages before it fetches: this checks the fetch alone
+    let (code, out) = {
+        let o = Command::new("soft-roce/lab")
+            .arg("info")
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .unwrap();
+        (
+            o.status.code(),
+            String::from_utf8_lossy(&o.stdout).into_owned(),
+        )
+    };
+    assert!(
+        code == Some(0) && out.contains("missing packages: \n"),
+        "this test needs the lab's Debian packages (soft-roce/lab deps): {out}"
+    );
+    let cache = dir.join("cache");
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap());
+    let o = Command::new("soft-roce/lab")
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("PATH", path)
+        .env("P2P_LAB_CACHE", &cache)
+        .output()
+        .unwrap();
+    (
+        o.status.code(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+        cache,
+    )
+}
+
+#[test]
+fn lab_fetch_of_qemu_10_names_the_step_that_failed_and_keeps_nothing_half_done() {
+    let madison = "echo ' qemu-system-x86 | 1:10.0.2+ds-1~bpo12+1 | http://mirror.invalid bookworm-backports/main amd64 Packages'";
+    let fetch = ["fetch", "--qemu", "10", "7.3"];
+    let ver = "1:10.0.2+ds-1~bpo12+1";
+    let refused = |name: &str, apt_get: &str, apt_cache: &str, want: &str| {
+        let (code, stderr, cache) = lab_with_stand_in_apt(name, &fetch, apt_get, apt_cache);
+        assert_eq!(code, Some(125), "{name}: {stderr}");
+        assert!(stderr.contains(want), "{name}: {stderr}");
+        assert!(
+            !cache.join("qemu/10/ready").exists(),
+            "{name}: a QEMU that failed is marked ready"
+        );
+        let _ = std::fs::remove_dir_all(cache.parent().unwrap());
+    };
+    // no 10.x in the suite
+    refused(
+        "none",
+        "exit 0",
+        "exit 0",
+        "no qemu-system-x86 10.x in bookworm-backports",
+    );
+    // the download fails: the log it names holds apt-get's words
+    let (code, stderr, cache) = lab_with_stand_in_apt(
+        "download",
+        &fetch,
+        r#"case " $* " in *" download "*) echo "E: Failed to fetch it (404)" >&2; exit 100;; esac"#,
+        madison,
+    );
+    assert_eq!(code, Some(125), "{stderr}");
+    let want = format!(
+        "downloading qemu-system-x86={ver} qemu-system-common={ver} qemu-system-data={ver} failed, see "
+    );
+    assert!(stderr.contains(&want), "{stderr}");
+    let log = cache.join("qemu/10.tmp/dl/download.log");
+    let logged = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(logged.contains("404"), "{}: {logged}", log.display());
+    assert!(!cache.join("qemu/10/ready").exists());
+    let _ = std::fs::remove_dir_all(cache.parent().unwrap());
+    // what it downloaded is not a package
+    refused(
+        "garbage",
+        r#"case " $* " in *" download "*) for p in "$@"; do case $p in qemu*) echo not-a-deb > "${p%%=*}_10_amd64.deb";; esac; done;; esac"#,
+        madison,
+        "unpacking qemu-system-common_10_amd64.deb failed, see ",
+    );
+    // packages that unpack, whose emulator lacks what the lab needs of it
+    refused(
+        "no-bounce",
+        r#"case " $* " in *" download "*)
+  for p in "$@"; do case $p in qemu*)
+    n=${p%%=*}; mkdir -p "$n/DEBIAN" "$n/usr/bin"
+    printf 'Package: %s\nVersion: 10\nArchitecture: amd64\nMaintainer: lab <lab@localhost>\nDescription: stand-in\n' "$n" > "$n/DEBIAN/control"
+    printf '#!/bin/sh\necho nvme options:\n' > "$n/usr/bin/qemu-system-x86_64"; chmod 755 "$n/usr/bin/qemu-system-x86_64"
+    [ "$n" = qemu-system-x86 ] || rm -r "$n/usr"
+    dpkg-deb -b "$n" "${n}_10_amd64.deb" >/dev/null;;
+  esac; done;;
+esac"#,
+        madison,
+        &format!("QEMU {ver} has no x-max-bounce-buffer-size on its NVMe device"),
+    );
+}
