@@ -37,6 +37,12 @@ pub(super) fn ring_lends(reason: &str) -> bool {
         && reason.contains("device → CMB: peer to peer, verified")
 }
 
+/// Whether the ring also lands puts' chunks of whole blocks in this guest: it lends
+/// ([`ring_lends`]), and the landing canary passed (`reason`: the region's).
+pub(super) fn ring_lands(reason: &str) -> bool {
+    ring_lends(reason) && reason.contains("NIC → CMB: the NIC writes each put's chunk")
+}
+
 /// The sum of the series of counter `name` in the server's metrics text whose labels hold
 /// `label` (`""`: every series).
 pub(super) fn counter_sum(metrics: &str, name: &str, label: &str) -> u64 {
@@ -173,10 +179,7 @@ async fn lab_nvme_region_through_a_cmb_proves_each_leg_or_names_the_refusal() {
     // byte went between the device and host staging by direct I/O. The put's first and last
     // pieces cover blocks partly (the CPU merges them in host staging); the piece between,
     // from 256 KiB to 512 KiB, is whole blocks, and lands in a slot where the NIC lands puts
-    let lands = lends
-        && info
-            .reason
-            .contains("NIC → CMB: the NIC writes each put's chunk");
+    let lands = ring_lands(&info.reason);
     assert_eq!(
         !moved.contains("device → CMB 0.0 MiB"),
         lends,
