@@ -366,10 +366,16 @@ pub async fn ring_nic_leg(
             Ok(r) if r.ok() => (
                 true,
                 format!(
-                    "the NIC writes each put's chunk of whole blocks into a ring slot, and the \
-                     device takes it from there ({mode}: {r}); a chunk that is not whole \
-                     blocks, longer than a slot, waits for its turn at a slot in vain{} \
-                     goes through host staging",
+                    "the NIC writes each put's chunk into a ring slot, and the device takes it \
+                     from there ({mode}: {r}; a block the chunk covers only partly is completed \
+                     in the slot from the device first); a chunk whose blocks are longer than \
+                     a slot, {}that waits for its turn at a slot in vain{} goes through host \
+                     staging",
+                    if page_start.is_some() {
+                        "starts partway into a block, "
+                    } else {
+                        ""
+                    },
                     if page_start.is_some() {
                         " or comes on a connection at another path MTU"
                     } else {

@@ -21,8 +21,8 @@ pub(crate) struct Piece {
 /// bounce chunk's size and alignment, so the blocks that cover each one fit a ring slot of that
 /// size (with a transfer cut from its own start, every piece of one that starts partway into a
 /// block covered a block more than a slot, and none was lent), and a put's pieces past the
-/// first are whole blocks, which land in a slot (ARCHITECTURE.md, "Pieces cut on the bounce
-/// chunk's multiples").
+/// first start on a block, so that they land from a slot's start (ARCHITECTURE.md, "Pieces cut
+/// on the bounce chunk's multiples").
 pub(crate) fn piece(
     extents: &[Extent],
     pos: u64,

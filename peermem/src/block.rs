@@ -19,7 +19,9 @@
 //!   where the device's own DMA into host memory takes no CPU.
 //!
 //! Writes that cover a block only partly read, patch and write that block under one lock, so
-//! two puts that share a block never lose each other's bytes.
+//! two puts that share a block never lose each other's bytes: in host memory, or in the ring
+//! slot a put's chunk landed in (only the block's other bytes, read from the device, cross
+//! host memory then).
 #![forbid(unsafe_code)]
 
 use std::fs::{File, OpenOptions};
@@ -361,7 +363,7 @@ impl BlockStorage {
         if edges.is_empty() {
             _whole = self.whole_blocks();
         } else {
-            _patch = self.rmw.write().unwrap_or_else(|p| p.into_inner());
+            _patch = self.patching();
         }
         if edges.is_empty() && self.aligned(data.as_ptr() as u64) {
             // the device DMAs straight out of the caller's (staging) buffer
@@ -385,6 +387,12 @@ impl BlockStorage {
     /// The shared side of the block lock, held while whole blocks are written (see `rmw`).
     fn whole_blocks(&self) -> std::sync::RwLockReadGuard<'_, ()> {
         self.rmw.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The exclusive side of the block lock, held while partly covered blocks are read,
+    /// patched and written (see `rmw`).
+    fn patching(&self) -> std::sync::RwLockWriteGuard<'_, ()> {
+        self.rmw.write().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The offsets (in the covering span) of the blocks a write of `len` bytes at `skip`

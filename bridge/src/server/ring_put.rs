@@ -1,8 +1,9 @@
 //! Puts that land without crossing host memory: the NIC RDMA-READs a put's chunk from the
 //! client's buffer straight into device memory, where a landing canary proved it may.
 //! - Into an `nvme` region's CMB ring (NIC → CMB → SSD; the canary: see
-//!   [`crate::path::ring_nic_leg`]): a chunk of whole blocks lands in a free ring slot, and the
-//!   device writes it from there once the READ completed.
+//!   [`crate::path::ring_nic_leg`]): a chunk lands in a free ring slot among the blocks that
+//!   cover it, and the device writes them from there once the READ completed (a block the
+//!   chunk covers only partly is completed in the slot first).
 //! - Into a region's own memory that the NIC reaches from page starts (a CMB, see
 //!   [`crate::path::page_start_lending`]): a chunk that starts on a page lands in place.
 //!
@@ -106,7 +107,8 @@ impl ConnState {
     /// this connection's path MTU only, and only chunks that start on a page); the connection
     /// must be under its bounce depth (landing puts hold no staging buffer, so the depth is
     /// what bounds them).
-    /// - Into the ring: the chunk is whole blocks no longer than a slot, a slot is free and it
+    /// - Into the ring: the blocks that cover the chunk fit a slot (and, where the NIC lands
+    ///   only from page starts, the chunk starts on a block), a slot is free and it
     ///   is this connection's turn (`ring_wait`). A chunk that would land waits for this
     ///   connection's own transfers in flight, or else its turn, rather than cross host
     ///   memory.
@@ -132,7 +134,8 @@ impl ConnState {
                 PutRoute::Lands(Landing::InPlace(nic.mr))
             };
         };
-        match block.put_lands(req.offset, req.len) {
+        let page_start = nic.page_start.is_some();
+        match block.put_lands(req.offset, req.len, page_start) {
             Ok(true) => {}
             Ok(false) => return PutRoute::Host,
             Err(e) => {
@@ -145,7 +148,7 @@ impl ConnState {
         }
         let q = &r.ring_queue;
         if q.my_turn(self.id) {
-            match block.lend_slot_for_put(req.offset, req.len) {
+            match block.lend_slot_for_put(req.offset, req.len, page_start) {
                 Ok(Some(lease)) => {
                     let _freed = SlotFreed::new(q);
                     let mr = nic.mr;

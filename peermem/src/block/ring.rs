@@ -270,47 +270,57 @@ impl BlockStorage {
     }
 
     /// A free ring slot for a put's `len` bytes at region offset `offset`, for the NIC to
-    /// write the chunk into (from the slot's start, a page) before [`BlockStorage::commit_slot`]
-    /// writes it to the device. `Ok(None)` when the chunk cannot go this way, and the caller
-    /// copies it as usual ([`Provider::copy_in`]): no ring, a CMB → device leg that was not
-    /// proved, a chunk that is not whole blocks (a partly covered block is read, patched and
-    /// written under a lock), one longer than a slot, or no slot free. Nothing is written
-    /// until the commit: a put that fails before leaves the region as it was.
+    /// write the chunk into before [`BlockStorage::commit_slot`] writes it to the device: the
+    /// slot holds the blocks that cover the chunk, from its start (a page), and the chunk goes
+    /// where its bytes fall in them (`range`). `Ok(None)` when the chunk cannot go this way,
+    /// and the caller copies it as usual ([`Provider::copy_in`]): see
+    /// [`BlockStorage::put_lands`], or no slot free. Nothing is written until the commit: a
+    /// put that fails before leaves the region as it was.
     /// A chunk that [`BlockStorage::put_lands`] but finds every slot lent out gets `Ok(None)`
     /// too: a slot comes back when its lease is dropped.
-    pub fn lend_slot_for_put(&self, offset: u64, len: u64) -> Result<Option<RingLease>, Error> {
-        if !self.put_lands(offset, len)? {
+    pub fn lend_slot_for_put(
+        &self,
+        offset: u64,
+        len: u64,
+        page_start: bool,
+    ) -> Result<Option<RingLease>, Error> {
+        if !self.put_lands(offset, len, page_start)? {
             return Ok(None);
         }
-        let Some((ring, slot, _)) = self.take_slot(true, len) else {
+        let at = self.base + offset;
+        let (a0, a1) = self.cover(at, len);
+        let Some((ring, slot, _)) = self.take_slot(true, a1 - a0) else {
             return Ok(None);
         };
+        let skip = at - a0;
         Ok(Some(RingLease {
             free: Arc::clone(&ring.free),
             slot,
-            range: slot..slot + len,
+            range: slot + skip..slot + skip + len,
         }))
     }
 
     /// Whether a put's `len` bytes at region offset `offset` are a chunk the ring takes when
     /// a slot is free (see [`BlockStorage::lend_slot_for_put`]): the CMB → device leg was
-    /// proved, and the chunk is whole blocks no longer than a slot. An error past the end.
-    pub fn put_lands(&self, offset: u64, len: u64) -> Result<bool, Error> {
+    /// proved, the blocks that cover the chunk fit one slot, and (with `page_start`: the NIC
+    /// was proved to land only from the start of a page) the chunk starts on a block, so that
+    /// it lands from the slot's start. An error past the end.
+    pub fn put_lands(&self, offset: u64, len: u64, page_start: bool) -> Result<bool, Error> {
         check_range("region", offset, len, self.len)?;
         let at = self.base + offset;
-        let fits = |r: &Ring| r.write.is_ok() && len <= r.slot;
-        Ok(
-            len != 0
-                && self.aligned(at)
-                && self.aligned(len)
-                && self.via.as_ref().is_some_and(fits),
-        )
+        let (a0, a1) = self.cover(at, len);
+        let fits = |r: &Ring| r.write.is_ok() && a1 - a0 <= r.slot;
+        Ok(len != 0 && !(page_start && at != a0) && self.via.as_ref().is_some_and(fits))
     }
 
     /// Write the chunk the NIC wrote into `lease`'s slot (see
     /// [`BlockStorage::lend_slot_for_put`]) to region offset `offset` on the device, peer to
-    /// peer (CMB → device), under the shared lock of whole-block writes. The lease stays the
-    /// caller's: it gives the slot back once nothing (no work request) can write it any more.
+    /// peer (CMB → device). Whole blocks are written under the shared side of the block lock.
+    /// A block the chunk covers only partly is completed in the slot first, under the
+    /// exclusive side: its other bytes are read from the device (into host memory: at most two
+    /// blocks, counted device → host) and written around the chunk's, so that a put beside it
+    /// in the same block loses nothing. The lease stays the caller's: it gives the slot back
+    /// once nothing (no work request) can write it any more.
     pub fn commit_slot(&self, lease: &RingLease, offset: u64) -> Result<(), Error> {
         let len = lease.range.end - lease.range.start;
         check_range("region", offset, len, self.len)?;
@@ -322,9 +332,12 @@ impl BlockStorage {
             .ok_or_else(|| {
                 Error::InvalidArgument("the slot is not one of this region's ring".into())
             })?;
-        if !self.aligned(at) || !self.aligned(len) || lease.range.start != lease.slot {
+        let (a0, a1) = self.cover(at, len);
+        let (skip, span) = (at - a0, a1 - a0);
+        if lease.range.start != lease.slot + skip || span > ring.slot {
             return Err(Error::InvalidArgument(format!(
-                "a put's slot holds whole blocks from its start: {len} bytes at {offset} are not"
+                "a put's slot holds the blocks that cover its chunk from its start: {len} \
+                 bytes at {offset} are not where the slot has them"
             )));
         }
         let mem = ring.memory().ok_or_else(|| {
@@ -334,10 +347,48 @@ impl BlockStorage {
                     .into(),
             )
         })?;
-        let _whole = self.whole_blocks();
-        cmb_mem(&mem).drain_to_fd(lease.slot, len as usize, self.fd(), at)?;
+        let mem = cmb_mem(&mem);
+        let edges = self.edges(skip as usize, len as usize, span as usize);
+        let (_patch, _whole);
+        if edges.is_empty() {
+            _whole = self.whole_blocks();
+        } else {
+            _patch = self.patching();
+            self.complete_edges(&mem, lease.slot, a0, &edges, skip..skip + len)?;
+        }
+        mem.drain_to_fd(lease.slot, span as usize, self.fd(), a0)?;
         self.moved.nic_to_cmb.fetch_add(len, Ordering::Relaxed);
-        self.moved.cmb_to_dev.fetch_add(len, Ordering::Relaxed);
+        self.moved.cmb_to_dev.fetch_add(span, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Complete the partly covered blocks at `edges` (offsets from `a0`, the device offset of
+    /// the slot's first byte) in the slot at `slot`: every byte of them outside `chunk` (the
+    /// landed bytes, in the same offsets) is read from the device. The caller holds the
+    /// exclusive side of the block lock.
+    fn complete_edges(
+        &self,
+        mem: &SharedMemory,
+        slot: u64,
+        a0: u64,
+        edges: &[u64],
+        chunk: std::ops::Range<u64>,
+    ) -> Result<(), Error> {
+        let b = self.block;
+        let mut old = HostBuffer::new(b as usize)?;
+        for &o in edges {
+            self.read_direct(a0 + o, old.as_mut_slice())?;
+            self.moved.dev_to_host.fetch_add(b, Ordering::Relaxed);
+            let lo = chunk.start.clamp(o, o + b);
+            let hi = chunk.end.clamp(o, o + b);
+            let old = old.as_slice();
+            if lo > o {
+                mem.write_at(slot + o, &old[..(lo - o) as usize])?;
+            }
+            if hi < o + b {
+                mem.write_at(slot + hi, &old[(hi - o) as usize..])?;
+            }
+        }
         Ok(())
     }
 }

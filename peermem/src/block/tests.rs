@@ -361,7 +361,7 @@ fn a_ring_no_chunk_can_go_through_is_given_back_to_the_cmb() {
     let (dirs, path, mut model, b) = with_ring(1 << 20, 1 << 20, true);
     let ring = b.ring().unwrap();
     let lent = b.lend_slot(0, 4096, true).unwrap().unwrap();
-    let landing = b.lend_slot_for_put(0, 4096).unwrap().unwrap();
+    let landing = b.lend_slot_for_put(0, 4096, true).unwrap().unwrap();
     assert!(!b.set_nic_legs(("cannot".into(), "cannot".into()), (false, false)));
     // a put's slot from before is not written to the device from a ring given back
     let e = b.commit_slot(&landing, 0).unwrap_err().to_string();
@@ -376,7 +376,7 @@ fn a_ring_no_chunk_can_go_through_is_given_back_to_the_cmb() {
     );
     assert_eq!((b.free_slots(), b.ring_slots()), (0, Some(8)));
     assert!(b.lend_slot(0, 4096, true).unwrap().is_none());
-    assert!(b.lend_slot_for_put(0, 4096).unwrap().is_none());
+    assert!(b.lend_slot_for_put(0, 4096, true).unwrap().is_none());
     // a lease from before holds its slot, and gives it back to a ring that takes none
     drop(lent);
     assert!(b.lend_slot(0, 4096, true).unwrap().is_none());
@@ -495,7 +495,7 @@ fn a_put_lands_in_a_slot_and_reaches_the_device_only_when_committed() {
     let free = || lock(&b.via.as_ref().unwrap().free).len() as u64;
     let slots = free();
     // whole blocks: a slot, from its start (a page)
-    let l = b.lend_slot_for_put(8192, 3 * 4096).unwrap().unwrap();
+    let l = b.lend_slot_for_put(8192, 3 * 4096, true).unwrap().unwrap();
     assert_eq!(
         (l.range.start % slot, l.range.end - l.range.start),
         (0, 3 * 4096)
@@ -517,19 +517,26 @@ fn a_put_lands_in_a_slot_and_reaches_the_device_only_when_committed() {
     let [_, cd, _, hd, _, nc] = b.moved();
     assert_eq!((nc, cd, hd), (3 * 4096, 3 * 4096, 0), "{:?}", b.moved());
     assert!(b.residency().unwrap().contains("NIC → CMB 0.0 MiB"));
-    // not lent: partly covered blocks (read, patched and written by copy_in), longer than a
-    // slot; an error past the end
+    // not lent: a chunk that starts partway into a block where the NIC lands only from page
+    // starts (it would land partway into the slot's first page), one whose blocks are longer
+    // than a slot; an error past the end. Lent: one that ends partway into a block
     let block = b.block_size();
-    assert!(b.lend_slot_for_put(block / 2, block).unwrap().is_none());
-    assert!(b.lend_slot_for_put(0, block + 1).unwrap().is_none());
-    assert!(b.lend_slot_for_put(0, slot + block).unwrap().is_none());
-    assert!(b.lend_slot_for_put(4 << 20, block).is_err());
+    assert!(b
+        .lend_slot_for_put(block / 2, block, true)
+        .unwrap()
+        .is_none());
+    assert!(b.lend_slot_for_put(0, slot + 1, false).unwrap().is_none());
+    assert!(b.lend_slot_for_put(1, slot, false).unwrap().is_none());
+    let l = b.lend_slot_for_put(0, block + 1, true).unwrap().unwrap();
+    assert_eq!(l.range.end - l.range.start, block + 1);
+    drop(l);
+    assert!(b.lend_slot_for_put(4 << 20, block, true).is_err());
     // a slot of another region's ring is refused, and so is a range past the end
     let (_d2, _, _, other) = with_ring(1 << 20, 1 << 20, true);
-    let foreign = other.lend_slot_for_put(0, 4096).unwrap().unwrap();
+    let foreign = other.lend_slot_for_put(0, 4096, true).unwrap().unwrap();
     let e = b.commit_slot(&foreign, 0).unwrap_err().to_string();
     assert!(e.contains("not one of this region's ring"), "{e}");
-    let l = b.lend_slot_for_put(0, 8192).unwrap().unwrap();
+    let l = b.lend_slot_for_put(0, 8192, true).unwrap().unwrap();
     let e = b.commit_slot(&l, (4 << 20) - 4096).unwrap_err().to_string();
     assert!(e.contains("is outside the 4194304-byte region"), "{e}");
     assert_eq!(
@@ -545,31 +552,85 @@ fn a_put_that_lands_waits_for_a_slot_only_while_every_slot_is_lent() {
     let slot = b.via.as_ref().unwrap().slot;
     let block = b.block_size();
     let mut held = Vec::new();
-    while let Some(l) = b.lend_slot_for_put(0, slot).unwrap() {
+    while let Some(l) = b.lend_slot_for_put(0, slot, true).unwrap() {
         held.push(l);
     }
     assert_eq!(held.len() as u64, (1 << 20) / slot, "every slot lent once");
     // the chunk is still one the ring takes: the caller waits for a lease to come back
-    assert!(b.put_lands(0, slot).unwrap());
-    assert!(b.lend_slot_for_put(0, slot).unwrap().is_none());
+    assert!(b.put_lands(0, slot, true).unwrap());
+    assert!(b.lend_slot_for_put(0, slot, true).unwrap().is_none());
     held.pop();
-    assert!(b.lend_slot_for_put(0, slot).unwrap().is_some());
-    // never: partly covered blocks, longer than a slot, empty; an error past the end
-    assert!(!b.put_lands(block / 2, block).unwrap());
-    assert!(!b.put_lands(0, slot + block).unwrap());
-    assert!(!b.put_lands(0, 0).unwrap());
-    assert!(b.put_lands(4 << 20, block).is_err());
+    assert!(b.lend_slot_for_put(0, slot, true).unwrap().is_some());
+    // never: starting partway into a block where the NIC lands only from page starts,
+    // longer than a slot, empty; an error past the end. Partly covered blocks anywhere else
+    assert!(!b.put_lands(block / 2, block, true).unwrap());
+    assert!(b.put_lands(block / 2, block, false).unwrap());
+    assert!(b.put_lands(0, block / 2, true).unwrap());
+    assert!(!b.put_lands(0, slot + block, true).unwrap());
+    assert!(!b.put_lands(0, 0, true).unwrap());
+    assert!(b.put_lands(4 << 20, block, true).is_err());
 }
 
 #[test]
 fn a_read_only_region_or_one_without_a_ring_lends_no_slot_for_puts() {
     let (_dirs, _, _, b) = with_ring(1 << 20, 1 << 20, false);
     assert_eq!(b.ring_put_leg(), Err("the region is read-only".to_string()));
-    assert!(b.lend_slot_for_put(0, 4096).unwrap().is_none());
-    assert!(!b.put_lands(0, 4096).unwrap());
+    assert!(b.lend_slot_for_put(0, 4096, true).unwrap().is_none());
+    assert!(!b.put_lands(0, 4096, true).unwrap());
     let (_d, path, _) = image(1 << 20);
     let plain = open(&path, None, true);
     assert!(plain.ring_put_leg().is_err());
-    assert!(plain.lend_slot_for_put(0, 4096).unwrap().is_none());
-    assert!(!plain.put_lands(0, 4096).unwrap());
+    assert!(plain.lend_slot_for_put(0, 4096, true).unwrap().is_none());
+    assert!(!plain.put_lands(0, 4096, true).unwrap());
+}
+
+#[test]
+fn a_put_that_covers_blocks_partly_lands_and_its_commit_keeps_their_other_bytes() {
+    let (_dirs, path, mut model, b) = with_ring(4 << 20, 2 << 20, true);
+    let ring = b.ring().unwrap();
+    let block = b.block_size();
+    // from 100 bytes into a block to 100 bytes into the fourth: two partly covered blocks
+    let (offset, len) = (block + 100, 3 * block);
+    let l = b.lend_slot_for_put(offset, len, false).unwrap().unwrap();
+    let slot = l.range.start - 100;
+    assert_eq!(l.range.end - l.range.start, len);
+    // the slot holds another put's bytes from before; the NIC's write lands among them
+    ring.copy_in(slot, &vec![0xee; 4 * block as usize]).unwrap();
+    let d: Vec<u8> = (0..len).map(|j| (j * 13 + 5) as u8).collect();
+    ring.copy_in(l.range.start, &d).unwrap();
+    // a put beside it, into the same first block, between the landing and the commit
+    let side = [9u8; 40];
+    b.copy_in(block + 20, &side).unwrap();
+    let at = (block + 20) as usize;
+    model[at..at + side.len()].copy_from_slice(&side);
+    let before = b.moved();
+    b.commit_slot(&l, offset).unwrap();
+    let o = offset as usize;
+    model[o..o + d.len()].copy_from_slice(&d);
+    assert!(
+        std::fs::read(&path).unwrap() == model,
+        "the landed bytes and every other byte of their blocks"
+    );
+    let after = b.moved();
+    let delta: Vec<u64> = after.iter().zip(before).map(|(a, b)| a - b).collect();
+    // [device → CMB, CMB → device, device → host, host → device, CMB → NIC, NIC → CMB]
+    assert_eq!(
+        delta,
+        [0, 4 * block, 2 * block, 0, 0, len],
+        "only the two edge blocks' bytes from the device crossed host memory"
+    );
+    // a commit at an offset whose bytes fall elsewhere in their blocks is refused
+    let e = b.commit_slot(&l, offset + 1).unwrap_err().to_string();
+    assert!(e.contains("not where the slot has them"), "{e}");
+    assert!(
+        std::fs::read(&path).unwrap() == model,
+        "a refused commit writes nothing"
+    );
+    drop(l);
+    // a chunk inside one block: its one block, completed on both sides
+    let l = b.lend_slot_for_put(7, 9, false).unwrap().unwrap();
+    ring.copy_in(l.range.start, &[1; 9]).unwrap();
+    b.commit_slot(&l, 7).unwrap();
+    model[7..16].copy_from_slice(&[1; 9]);
+    assert!(std::fs::read(&path).unwrap() == model);
 }
