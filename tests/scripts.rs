@@ -1,4 +1,5 @@
-//! Host-side tests of the lab's scripts: options they refuse before booting anything.
+//! Host-side tests of the lab's scripts: options they refuse before booting anything, and the
+//! steps of a fetch that fail (with stand-ins for apt-get and the packages it downloads).
 use std::process::Command;
 
 fn script(path: &str, args: &[&str]) -> (Option<i32>, String) {
@@ -151,6 +152,17 @@ fn lab_with_stand_in_apt(
     apt_get: &str,
     apt_cache: &str,
 ) -> (Option<i32>, String, std::path::PathBuf) {
+    lab_with_stand_in_apt_in(name, args, apt_get, apt_cache, |_| {})
+}
+
+/// [`lab_with_stand_in_apt`], with the lab cache filled by `prepare` first.
+fn lab_with_stand_in_apt_in(
+    name: &str,
+    args: &[&str],
+    apt_get: &str,
+    apt_cache: &str,
+    prepare: impl FnOnce(&std::path::Path),
+) -> (Option<i32>, String, std::path::PathBuf) {
     let dir = std::env::temp_dir().join(format!("p2p-lab-apt-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let bin = dir.join("bin");
@@ -177,6 +189,8 @@ fn lab_with_stand_in_apt(
         "this test needs the lab's Debian packages (soft-roce/lab deps): {out}"
     );
     let cache = dir.join("cache");
+    std::fs::create_dir_all(&cache).unwrap();
+    prepare(&cache);
     let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap());
     let o = Command::new("soft-roce/lab")
         .args(args)
@@ -254,4 +268,116 @@ esac"#,
     for cache in caches {
         let _ = std::fs::remove_dir_all(cache.parent().unwrap());
     }
+}
+
+#[test]
+fn lab_build_of_the_fixed_rxe_names_the_step_that_failed_and_keeps_nothing_half_done() {
+    // a 7.3 kernel in the cache (only what the build reads of it), and Debian's kernel source
+    // and headers played by packages of a few files: the build fails before any compiler runs
+    let kver = "7.3.4+deb13-amd64";
+    let tmp = std::env::temp_dir().join(format!("p2p-lab-rxe-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    let rxe_dir = tmp.join("tree/linux-source-7.3/drivers/infiniband/sw/rxe");
+    std::fs::create_dir_all(&rxe_dir).unwrap();
+    let tree = tmp.join("tree");
+    let apt_get = format!(
+        r#"ctl() {{ mkdir -p "$1/DEBIAN"; printf 'Package: %s\nVersion: 1\nArchitecture: amd64\nMaintainer: lab <lab@localhost>\nDescription: stand-in\n' "$2" > "$1/DEBIAN/control"; }}
+case " $* " in *" download "*)
+  for p in "$@"; do case $p in
+    linux-source-7.3) ctl s "$p"; mkdir -p s/usr/src; tar -czf s/usr/src/linux-source-7.3.tar.gz -C {tree} linux-source-7.3; dpkg-deb -b s "${{p}}_1_amd64.deb" >/dev/null;;
+    linux-headers-*) ctl h "$p"; mkdir -p "h/usr/src/$p"; echo CONFIG_RDMA_RXE=m > "h/usr/src/$p/.config"; : > "h/usr/src/$p/Module.symvers"; dpkg-deb -b h "${{p}}_1_amd64.deb" >/dev/null;;
+  esac; done;;
+esac"#,
+        tree = tree.display()
+    );
+    let module = "kernels/7.3/rxe-odp-fix/rdma_rxe.ko";
+    // the patch's own lines before it: the file it applies to
+    let patch = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("soft-roce/rxe-odp-offset.patch"),
+    )
+    .unwrap();
+    let before: String = patch
+        .lines()
+        .skip_while(|l| !l.starts_with("@@"))
+        .filter(|l| l.starts_with(' ') || l.starts_with('-'))
+        .map(|l| format!("{}\n", &l[1..]))
+        .collect();
+    let mut caches = Vec::new();
+    for (name, source, want, log) in [
+        (
+            "patch",
+            "int rxe_odp_is_elsewhere;\n".to_string(),
+            "preparing the sources of rdma_rxe.ko failed",
+            "FAILED",
+        ),
+        (
+            "build",
+            before,
+            "building rdma_rxe.ko failed",
+            "No rule to make target",
+        ),
+    ] {
+        std::fs::write(rxe_dir.join("rxe_odp.c"), source).unwrap();
+        let (code, stderr, cache) = lab_with_stand_in_apt_in(
+            &format!("rxe-{name}"),
+            &["fetch", "--rxe", "odp-fix", "7.3"],
+            &apt_get,
+            "exit 0",
+            |cache| {
+                let k = cache.join("kernels/7.3");
+                std::fs::create_dir_all(k.join("rxe-odp-fix")).unwrap();
+                std::fs::write(k.join("kver"), kver).unwrap();
+                std::fs::write(k.join("ready"), kver).unwrap();
+                // built from another patch before: built again, not used
+                std::fs::write(cache.join(module), "old").unwrap();
+                std::fs::write(cache.join(format!("{module}.patch-sha256")), "0").unwrap();
+            },
+        );
+        assert_eq!(code, Some(125), "{name}: {stderr}");
+        assert!(
+            stderr.contains(&format!(
+                "building rdma_rxe.ko (soft-roce/rxe-odp-offset.patch applied) for {kver}"
+            )),
+            "{name}: the module of another patch was not built again: {stderr}"
+        );
+        assert!(
+            stderr.contains(want) && stderr.contains(log),
+            "{name}: {stderr}"
+        );
+        assert_eq!(
+            std::fs::read_to_string(cache.join(format!("{module}.patch-sha256"))).unwrap(),
+            "0",
+            "{name}: a failed build is recorded as built from this patch"
+        );
+        let left: Vec<_> = std::fs::read_dir(&cache)
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| n.starts_with("rdma_rxe"))
+            .collect();
+        assert!(
+            left.is_empty(),
+            "{name}: the build's work left behind: {left:?}"
+        );
+        let (_, info) = {
+            let o = Command::new("soft-roce/lab")
+                .arg("info")
+                .current_dir(env!("CARGO_MANIFEST_DIR"))
+                .env("P2P_LAB_CACHE", &cache)
+                .output()
+                .unwrap();
+            (
+                o.status.code(),
+                String::from_utf8_lossy(&o.stdout).into_owned(),
+            )
+        };
+        assert!(
+            info.contains("rxe odp-fix (7.3): built from another soft-roce/rxe-odp-offset.patch (built again on its next use)"),
+            "{name}: {info}"
+        );
+        caches.push(cache);
+    }
+    for cache in caches {
+        let _ = std::fs::remove_dir_all(cache.parent().unwrap());
+    }
+    let _ = std::fs::remove_dir_all(&tmp);
 }
