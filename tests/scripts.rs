@@ -143,6 +143,21 @@ fn lab_refuses_an_rxe_it_does_not_build_before_building_or_booting() {
     );
 }
 
+/// `soft-roce/lab info` (with the lab cache `cache`, else the default one): its exit code and
+/// standard output.
+fn lab_info(cache: Option<&std::path::Path>) -> (Option<i32>, String) {
+    let mut cmd = Command::new("soft-roce/lab");
+    cmd.arg("info").current_dir(env!("CARGO_MANIFEST_DIR"));
+    if let Some(c) = cache {
+        cmd.env("P2P_LAB_CACHE", c);
+    }
+    let o = cmd.output().unwrap();
+    (
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+    )
+}
+
 /// `soft-roce/lab ARGS` with `apt-get` and `apt-cache` replaced by the shell scripts `apt_get`
 /// and `apt_cache` (which see the subcommand as ` download ` in `" $* "`), in a lab cache of its
 /// own: its exit code and standard error, and the cache.
@@ -173,17 +188,7 @@ fn lab_with_stand_in_apt_in(
         std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     }
     // the lab installs its Debian packages before it fetches: this checks the fetch alone
-    let (code, out) = {
-        let o = Command::new("soft-roce/lab")
-            .arg("info")
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .output()
-            .unwrap();
-        (
-            o.status.code(),
-            String::from_utf8_lossy(&o.stdout).into_owned(),
-        )
-    };
+    let (code, out) = lab_info(None);
     assert!(
         code == Some(0) && out.contains("missing packages: \n"),
         "this test needs the lab's Debian packages (soft-roce/lab deps): {out}"
@@ -358,18 +363,7 @@ esac"#,
             left.is_empty(),
             "{name}: the build's work left behind: {left:?}"
         );
-        let (_, info) = {
-            let o = Command::new("soft-roce/lab")
-                .arg("info")
-                .current_dir(env!("CARGO_MANIFEST_DIR"))
-                .env("P2P_LAB_CACHE", &cache)
-                .output()
-                .unwrap();
-            (
-                o.status.code(),
-                String::from_utf8_lossy(&o.stdout).into_owned(),
-            )
-        };
+        let (_, info) = lab_info(Some(&cache));
         assert!(
             info.contains("rxe odp-fix (7.3): built from another soft-roce/rxe-odp-offset.patch (built again on its next use)"),
             "{name}: {info}"

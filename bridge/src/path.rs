@@ -363,26 +363,27 @@ pub async fn ring_nic_leg(
     let (lands, put_report) = match puts {
         Err(why) => (false, format!("not tried: {why}")),
         Ok(()) => match run_landing_canary(pd, &mr, at, max_mtu).await {
-            Ok(r) if r.ok() => (
-                true,
-                format!(
-                    "the NIC writes each put's chunk into a ring slot, and the device takes it \
-                     from there ({mode}: {r}; a block the chunk covers only partly is completed \
-                     in the slot from the device first); a chunk whose blocks are longer than \
-                     a slot, {}that waits for its turn at a slot in vain{} goes through host \
-                     staging",
-                    if page_start.is_some() {
-                        "starts partway into a block, "
-                    } else {
-                        ""
-                    },
-                    if page_start.is_some() {
-                        " or comes on a connection at another path MTU"
-                    } else {
-                        ""
-                    }
-                ),
-            ),
+            Ok(r) if r.ok() => {
+                // what a NIC proved from page starts only adds to the chunks that are copied
+                let (starts, mtu) = if page_start.is_some() {
+                    (
+                        "starts partway into a block, ",
+                        " or comes on a connection at another path MTU",
+                    )
+                } else {
+                    ("", "")
+                };
+                (
+                    true,
+                    format!(
+                        "the NIC writes each put's chunk into a ring slot, and the device takes \
+                         it from there ({mode}: {r}; a block the chunk covers only partly is \
+                         completed in the slot from the device first); a chunk whose blocks are \
+                         longer than a slot, {starts}that waits for its turn at a slot in \
+                         vain{mtu} goes through host staging"
+                    ),
+                )
+            }
             Ok(r) => (false, format!("{mode}: {r}: {put_copies}")),
             Err(e) => (
                 false,

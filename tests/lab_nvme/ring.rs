@@ -37,7 +37,7 @@ pub(super) fn ring_lends(reason: &str) -> bool {
         && reason.contains("device → CMB: peer to peer, verified")
 }
 
-/// Whether the ring also lands puts' chunks of whole blocks in this guest: it lends
+/// Whether the ring also lands puts' chunks in this guest: it lends
 /// ([`ring_lends`]), and the landing canary passed (`reason`: the region's).
 pub(super) fn ring_lands(reason: &str) -> bool {
     ring_lends(reason) && reason.contains("NIC → CMB: the NIC writes each put's chunk")
