@@ -560,14 +560,17 @@ async fn lab_nvme_cmb_region_lends_the_nic_chunks_that_start_on_a_page_where_onl
         info.reason
     );
     let bytes = data(4 << 20, 21);
-    // from offset 0 every chunk starts on a page; from 777 the first (up to the next multiple
-    // of the bounce chunk, 128 KiB) does not, and the rest do
+    // from offset 0 every chunk starts on a page; from 777 the first does not, and the rest
+    // do: the server tells the client to end it at the next page (`piece_align`), not at the
+    // next multiple of the bounce chunk (128 KiB)
     for (off, len) in [(0u64, 4u64 << 20), (777, 3 << 20)] {
         let want = &bytes[..len as usize];
         let (put, fetch) = round_trip(s.addr, "c", off, want).await;
         eprintln!("at {off}: put {put:?}, fetch {fetch:?}");
         let first = if off % 4096 == 0 {
             0
+        } else if lends {
+            4096 - off % 4096
         } else {
             (128 << 10) - off % (128 << 10)
         };
@@ -577,18 +580,26 @@ async fn lab_nvme_cmb_region_lends_the_nic_chunks_that_start_on_a_page_where_onl
         assert_eq!(fetch.zero_copy_bytes, moved_in_place, "at {off}: {fetch:?}");
         assert_eq!(fetch.bounce_bytes, len, "at {off}: {fetch:?}");
         if off == 0 {
-            // what the NIC landed, seen by the CPU: a fetch that starts partway into a page
-            // (one piece, within a bounce chunk) is copied by the server from the CMB
+            // what the NIC landed, seen by the CPU: a fetch within one page, partway into it
+            // (one piece), is copied by the server from the CMB; and the server's checksum of
+            // a longer range is the CPU's reading of it
             let mut c = Client::connect(cfg(s.addr)).await.unwrap();
             let r = c.open("c", false).await.unwrap();
+            assert_eq!(r.piece_align, if lends { 4096 } else { 0 }, "{r:?}");
             let mut out = Vec::new();
             let f = c
-                .fetch(&r, 4097, 100_000, &mut out, true, &mut |_| {})
+                .fetch(&r, 4097, 4000, &mut out, true, &mut |_| {})
                 .await
                 .unwrap();
             assert_eq!(f.zero_copy_bytes, 0, "{f:?}");
             assert!(
-                out == bytes[4097..4097 + 100_000],
+                out == bytes[4097..4097 + 4000],
+                "the CPU's view of the landed put differs"
+            );
+            let crc = c.checksum(&r, 4097, 100_000).await.unwrap();
+            assert_eq!(
+                crc,
+                crc32c::crc32c(&bytes[4097..4097 + 100_000]),
                 "the CPU's view of the landed put differs"
             );
             c.bye().await.unwrap();

@@ -188,7 +188,7 @@ impl Client {
         len: u64,
         chunk: u64,
     ) -> First {
-        match piece(&r.info.extents(), offset, len, chunk, r.bounce_chunk) {
+        match piece(&r.info.extents(), offset, len, chunk, r.cut()) {
             Ok(p) if len > 0 && staged(r, &p, false) => self.take_first(r.handle, p.pos, p.len),
             _ => {
                 self.release_first();

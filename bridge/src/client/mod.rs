@@ -37,7 +37,7 @@ pub use striped::{SinkFor, SourceFor, Striped};
 use wait::await_or_stall;
 use window::{
     bounce_reply, issue, land, may_stage, more_input, overflow_error, piece, pull_staged, pulls,
-    read_full, settle, staged, start_pulls, Arrived, Slot,
+    read_full, settle, staged, start_pulls, Arrived, Cut, Slot,
 };
 pub use zero_copy::{BatchRange, Landed, LocalBuffer, Stranded};
 
@@ -64,6 +64,10 @@ pub struct OpenRegion {
     pub segments: Vec<crate::protocol::Segment>,
     /// Largest bounce request the server accepts.
     pub bounce_chunk: u64,
+    /// Where the server's NIC reaches the region's staging only from the start of a block or
+    /// page: a bounce piece that starts partway into a multiple of this many bytes ends at the
+    /// next one (0: no such cut; see [`crate::protocol::Msg::Opened`]).
+    pub piece_align: u64,
     /// How many staged chunks this client may hold at once: its bounce fetches are staged by
     /// the server and read by us (0: the server writes them into our buffers).
     pub pull_depth: u32,
@@ -77,6 +81,20 @@ pub struct OpenRegion {
 }
 
 impl OpenRegion {
+    /// Where this region's bounce pieces end (the alignment only where it divides the bounce
+    /// chunk: one that does not would cut a piece at every multiple of the chunk).
+    pub(crate) fn cut(&self) -> Cut {
+        let align = self.piece_align;
+        Cut {
+            bounce_chunk: self.bounce_chunk,
+            align: if align > 0 && self.bounce_chunk % align == 0 {
+                align
+            } else {
+                0
+            },
+        }
+    }
+
     /// Where the region's bytes `[pos, pos + len)` are for a one-sided operation: a slice of
     /// the one MR, or of the segment that holds them (a range across two segments is
     /// refused: the extents are split at their boundaries).
@@ -321,6 +339,7 @@ impl Client {
                 rkey,
                 len,
                 bounce_chunk,
+                piece_align,
                 segments,
                 pull_depth,
                 first: staged,
@@ -339,6 +358,7 @@ impl Client {
                     } else {
                         bounce_chunk
                     },
+                    piece_align: piece_align.into(),
                     pull_depth,
                     write,
                     open_ms,
@@ -536,7 +556,7 @@ impl Client {
             loop {
                 let mut asking = false;
                 while window.len() < depth && next < len {
-                    let p = piece(&extents, offset + next, len - next, chunk, r.bounce_chunk)?;
+                    let p = piece(&extents, offset + next, len - next, chunk, r.cut())?;
                     // staged even when the fetch is one piece: the server's WRITE of a 1 MiB chunk took
                     // 343 ms between the lab hosts, and a one-piece fetch through it ran at 0.55x
                     // a direct fetch, against 0.75x staged
@@ -680,13 +700,7 @@ impl Client {
         let result: Result<()> = async {
             loop {
                 while window.len() < depth && !eof && posted < max {
-                    let mut p = piece(
-                        &extents,
-                        offset + posted,
-                        max - posted,
-                        chunk,
-                        r.bounce_chunk,
-                    )?;
+                    let mut p = piece(&extents, offset + posted, max - posted, chunk, r.cut())?;
                     let want = p.len as usize;
                     let mut buf = rdma.take(p.path, true, chunk as usize)?;
                     let n = match read_full(source, &mut buf.as_mut_slice()[..want]) {

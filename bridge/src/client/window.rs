@@ -14,7 +14,7 @@ use super::wait::{done_or_bytes, end_oldest, read_op, Woke};
 use super::{reply_err, OpenRegion, Rdma};
 use crate::conn::Conn;
 use crate::error::{Error, Result};
-pub(super) use crate::piece::{piece, Piece};
+pub(super) use crate::piece::{piece, Cut, Piece};
 use crate::protocol::{DataPath, Msg};
 
 /// One transfer in flight.
@@ -659,6 +659,7 @@ mod tests {
             },
             segments: Vec::new(),
             bounce_chunk: 1 << 20,
+            piece_align: 0,
             pull_depth: 0,
             write: true,
             open_ms: 0.0,

@@ -443,7 +443,7 @@ impl Batch<'_, '_> {
                 r.offset + c.done,
                 r.len - c.done,
                 self.chunk,
-                r.region.bounce_chunk,
+                r.region.cut(),
             )?;
             return Ok(Some((c.i, p, r.at + c.done as usize)));
         }

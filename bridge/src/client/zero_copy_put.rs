@@ -162,7 +162,7 @@ impl Client {
                     r.offset + done,
                     r.len - done,
                     chunk,
-                    r.region.bounce_chunk,
+                    r.region.cut(),
                 )?;
                 let src = r.at + done as usize..r.at + (done + p.len) as usize;
                 if p.path == DataPath::Direct {

@@ -370,6 +370,13 @@ pub enum Msg {
         /// Largest bounce request the server accepts (bytes).
         #[serde(default)]
         bounce_chunk: u64,
+        /// Where this connection's NIC reaches the region's staging ring (or its memory) only
+        /// from the start of a block or page: a bounce piece that starts partway into a
+        /// multiple of this many bytes should end at the next one, so that the transfer's
+        /// other pieces start on one and go through the ring (0, or what does not divide
+        /// `bounce_chunk`: no such cut). The server cuts an open's `first` range so too.
+        #[serde(default, skip_serializing_if = "is_zero_u32")]
+        piece_align: u32,
         /// The direct part's MRs, in order, when there is more than one (the driver caps one
         /// MR's size); `addr`, `rkey` and `len` are then the first's. The region's extents
         /// are split at the same boundaries, so no transfer piece crosses one.

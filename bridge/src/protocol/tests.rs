@@ -98,6 +98,7 @@ fn sample() -> Vec<Msg> {
             rkey: 7,
             len: 64 << 20,
             bounce_chunk: 1 << 20,
+            piece_align: 512,
             segments: Vec::new(),
             pull_depth: 8,
             first: None,
@@ -117,6 +118,7 @@ fn sample() -> Vec<Msg> {
             rkey: 0,
             len: 0,
             bounce_chunk: 1 << 20,
+            piece_align: 0,
             segments: Vec::new(),
             pull_depth: 8,
             first: Some(Box::new(StagedChunk {
@@ -148,6 +150,7 @@ fn sample() -> Vec<Msg> {
             rkey: 9,
             len: 1 << 30,
             bounce_chunk: 1 << 20,
+            piece_align: 0,
             segments: vec![
                 Segment {
                     offset: 0,
@@ -407,6 +410,7 @@ fn arb_msg() -> impl Strategy<Value = Msg> {
                 rkey,
                 len: size,
                 bounce_chunk: size / 2,
+                piece_align: if ro { 4096 } else { 0 },
                 segments: if ro {
                     Vec::new()
                 } else {

@@ -242,6 +242,32 @@ impl ConnState {
         }
     }
 
+    /// The piece alignment this connection's client of region `region` is told (`Opened`'s
+    /// `piece_align`), where the region's ring, or its own memory, is lent to or lands from
+    /// this connection's NIC only from the start of a page: the device's logical block (a
+    /// chunk that starts on one starts on its slot's first byte, a page) or a page (the
+    /// region's own memory, registered from a page). A transfer that starts partway into one
+    /// then has a first piece of less than one, copied, and its other pieces go through the
+    /// ring; cut on the bounce chunk's multiples alone, its whole first piece was copied.
+    /// 0 where the NIC reaches any offset or none, or the bounce chunk is no multiple of it.
+    pub(super) fn piece_align_for(&self, shared: &Shared, region: usize) -> u32 {
+        let r = shared.regions.get(region);
+        if self.lending_nic(r).and_then(|n| n.page_start).is_none() {
+            return 0;
+        }
+        let Ok(provider) = r.provider() else {
+            return 0;
+        };
+        let align = provider
+            .as_any()
+            .downcast_ref::<BlockStorage>()
+            .map_or(PAGE, BlockStorage::block_size);
+        match u32::try_from(align) {
+            Ok(a) if a > 0 && shared.cfg.bounce_chunk as u64 % align == 0 => a,
+            _ => 0,
+        }
+    }
+
     /// Whether a staged chunk of region `region` should wait for a slot of its CMB ring (see
     /// `ring_wait`): the ring would lend it to this connection, but no slot is free or other
     /// connections wait before it, and the ring moved lately (a slot was lent or came back in
@@ -410,18 +436,20 @@ impl ConnState {
         handle: u32,
         span: Span,
         info: &RegionInfo,
+        align: u64,
     ) -> Option<Box<StagedChunk>> {
         let started = Instant::now();
-        let f = match self
-            .session
-            .stage_first(handle, span, &info.extents(), &shared.regions)?
-        {
-            Ok(f) => f,
-            Err((code, message)) => {
-                tracing::debug!(%code, message, "no first chunk staged with the open");
-                return None;
-            }
-        };
+        let f =
+            match self
+                .session
+                .stage_first(handle, span, &info.extents(), align, &shared.regions)?
+            {
+                Ok(f) => f,
+                Err((code, message)) => {
+                    tracing::debug!(%code, message, "no first chunk staged with the open");
+                    return None;
+                }
+            };
         if self.ring_busy(shared, f.region, f.offset, f.len).is_some() {
             // no ring slot for it now: the client asks for it, and it waits for one then
             self.session.unstaged(f.slot);

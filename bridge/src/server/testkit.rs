@@ -181,7 +181,7 @@ impl Model {
                 }
                 if let Some(span) = first {
                     let extents = c.infos[region].extents();
-                    match self.session.stage_first(h, span, &extents, c) {
+                    match self.session.stage_first(h, span, &extents, 0, c) {
                         Some(Ok(f)) => {
                             assert!(pull, "a first chunk staged on a handle without pulls");
                             assert!(self.qp, "a first chunk staged without a QP");

@@ -605,8 +605,12 @@ impl ConnState {
                 } else {
                     super::nics::elsewhere(&r.info, shared.nics.get(self.nic).name())
                 };
+                let piece_align = self.piece_align_for(shared, region);
                 let first = match first {
-                    Some(span) => self.stage_first(shared, handle, span, &info).await,
+                    Some(span) => {
+                        self.stage_first(shared, handle, span, &info, piece_align.into())
+                            .await
+                    }
                     None => None,
                 };
                 Ok(Msg::Opened {
@@ -616,6 +620,7 @@ impl ConnState {
                     rkey,
                     len,
                     bounce_chunk: shared.cfg.bounce_chunk as u64,
+                    piece_align,
                     segments,
                     pull_depth: if pull {
                         self.pull_depth_for(shared, region)

@@ -2,7 +2,7 @@
 //! it is staged with the open, so that the fetch's first READ waits for no `Stage` exchange.
 
 use super::{Catalog, Refusal, Session};
-use crate::piece::piece;
+use crate::piece::{piece, Cut};
 use crate::protocol::{DataPath, Extent, Span};
 
 /// The first piece of an open's range to stage, as a `Stage` step would: slot `slot` (held
@@ -18,8 +18,9 @@ pub(crate) struct FirstStage {
 impl<T> Session<T> {
     /// What to stage of `first` for the open that just gave `handle`: its first piece, cut as
     /// the client cuts its fetch (within one of `extents`, the ones the client's `Opened`
-    /// shows; at most `first.len`, which the client holds to its chunk, and the bounce chunk),
-    /// when that piece is on the bounce path and the handle stages.
+    /// shows; at most `first.len`, which the client holds to its chunk, and the bounce chunk;
+    /// from partway into a multiple of `align`, the `piece_align` the `Opened` says, up to
+    /// the next one), when that piece is on the bounce path and the handle stages.
     ///
     /// None: nothing to stage (an empty range or one past the region's end, a direct piece, a
     /// handle opened for writing or one that does not stage). Err: the checks of a `Stage`
@@ -30,6 +31,7 @@ impl<T> Session<T> {
         handle: u32,
         first: Span,
         extents: &[Extent],
+        align: u64,
         regions: &dyn Catalog,
     ) -> Option<Result<FirstStage, Refusal>> {
         let e = self.entry(handle)?;
@@ -39,7 +41,11 @@ impl<T> Session<T> {
         let size = regions.info(e.region).size;
         let left = size.checked_sub(first.offset).filter(|n| *n > 0)?;
         let len = first.len.min(left);
-        let p = piece(extents, first.offset, len, len, self.rules.bounce_chunk).ok()?;
+        let cut = Cut {
+            bounce_chunk: self.rules.bounce_chunk,
+            align,
+        };
+        let p = piece(extents, first.offset, len, len, cut).ok()?;
         if p.path == DataPath::Direct {
             return None;
         }

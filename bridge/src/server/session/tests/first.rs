@@ -45,7 +45,7 @@ fn the_first_piece_is_cut_as_the_client_cuts_its_fetch_and_holds_a_slot() {
     let (c, mut s, h) = reading();
     let e = extents();
     // at most the client's span and the bounce chunk (64 KiB in these rules)
-    let f = s.stage_first(h, span(64 << 10, 1 << 20), &e, &c);
+    let f = s.stage_first(h, span(64 << 10, 1 << 20), &e, 0, &c);
     assert_eq!(
         f,
         Some(Ok(FirstStage {
@@ -62,18 +62,18 @@ fn the_first_piece_is_cut_as_the_client_cuts_its_fetch_and_holds_a_slot() {
     );
     // never across an extent, and no longer than asked
     let f = s
-        .stage_first(h, span(160 << 10, 1 << 20), &e, &c)
+        .stage_first(h, span(160 << 10, 1 << 20), &e, 0, &c)
         .unwrap()
         .unwrap();
     assert_eq!((f.offset, f.len, f.slot), (160 << 10, 4 << 10, 1));
     let f = s
-        .stage_first(h, span(200 << 10, 100), &e, &c)
+        .stage_first(h, span(200 << 10, 100), &e, 0, &c)
         .unwrap()
         .unwrap();
     assert_eq!((f.len, f.slot), (100, 2));
     // all slots held: refused as a Stage would be, and nothing else held
     let (code, message) = s
-        .stage_first(h, span(300 << 10, 4096), &e, &c)
+        .stage_first(h, span(300 << 10, 4096), &e, 0, &c)
         .unwrap()
         .unwrap_err();
     assert_eq!(code, ErrorCode::Busy, "{message}");
@@ -84,6 +84,29 @@ fn the_first_piece_is_cut_as_the_client_cuts_its_fetch_and_holds_a_slot() {
         Step::Unstage(0)
     ));
     assert_eq!(s.staged_count(), RULES.pull_depth - 1);
+}
+
+#[test]
+fn a_first_range_that_starts_partway_into_the_piece_alignment_stages_up_to_its_next_multiple() {
+    // as the client cuts it when its `Opened` gave a `piece_align`
+    let (c, mut s, h) = reading();
+    let e = extents();
+    let f = s
+        .stage_first(h, span((64 << 10) + 777, 1 << 20), &e, 512, &c)
+        .unwrap()
+        .unwrap();
+    assert_eq!((f.offset, f.len), ((64 << 10) + 777, 512 - 777 % 512));
+    // one that starts on a multiple: up to the bounce chunk's next multiple, as without
+    let f = s
+        .stage_first(h, span(64 << 10, 1 << 20), &e, 512, &c)
+        .unwrap()
+        .unwrap();
+    assert_eq!((f.offset, f.len), (64 << 10, RULES.bounce_chunk));
+    let f = s
+        .stage_first(h, span((128 << 10) + 4, 100), &e, 4096, &c)
+        .unwrap()
+        .unwrap();
+    assert_eq!(f.len, 100);
 }
 
 #[test]
@@ -98,13 +121,13 @@ fn nothing_is_staged_for_a_direct_piece_an_empty_range_or_one_past_the_end() {
         (u64::MAX, 1),
     ] {
         assert_eq!(
-            s.stage_first(h, span(offset, len), &e, &c),
+            s.stage_first(h, span(offset, len), &e, 0, &c),
             None,
             "{offset}+{len}"
         );
     }
     // a handle that is not open, or closed
-    assert_eq!(s.stage_first(h + 1, span(64 << 10, 10), &e, &c), None);
+    assert_eq!(s.stage_first(h + 1, span(64 << 10, 10), &e, 0, &c), None);
     assert_eq!(s.staged_count(), 0);
 }
 
@@ -144,19 +167,19 @@ fn only_a_handle_opened_for_reading_that_stages_gets_a_first_chunk() {
     };
     assert_eq!(first, Some(span(64 << 10, 4096)));
     let h = s.opened(region, writable, c.direct[region], false, 1);
-    assert_eq!(s.stage_first(h, span(64 << 10, 4096), &e, &c), None);
+    assert_eq!(s.stage_first(h, span(64 << 10, 4096), &e, 0, &c), None);
     // no QP yet: refused (the open goes on without), no slot held
     let mut s = Session::new(RULES, Scope::All);
     let h = open(&mut s, &c, "rw", false, 1);
     let (code, _) = s
-        .stage_first(h, span(64 << 10, 4096), &e, &c)
+        .stage_first(h, span(64 << 10, 4096), &e, 0, &c)
         .unwrap()
         .unwrap_err();
     assert_eq!(code, ErrorCode::BadRequest);
     assert_eq!(s.staged_count(), 0);
     connect(&mut s, &c);
     assert!(matches!(
-        s.stage_first(h, span(64 << 10, 4096), &e, &c),
+        s.stage_first(h, span(64 << 10, 4096), &e, 0, &c),
         Some(Ok(_))
     ));
     // a region removed since the open: refused
@@ -165,7 +188,7 @@ fn only_a_handle_opened_for_reading_that_stages_gets_a_first_chunk() {
     let h = open(&mut s, &c2, "rw", false, 1);
     c2.removed[0] = true;
     let (code, message) = s
-        .stage_first(h, span(64 << 10, 4096), &e, &c2)
+        .stage_first(h, span(64 << 10, 4096), &e, 0, &c2)
         .unwrap()
         .unwrap_err();
     assert_eq!(code, ErrorCode::Removed, "{message}");
