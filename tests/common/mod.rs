@@ -27,18 +27,26 @@ pub(crate) fn lab_port_mtu() -> u32 {
 /// Panics where `P2P_LAB_RXE` and the loaded module disagree: the fixed one is built out of tree
 /// (taint `O`), the kernel's own is not.
 pub(crate) fn lab_rxe_any_offset() -> bool {
-    let fixed = std::env::var("P2P_LAB_RXE").as_deref() == Ok("odp-fix");
     let taint = std::fs::read_to_string("/sys/module/rdma_rxe/taint")
         .unwrap_or_else(|e| panic!("/sys/module/rdma_rxe/taint: {e}. {LAB}"));
-    assert_eq!(
-        taint.contains('O'),
-        fixed,
-        "P2P_LAB_RXE={:?}, but the loaded rdma_rxe's taint is {:?} ('O': built out of tree, as \
-         soft-roce/lab --rxe odp-fix builds it)",
-        std::env::var("P2P_LAB_RXE").unwrap_or_default(),
-        taint.trim()
-    );
-    fixed
+    let asked = std::env::var("P2P_LAB_RXE").ok();
+    rxe_any_offset(asked.as_deref(), &taint).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// [`lab_rxe_any_offset`]'s check: whether `P2P_LAB_RXE` (`asked`) names the fixed rxe, if a
+/// module of that `taint` (`/sys/module/rdma_rxe/taint`) is the one it names.
+pub(crate) fn rxe_any_offset(asked: Option<&str>, taint: &str) -> Result<bool, String> {
+    let fixed = asked == Some("odp-fix");
+    if taint.contains('O') == fixed {
+        Ok(fixed)
+    } else {
+        Err(format!(
+            "P2P_LAB_RXE={:?}, but the loaded rdma_rxe's taint is {:?} ('O': built out of tree, \
+             as soft-roce/lab --rxe odp-fix builds it)",
+            asked.unwrap_or_default(),
+            taint.trim()
+        ))
+    }
 }
 
 pub(crate) fn init_tracing() {

@@ -32,6 +32,11 @@ async fn lab_nvme_chunks_that_start_partway_into_a_block_are_lent_only_where_any
     let info = c.list().await.unwrap().remove(0);
     eprintln!("reason: {}", info.reason);
     let any_offset = lab_rxe_any_offset();
+    // the check would refuse the other rxe's name for the module loaded here
+    let taint = std::fs::read_to_string("/sys/module/rdma_rxe/taint").unwrap();
+    let other = if any_offset { "stock" } else { "odp-fix" };
+    let e = rxe_any_offset(Some(other), &taint).unwrap_err();
+    assert!(e.contains("but the loaded rdma_rxe's taint is"), "{e}");
     let ring = ring_lends(&info.reason);
     let any = ring && any_offset;
     let lands = ring_lands(&info.reason);
