@@ -437,7 +437,8 @@ async fn prove_ring_access(
         Some(mtu),
         format!(
             "{how}, so only chunks that start on a page move through the ring, on connections \
-             at path MTU {mtu}"
+             at path MTU {mtu}, and clients end a transfer's first piece at the next block so \
+             that the rest do"
         ),
     ))
 }
@@ -564,7 +565,8 @@ pub async fn page_start_lending(
                 format!(
                     "the NIC reads the region's own bytes from the start of a page ({how}): \
                      a staged fetch's chunk that starts on a page is lent through a read-only \
-                     memory window on connections at path MTU {mtu}, not copied{put_note}"
+                     memory window on connections at path MTU {mtu}, not copied, and clients \
+                     end a transfer's first piece at the next page so that the rest do{put_note}"
                 ),
             )
         }
