@@ -2,7 +2,7 @@
 //! where the NIC was proved to reach the ring at any offset; and transfers that start partway
 //! into one, cut so that the rest of their pieces go through the ring.
 
-use super::ring::{counter_sum, ring_lands, ring_lends};
+use super::ring::{host_memory_bytes, ring_lands, ring_lends};
 use super::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -95,7 +95,7 @@ async fn lab_nvme_chunks_that_start_partway_into_a_block_are_lent_only_where_any
     // what the NIC moved through the ring did not cross host memory: every byte so far, where
     // the ring lends and lands them all; the chunks it copied did
     let metrics = s.handle.metrics().encode();
-    let host = counter_sum(&metrics, "p2p_rdma_host_memory_bytes_total", "region=\"d\"");
+    let host = host_memory_bytes(&metrics, "d");
     eprintln!("bytes that crossed host memory: {host}");
     if any {
         assert_eq!(host, 0, "{metrics}");
@@ -116,7 +116,7 @@ async fn lab_nvme_chunks_that_start_partway_into_a_block_are_lent_only_where_any
     };
     assert_eq!(rep.zero_copy_bytes, want, "put {off}+{len}: {rep:?}");
     let metrics = s.handle.metrics().encode();
-    let host_after = counter_sum(&metrics, "p2p_rdma_host_memory_bytes_total", "region=\"d\"");
+    let host_after = host_memory_bytes(&metrics, "d");
     assert_eq!(
         host_after - host,
         len - want,

@@ -54,6 +54,16 @@ pub(super) fn counter_sum(metrics: &str, name: &str, label: &str) -> u64 {
         .sum()
 }
 
+/// The bytes of region `region` that crossed host memory
+/// (`p2p_rdma_host_memory_bytes_total`), from the server's metrics text.
+pub(super) fn host_memory_bytes(metrics: &str, region: &str) -> u64 {
+    counter_sum(
+        metrics,
+        "p2p_rdma_host_memory_bytes_total",
+        &format!("region=\"{region}\""),
+    )
+}
+
 /// The server's count of chunks that waited for a ring slot with `outcome` (lent, copied), from
 /// its metrics' text.
 fn ring_waits(metrics: &str, outcome: &str) -> u64 {
@@ -165,10 +175,7 @@ async fn lab_nvme_region_through_a_cmb_proves_each_leg_or_names_the_refusal() {
             "nothing is lent where the NIC cannot read the ring"
         );
     }
-    let host_memory = || {
-        let m = s.handle.metrics().encode();
-        counter_sum(&m, "p2p_rdma_host_memory_bytes_total", "region=\"d\"")
-    };
+    let host_memory = || host_memory_bytes(&s.handle.metrics().encode(), "d");
     let host_before = host_memory();
     let d = data(700_001, 9);
     c.put(&h, 5000, &mut d.as_slice(), None, true, &mut |_| {})

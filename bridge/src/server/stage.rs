@@ -439,17 +439,17 @@ impl ConnState {
         align: u64,
     ) -> Option<Box<StagedChunk>> {
         let started = Instant::now();
-        let f =
-            match self
-                .session
-                .stage_first(handle, span, &info.extents(), align, &shared.regions)?
-            {
-                Ok(f) => f,
-                Err((code, message)) => {
-                    tracing::debug!(%code, message, "no first chunk staged with the open");
-                    return None;
-                }
-            };
+        let extents = info.extents();
+        let staged = self
+            .session
+            .stage_first(handle, span, &extents, align, &shared.regions)?;
+        let f = match staged {
+            Ok(f) => f,
+            Err((code, message)) => {
+                tracing::debug!(%code, message, "no first chunk staged with the open");
+                return None;
+            }
+        };
         if self.ring_busy(shared, f.region, f.offset, f.len).is_some() {
             // no ring slot for it now: the client asks for it, and it waits for one then
             self.session.unstaged(f.slot);
